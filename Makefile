@@ -1,0 +1,31 @@
+# Two commands: `make demo` sets everything up and runs every use case; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow test-gpu ui clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/usecases demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -m gpu
+
+ui: $(STAMP)
+	$(BIN)/usecases ui
+
+clean:
+	rm -rf $(VENV) checkpoints .pytest_cache

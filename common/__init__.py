@@ -1,0 +1,1 @@
+"""Shared core of the use cases: runtime, config, training loop and tracking."""

@@ -1,0 +1,106 @@
+"""Typed configs: a pydantic schema per use case, YAML presets, and `--set a.b=c` overrides.
+
+Every mistake (unknown preset, unknown key, wrong type) becomes one `UserError` line naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from common.errors import UserError
+
+Schema = TypeVar("Schema", bound="ConfigModel")
+
+
+class ConfigModel(BaseModel):
+    """Base for config sections: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RuntimeConfig(ConfigModel):
+    """Reproducibility and precision, shared by every use case's schema as its `runtime` section."""
+
+    seed: int = 0
+    deterministic: bool = True
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; null keeps torch's")
+
+
+def available_presets(presets_dir: Path) -> list[str]:
+    return sorted(path.stem for path in presets_dir.glob("*.yaml"))
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set {item}: expected key=value, for example train.epochs=5")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if not isinstance(value, (list, dict)) and value is not None:
+        value = raw  # scalars stay text so the schema, not YAML, decides their type
+    return key.strip().split("."), value
+
+
+def _set_nested(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"config key '{'.'.join(path)}': '{part}' is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _field_names(schema: type[BaseModel], parent: tuple) -> list[str]:
+    model: Any = schema
+    for part in parent:
+        annotation = model.model_fields[part].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return sorted(model.model_fields)
+
+
+def _explain(error: ValidationError, schema: type[BaseModel]) -> str:
+    first = error.errors()[0]
+    location = tuple(str(part) for part in first["loc"])
+    key = ".".join(location)
+    if first["type"] == "extra_forbidden":
+        known = ", ".join(_field_names(schema, location[:-1]))
+        return f"unknown config key '{key}' (expected one of: {known})"
+    return f"config key '{key}': {first['msg'].lower()} (got {first['input']!r})"
+
+
+def load_config(schema: type[Schema], presets_dir: Path, preset: str, overrides: list[str] = ()) -> Schema:
+    """The preset's YAML, then each override in order, validated against the schema."""
+    path = presets_dir / f"{preset}.yaml"
+    if not path.is_file():
+        raise UserError(f"--preset {preset}: no such preset (available: {', '.join(available_presets(presets_dir))})")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    for item in overrides:
+        key_path, value = _parse_override(item)
+        _set_nested(tree, key_path, value)
+    try:
+        return schema.model_validate(tree)
+    except ValidationError as exc:
+        raise UserError(_explain(exc, schema)) from None
+
+
+def flatten(config: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` as `{"a.b": 1}`, the form MLflow params take."""
+    tree = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

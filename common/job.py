@@ -1,0 +1,20 @@
+"""What the CLI hands a use case: where it runs and what the user asked for beyond the config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.runtime import Runtime
+from common.tracking import Tracker
+
+
+@dataclass
+class Job:
+    usecase: str
+    preset: str
+    runtime: Runtime
+    tracker: Tracker
+    checkpoint_dir: Path
+    resume: bool = False
+    frames: str = "pandas"

@@ -1,0 +1,181 @@
+"""Where and how code runs: device, precision, distributed ranks, array and DataFrame backends, seeds.
+
+Nothing here imports pandas: `use_gpu_frames` must run before the first pandas import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import platform
+import random
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def precision(self) -> str:
+        return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.amp_dtype]
+
+
+def select_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    """`auto` takes CUDA when torch can use it; asking for CUDA without a GPU is a user error."""
+    if requested not in DEVICE_CHOICES:
+        raise UserError(f"--device: expected one of {', '.join(DEVICE_CHOICES)}, got '{requested}'")
+    has_cuda = torch.cuda.is_available()
+    if requested == "cuda" and not has_cuda:
+        raise UserError("--device cuda: no CUDA GPU is visible to torch on this machine (use --device cpu or auto)")
+    if requested == "cpu" or not has_cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def select_amp_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
+    """Mixed precision on GPU by default (bf16 where the GPU has it); on CPU only when asked, as bf16."""
+    if precision not in PRECISION_CHOICES:
+        raise UserError(f"precision: expected one of {', '.join(PRECISION_CHOICES)}, got '{precision}'")
+    if precision == "fp32" or (precision == "auto" and device.type == "cpu"):
+        return None
+    if device.type == "cpu":
+        if precision == "fp16":
+            raise UserError("precision fp16: only on CUDA; on CPU use bf16 or fp32")
+        return torch.bfloat16
+    if precision == "fp16" or (precision == "auto" and not torch.cuda.is_bf16_supported()):
+        return torch.float16
+    return torch.bfloat16
+
+
+def distributed_env() -> tuple[int, int, int]:
+    """Rank, local rank and world size as torchrun sets them (a single process otherwise)."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def make_runtime(device: str = "auto", precision: str = "auto", cpu_threads: int | None = None) -> Runtime:
+    """Resolve the device and precision, and join the process group when started by torchrun.
+
+    `cpu_threads=1` suits small models, whose steps are shorter than the cost of waking a second thread.
+    """
+    rank, local_rank, world_size = distributed_env()
+    chosen = select_device(device, local_rank)
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
+    if world_size > 1 and not dist.is_initialized():
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
+        dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo")
+    return Runtime(chosen, select_amp_dtype(chosen, precision), rank, local_rank, world_size)
+
+
+def shutdown(runtime: Runtime) -> None:
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def array_module() -> ModuleType:
+    """CuPy when it can really reach a GPU, else NumPy: a successful import alone proves nothing."""
+    try:
+        import cupy
+    except ImportError:
+        return np
+    try:
+        return cupy if cupy.is_available() else np
+    except Exception:  # a broken CUDA install raises from inside cupy
+        return np
+
+
+def use_gpu_frames(frames: str = "auto") -> str:
+    """Route the pandas API to cuDF when a GPU and cuDF are present; returns the backend in use.
+
+    Must run before pandas is first imported, which is why the CLI calls it first.
+    """
+    if frames not in ("auto", "pandas"):
+        raise UserError(f"--frames: expected auto or pandas, got '{frames}'")
+    if frames == "pandas" or not torch.cuda.is_available():
+        return "pandas"
+    if importlib.util.find_spec("cudf") is None:
+        return "pandas"
+    if "pandas" in sys.modules:
+        log.warning("pandas was imported before cudf.pandas could be installed; DataFrames stay on the CPU")
+        return "pandas"
+    import cudf.pandas
+
+    cudf.pandas.install()
+    return "cudf.pandas"
+
+
+def seed_everything(seed: int, deterministic: bool = True) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_info() -> dict[str, str]:
+    """What the run ran on, as MLflow tags: enough to compare runs across instance types."""
+    import psutil
+
+    info = {
+        "cpu_model": _cpu_model(),
+        "cpu_cores": str(os.cpu_count()),
+        "ram_gb": f"{psutil.virtual_memory().total / 2**30:.1f}",
+        "gpu_count": "0",
+        "gpu_name": "none",
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda or "none",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu_count=str(torch.cuda.device_count()),
+            gpu_name=props.name,
+            gpu_memory_gb=f"{props.total_memory / 2**30:.1f}",
+        )
+    return info

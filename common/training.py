@@ -1,0 +1,283 @@
+"""The training loop every torch model goes through.
+
+Mixed precision, gradient clipping, early stopping on a named validation metric with the best weights kept,
+atomic checkpoints and resume, throughput and data-wait share, and DDP when started by torchrun.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from tqdm.auto import tqdm
+
+from common.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "last.pt"
+
+
+class TensorBatches:
+    """Mini-batches sliced from tensors already in memory (on the GPU when there is one).
+
+    Per-item indexing through a DataLoader costs more than the model itself for small tabular or image
+    data that fits in memory; this shuffles indices once per epoch and slices, sharded by rank under DDP.
+    """
+
+    def __init__(self, *tensors: torch.Tensor, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        self.tensors = tensors
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _indices(self) -> torch.Tensor:
+        n = len(self.tensors[0])
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=generator)
+        else:
+            order = torch.arange(n)
+        per_rank = math.ceil(n / self.world_size)
+        order = torch.cat([order, order[: per_rank * self.world_size - n]])  # pad as DistributedSampler does
+        return order[self.rank :: self.world_size].to(self.tensors[0].device)
+
+    def __len__(self) -> int:
+        return math.ceil(math.ceil(len(self.tensors[0]) / self.world_size) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        indices = self._indices()
+        for start in range(0, len(indices), self.batch_size):
+            batch = indices[start : start + self.batch_size]
+            yield tuple(tensor[batch] for tensor in self.tensors)
+
+
+def make_loader(dataset: Dataset, batch_size: int, runtime: Runtime, *, shuffle: bool = True,
+                num_workers: int = 0, seed: int = 0) -> DataLoader:
+    """A DataLoader for data that does not fit in memory: workers, pinned memory, and a DistributedSampler."""
+    sampler = None
+    if runtime.distributed:
+        sampler = DistributedSampler(dataset, runtime.world_size, runtime.rank, shuffle=shuffle, seed=seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle and sampler is None,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=runtime.device.type == "cuda",
+        persistent_workers=num_workers > 0,
+    )
+
+
+def all_reduce_mean(values: dict[str, float], runtime: Runtime) -> dict[str, float]:
+    if not runtime.distributed or not values:
+        return values
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[key]) for key in keys], dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(tensor)
+    return dict(zip(keys, (tensor / runtime.world_size).tolist()))
+
+
+def save_atomic(state: dict, path: Path) -> None:
+    """Write beside the target, then rename: a kill mid-write never leaves a truncated checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+@dataclass
+class TrainSettings:
+    max_epochs: int
+    monitor: str
+    mode: str = "min"
+    patience: int = 10
+    grad_clip: float | None = None
+    checkpoint_every: int = 1
+
+
+@dataclass
+class FitResult:
+    best_metric: float
+    best_epoch: int
+    epochs_run: int
+    resumed_from: int | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[..., torch.Tensor],
+        runtime: Runtime,
+        settings: TrainSettings,
+        *,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        checkpoint_dir: Path | None = None,
+        log_metrics: Callable[[dict[str, float], int], None] | None = None,
+        step_offset: int = 0,
+        name: str = "train",
+    ):
+        if settings.mode not in ("min", "max"):
+            raise ValueError(f"mode must be min or max, got {settings.mode}")
+        self.runtime = runtime
+        self.model = model.to(runtime.device)
+        self.module = self.model
+        if runtime.distributed:
+            device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids)
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.settings = settings
+        self.scheduler = scheduler
+        self.checkpoint_path = checkpoint_dir / CHECKPOINT_NAME if checkpoint_dir else None
+        self.log_metrics = log_metrics or (lambda metrics, step: None)
+        self.step_offset = step_offset
+        self.name = name
+        fp16 = runtime.amp_dtype == torch.float16
+        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=fp16)
+
+    def _improved(self, value: float, best: float) -> bool:
+        if math.isnan(value):
+            return False
+        return value < best if self.settings.mode == "min" else value > best
+
+    def _state(self, epoch: int, best: float, best_epoch: int, best_state: dict, bad_epochs: int,
+               history: list, finished: bool) -> dict:
+        return {
+            "epoch": epoch,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": self.scaler.state_dict(),
+            "best_metric": best,
+            "best_epoch": best_epoch,
+            "best_state": best_state,
+            "bad_epochs": bad_epochs,
+            "history": history,
+            "finished": finished,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def _save(self, state: dict) -> None:
+        if self.checkpoint_path is not None and self.runtime.is_main:
+            save_atomic(state, self.checkpoint_path)
+
+    def _train_epoch(self, batches: Iterable) -> dict[str, float]:
+        self.model.train()
+        device = self.runtime.device
+        total_loss, samples, wait = 0.0, 0, 0.0
+        started = time.perf_counter()
+        iterator = iter(batches)
+        while True:
+            fetch = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            wait += time.perf_counter() - fetch
+            *inputs, target = (tensor.to(device, non_blocking=True) for tensor in batch)
+            with torch.autocast(device.type, dtype=self.runtime.amp_dtype, enabled=self.runtime.amp_dtype is not None):
+                output = self.model(*inputs)
+            loss = self.loss_fn(output.float(), target)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(loss).backward()
+            if self.settings.grad_clip:
+                self.scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            total_loss += loss.detach().item() * len(target)
+            samples += len(target)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - started
+        return {
+            "train/loss": total_loss / max(samples, 1),
+            "throughput/samples_per_s": samples * self.runtime.world_size / max(elapsed, 1e-9),
+            "time/data_wait_share": wait / max(elapsed, 1e-9),
+        }
+
+    def fit(self, batches: Iterable, validate: Callable[[nn.Module], dict[str, float]],
+            resume: bool = False) -> FitResult:
+        """Train until `max_epochs` or `patience` epochs without improvement; the best weights end in the model.
+
+        `validate(model)` returns metrics named as logged (for example `val/qlike`), one of them `monitor`.
+        """
+        settings = self.settings
+        best = math.inf if settings.mode == "min" else -math.inf
+        best_epoch, bad_epochs, start_epoch, history = -1, 0, 0, []
+        best_state = copy.deepcopy(self.module.state_dict())
+        resumed_from = None
+        if resume and self.checkpoint_path is not None and self.checkpoint_path.is_file():
+            state = torch.load(self.checkpoint_path, map_location=self.runtime.device, weights_only=False)
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler and state["scheduler"]:
+                self.scheduler.load_state_dict(state["scheduler"])
+            self.scaler.load_state_dict(state["scaler"])
+            torch.set_rng_state(state["torch_rng"])
+            best, best_epoch, best_state = state["best_metric"], state["best_epoch"], state["best_state"]
+            bad_epochs, history = state["bad_epochs"], state["history"]
+            start_epoch = resumed_from = state["epoch"] + 1
+            if state["finished"]:
+                self.module.load_state_dict(best_state)
+                return FitResult(best, best_epoch, state["epoch"] + 1, resumed_from, history)
+            log.info("%s: resumed from the checkpoint after epoch %d", self.name, state["epoch"] + 1)
+
+        epoch = start_epoch - 1
+        progress = tqdm(range(start_epoch, settings.max_epochs), desc=self.name, leave=False,
+                        disable=not sys.stderr.isatty() or not self.runtime.is_main)
+        for epoch in progress:
+            if hasattr(batches, "set_epoch"):
+                batches.set_epoch(epoch)
+            elif isinstance(getattr(batches, "sampler", None), DistributedSampler):
+                batches.sampler.set_epoch(epoch)
+            metrics = self._train_epoch(batches)
+            self.model.eval()
+            with torch.no_grad(), torch.autocast(self.runtime.device.type, dtype=self.runtime.amp_dtype,
+                                                 enabled=self.runtime.amp_dtype is not None):
+                metrics.update(validate(self.module))
+            if self.scheduler is not None:
+                self.scheduler.step()
+            metrics = all_reduce_mean(metrics, self.runtime)
+            if settings.monitor not in metrics:
+                raise KeyError(f"validate() returned no '{settings.monitor}' (got {sorted(metrics)})")
+            value = metrics[settings.monitor]
+            if self._improved(value, best):
+                best, best_epoch, bad_epochs = value, epoch, 0
+                best_state = copy.deepcopy(self.module.state_dict())
+            else:
+                bad_epochs += 1
+            history.append({"epoch": epoch, **metrics})
+            self.log_metrics(metrics, self.step_offset + epoch)
+            progress.set_postfix({settings.monitor: f"{value:.4f}", "best": f"{best:.4f}"})
+            stop = bad_epochs >= settings.patience
+            if (epoch + 1) % settings.checkpoint_every == 0 and not stop:
+                self._save(self._state(epoch, best, best_epoch, best_state, bad_epochs, history, False))
+            if stop:
+                break
+        self.module.load_state_dict(best_state)
+        self._save(self._state(epoch, best, best_epoch, best_state, bad_epochs, history, True))
+        return FitResult(best, best_epoch, epoch + 1, resumed_from, history)

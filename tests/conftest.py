@@ -1,0 +1,30 @@
+"""Shared test setup: GPU tests skip without a GPU; every test tracks into its own temporary store."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def isolated_store(tmp_path, monkeypatch):
+    """Keep the project's own mlflow/ store and checkpoints/ untouched by tests."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("USECASES_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    yield
+    import mlflow
+
+    while mlflow.active_run() is not None:
+        mlflow.end_run()

@@ -1,0 +1,91 @@
+"""Each baseline against the library or formula it stands for, and against the published reference numbers."""
+
+import numpy as np
+import pandas as pd
+import pytest
+from arch import arch_model
+from scipy.stats import norm
+
+from usecases.finance.baselines import BASELINES, ewma, garch, har
+from usecases.finance.config import Baselines, Config
+from usecases.finance.data import load_arch
+from usecases.finance.evaluate import evaluate
+from usecases.finance.features import add_features
+from usecases.finance.pipeline import baseline_forecasts, evaluation_window
+
+
+@pytest.fixture(scope="module")
+def series(panel):
+    return add_features(panel[panel["ticker"] == "SYN000"]).reset_index(drop=True)
+
+
+BLOCKS = [(700, 720), (721, 741)]
+
+
+@pytest.mark.parametrize("asymmetric,dist", [(False, "normal"), (True, "t")])
+def test_garch_equals_arch_refit_on_the_data_up_to_each_block_start(series, asymmetric, dist):
+    ours = garch(series, BLOCKS, asymmetric=asymmetric, dist=dist)
+    for first, _ in BLOCKS:
+        direct = arch_model(series["ret"].iloc[: first + 1].reset_index(drop=True), mean="Constant", vol="GARCH",
+                            p=1, o=int(asymmetric), q=1, dist=dist, rescale=False).fit(disp="off")
+        expected = direct.forecast(horizon=1, reindex=False).variance.iloc[-1, 0]
+        assert ours.loc[series.index[first], "variance"] == pytest.approx(expected, rel=2e-3)
+        assert ours.loc[series.index[first], "mu"] == pytest.approx(direct.params["mu"], rel=2e-2, abs=2e-3)
+
+
+def test_gjr_t_quantiles_are_the_fitted_standardised_t(series):
+    ours = garch(series, BLOCKS, asymmetric=True, dist="t")
+    assert (ours["q01"] < norm.ppf(0.01)).all()
+    assert (ours["q05"] > norm.ppf(0.05) - 0.2).all()
+
+
+def test_ewma_is_the_riskmetrics_recursion(series):
+    ours = ewma(series, BLOCKS, lam=0.94)
+    variance = series["sq_ret"].iloc[0]
+    expected = []
+    for value in series["sq_ret"]:
+        variance = 0.94 * variance + 0.06 * value
+        expected.append(variance)
+    positions = np.r_[700:742]
+    np.testing.assert_allclose(ours["variance"], np.array(expected)[positions])
+    assert (ours["mu"] == 0).all()
+
+
+def test_har_is_ols_on_pairs_known_at_the_origin(series):
+    ours = har(series, BLOCKS)
+    first = BLOCKS[1][0]
+    rows = series.iloc[:first].dropna(subset=["rv_m", "target"])
+    design = np.column_stack([np.ones(len(rows)), rows[["rv_d", "rv_w", "rv_m"]]])
+    coefficients = np.linalg.lstsq(design, rows["target"], rcond=None)[0]
+    expected = np.r_[1.0, series.loc[first, ["rv_d", "rv_w", "rv_m"]].to_numpy(float)] @ coefficients
+    assert ours.loc[first, "variance"] == pytest.approx(expected, rel=1e-8)
+
+
+def test_every_baseline_gives_one_positive_forecast_per_test_origin(series):
+    for name, forecast in BASELINES.items():
+        result = forecast(series, BLOCKS, Baselines())
+        assert list(result.index) == list(range(700, 742)), name
+        assert (result["variance"] > 0).all(), name
+
+
+REFERENCE = {  # ../shared/README.md: S&P 500 from arch, test 2011-01-03 .. 2018-12-31, refit every 21 days
+    "ewma": (0.524, 1.731), "garch": (0.566, 1.679), "gjr_garch_t": (0.523, 1.633), "har": (0.425, 1.654),
+}
+
+
+def test_baselines_reproduce_the_published_sp500_numbers():
+    config = Config()
+    frame = add_features(load_arch(["sp500"]).frame)
+    mask = evaluation_window(frame, config)
+    forecasts = baseline_forecasts(frame, mask, config).join(
+        frame[["ticker", "target_date", "target", "target_ret"]].rename(
+            columns={"target_date": "date", "target": "parkinson", "target_ret": "ret"}))
+    results = evaluate(forecasts)
+    for model, (qlike_parkinson, qlike_sq) in REFERENCE.items():
+        assert results[model]["qlike_parkinson"] == pytest.approx(qlike_parkinson, abs=0.03), model
+        assert results[model]["qlike_sq"] == pytest.approx(qlike_sq, abs=0.03), model
+    assert results["garch"]["test_days"] == 2012
+    assert abs(results["garch"]["var1_breaches"] - 39) <= 2
+    assert abs(results["gjr_garch_t"]["var1_breaches"] - 31) <= 2
+    assert results["garch"]["dm_t_vs_har"] == pytest.approx(12.8, abs=0.5)
+    assert results["gjr_garch_t"]["dm_t_vs_har"] == pytest.approx(8.8, abs=0.5)

@@ -1,0 +1,130 @@
+"""Loading the three data sources; every bad file fails with one line naming the file, column and row."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from common.errors import UserError
+from usecases.finance.config import Data, Synthetic
+from usecases.finance.data import load_arch, load_file, load_panel, synthetic_panel
+from usecases.finance.features import add_features
+
+GOOD = """date,ticker,open,high,low,close,volume
+2020-01-02,AAA,10,11,9,10.5,100
+2020-01-03,AAA,10.5,11.5,10,11,100
+2020-01-06,AAA,11,12,10.5,11.5,100
+2020-01-02,BBB,20,21,19,20.5,100
+2020-01-03,BBB,20.5,21.5,20,21,100
+"""
+
+
+def write(tmp_path, text, name="prices.csv"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_for(tmp_path, text, config=None):
+    with pytest.raises(UserError) as caught:
+        load_file(write(tmp_path, text), config or Data())
+    message = str(caught.value)
+    assert "\n" not in message and "prices.csv" in message
+    return message
+
+
+def test_a_good_file_loads_sorted_with_its_checksum(tmp_path):
+    panel = load_file(write(tmp_path, GOOD), Data())
+    assert panel.tickers == ["AAA", "BBB"]
+    assert len(panel.frame) == 5 and panel.source == "file:prices.csv" and len(panel.sha256) == 64
+
+
+def test_parquet_and_renamed_columns(tmp_path):
+    frame = pd.read_csv(pd.io.common.StringIO(GOOD)).rename(columns={"high": "High", "date": "Day"})
+    path = tmp_path / "prices.parquet"
+    frame.to_parquet(path)
+    config = Data.model_validate({"columns": {"high": "High", "date": "Day"}})
+    assert len(load_file(path, config).frame) == 5
+
+
+def test_missing_ticker_column_uses_the_file_name(tmp_path):
+    text = "\n".join(line.split(",", 2)[0] + "," + line.split(",", 2)[2] for line in GOOD.splitlines()[:4])
+    panel = load_file(write(tmp_path, text), Data())
+    assert panel.tickers == ["prices"]
+
+
+def test_missing_high_column(tmp_path):
+    text = GOOD.replace("high", "hi")
+    assert "missing column 'high'" in error_for(tmp_path, text)
+
+
+def test_non_numeric_value_names_column_and_row(tmp_path):
+    message = error_for(tmp_path, GOOD.replace("10.5,11.5,10,11", "10.5,11.5,ten,11"))
+    assert "column 'low', row 2" in message and "'ten'" in message
+
+
+def test_unparsable_date(tmp_path):
+    assert "column 'date', row 3" in error_for(tmp_path, GOOD.replace("2020-01-06", "someday"))
+
+
+def test_duplicated_date(tmp_path):
+    message = error_for(tmp_path, GOOD.replace("2020-01-06", "2020-01-03"))
+    assert "row 3" in message and "appears twice" in message and "AAA" in message
+
+
+def test_unsorted_dates(tmp_path):
+    message = error_for(tmp_path, GOOD.replace("2020-01-03,AAA", "2020-01-07,AAA"))
+    assert "row 3" in message and "not sorted" in message
+
+
+def test_non_positive_price(tmp_path):
+    assert "column 'close', row 1: prices must be positive" in error_for(tmp_path, GOOD.replace("10.5,100", "0,100", 1))
+
+
+def test_high_below_low(tmp_path):
+    assert "row 1: high 8.0 is below low 9.0" in error_for(tmp_path, GOOD.replace(",11,9,", ",8,9,", 1))
+
+
+def test_short_gaps_are_filled_and_counted(tmp_path, caplog):
+    caplog.set_level("INFO")
+    panel = load_file(write(tmp_path, GOOD.replace("10.5,11.5,10,11,", "10.5,,,,")), Data())
+    row = panel.frame.iloc[1]
+    assert (row["high"], row["low"], row["close"]) == (11, 9, 10.5)
+    assert "forward-filled 1 rows" in caplog.text
+
+
+def test_long_gaps_and_leading_gaps_are_errors(tmp_path):
+    message = error_for(tmp_path, GOOD.replace("10.5,11.5,10,11,", "10.5,,,,"), Data(max_fill_gap=0))
+    assert "row 2" in message and "max_fill_gap" in message
+    assert "row 1" in error_for(tmp_path, GOOD.replace("10,11,9,10.5,", "10,,,,"))
+
+
+def test_unknown_format(tmp_path):
+    with pytest.raises(UserError, match="expected a .csv or .parquet"):
+        load_file(write(tmp_path, GOOD, "prices.xlsx"), Data())
+
+
+def test_file_source_without_a_path():
+    with pytest.raises(UserError, match="needs --data"):
+        load_panel(Data(source="file"))
+
+
+def test_arch_data_is_the_real_sp500_and_nasdaq():
+    panel = load_arch(["sp500", "nasdaq"])
+    frame = panel.frame
+    assert panel.tickers == ["sp500", "nasdaq"]
+    assert frame["date"].min() == pd.Timestamp("1999-01-04") and frame["date"].max() == pd.Timestamp("2018-12-31")
+    assert (frame["high"] >= frame["low"]).all()
+
+
+def test_synthetic_panel_is_seeded_consistent_and_carries_its_variance():
+    config = Synthetic(tickers=3, days=2000, seed=5)
+    first, second = synthetic_panel(config), synthetic_panel(config)
+    assert first.sha256 == second.sha256
+    frame = first.frame
+    assert len(frame) == 6000
+    assert ((frame["high"] >= frame[["open", "close"]].max(axis=1) - 1e-9)
+            & (frame["low"] <= frame[["open", "close"]].min(axis=1) + 1e-9)).all()
+    features = add_features(frame).dropna(subset=["rv_m", "target"])
+    correlation = np.corrcoef(np.log(features["rv_m"]), np.log(features["target"]))[0, 1]
+    assert correlation > 0.3, "the Parkinson variance must be predictable from its own past"
+    assert synthetic_panel(Synthetic(tickers=3, days=2000, seed=6)).sha256 != first.sha256

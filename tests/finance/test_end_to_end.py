@@ -1,0 +1,144 @@
+"""`usecases run finance` as a user runs it: the MLflow run, summary.json, the served model, bad files, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+
+from tests.cli_helpers import private_env, runs, usecases
+
+MODELS = {"ewma", "garch", "gjr_garch_t", "har", "neural"}
+METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p"}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One smoke run shared by the checks below (it takes about 15 s on 2 cores)."""
+    folder = tmp_path_factory.mktemp("smoke")
+    env = private_env(folder)
+    summary_path = folder / "s.json"
+    result = usecases("run", "finance", "--preset", "smoke", "--summary", str(summary_path), env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    summary = json.loads(summary_path.read_text())
+    return result, summary, mlflow.MlflowClient().get_run(summary["run_id"]), env["MLFLOW_TRACKING_URI"]
+
+
+def test_summary_holds_every_model_per_series_and_averaged(smoke_run):
+    result, summary, _, _ = smoke_run
+    assert summary["usecase"] == "finance" and summary["preset"] == "smoke" and summary["device"] == "cpu"
+    assert set(summary["models"]) == MODELS
+    tickers = ["SYN000", "SYN001", "SYN002"]
+    for model, metrics in summary["models"].items():
+        for metric in METRICS:
+            values = [metrics[f"{metric}/{ticker}"] for ticker in tickers]
+            assert metrics[metric] == pytest.approx(np.mean(values)), (model, metric)
+    assert "qlike_parkinson" in result.stdout and "neural" in result.stdout
+
+
+def test_the_run_is_finished_with_tags_params_metrics_and_artifacts(smoke_run):
+    _, summary, run, uri = smoke_run
+    mlflow.set_tracking_uri(uri)
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    for key in ("usecase", "preset", "device", "gpu_name", "world_size", "dataframe_backend", "data_source",
+                "data_sha256", "git_commit", "cpu_model"):
+        assert key in tags, key
+    assert tags["data_source"].startswith("synthetic:") and len(tags["data_sha256"]) == 64
+    assert run.data.params["train.epochs"] == "15"
+    metrics = run.data.metrics
+    assert metrics["test/neural/qlike_parkinson"] == summary["models"]["neural"]["qlike_parkinson"]
+    for key in ("val/qlike", "train/loss", "throughput/samples_per_s", "time/data_wait_share"):
+        assert key in metrics, key
+    assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, "val/qlike")) > 3
+    artifacts = mlflow.artifacts.download_artifacts(run_id=run.info.run_id)
+    names = {str(path.relative_to(artifacts)) for path in Path(artifacts).rglob("*") if path.is_file()}
+    assert {"summary.json", "config.json", "forecasts.csv", "plots/forecast_SYN000.png",
+            "plots/var_SYN000.png"} <= names
+    assert json.loads((Path(artifacts) / "summary.json").read_text()) == summary
+    (model,) = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list")
+    assert model.name == "model" and model.source_run_id == run.info.run_id
+
+
+def test_the_logged_model_loads_and_forecasts(smoke_run):
+    _, summary, run, uri = smoke_run
+    mlflow.set_tracking_uri(uri)
+    model_uri = f"runs:/{run.info.run_id}/model"
+    model = mlflow.pyfunc.load_model(model_uri)
+    signature = model.metadata.get_input_schema()
+    assert signature.input_names() == ["date", "ticker", "high", "low", "close"]
+    example = mlflow.models.Model.load(model_uri).load_input_example(
+        mlflow.artifacts.download_artifacts(f"{model_uri}"))
+    forecast = model.predict(example)
+    assert list(forecast["ticker"]) == ["SYN000", "SYN001", "SYN002"]
+    assert (forecast["variance"] > 0).all()
+    assert (forecast["var_1pct"] < forecast["var_5pct"]).all() and (forecast["var_5pct"] < 0).all()
+    with pytest.raises(mlflow.exceptions.MlflowException, match=r"missing inputs \['high'\]"):
+        model.predict(example.drop(columns=["high"]))
+    with pytest.raises(mlflow.exceptions.MlflowException, match="at least 67"):
+        model.predict(example.tail(10))
+
+
+def test_a_csv_without_high_is_one_line_and_exit_2(tmp_path):
+    csv = tmp_path / "prices.csv"
+    pd.DataFrame({"date": ["2020-01-02"], "ticker": ["A"], "low": [1.0], "close": [1.0]}).to_csv(csv, index=False)
+    result = usecases("run", "finance", "--data", str(csv))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "prices.csv" in result.stderr and "'high'" in result.stderr
+    assert all(run.info.status != "RUNNING" for run in runs())
+
+
+def test_a_user_csv_runs_end_to_end(tmp_path):
+    from usecases.finance.config import Synthetic
+    from usecases.finance.data import synthetic_panel
+
+    frame = synthetic_panel(Synthetic(tickers=1, days=700, seed=1)).frame.rename(columns=str.upper)
+    csv = tmp_path / "mine.csv"
+    frame.to_csv(csv, index=False)
+    columns = [f"--set=data.columns.{key}={key.upper()}" for key in ("date", "ticker", "open", "high", "low",
+                                                                      "close", "volume")]
+    result = usecases("run", "finance", "--preset", "smoke", "--data", str(csv), *columns,
+                      "--set", "baselines.models=[har]", "--set", "train.epochs=3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run,) = runs()
+    assert run.data.tags["data_source"] == "file:mine.csv"
+    assert "test/neural/qlike_parkinson/SYN000" in run.data.metrics
+
+
+def test_sigterm_then_resume_continues_from_the_checkpoint(tmp_path):
+    args = [sys.executable, "-m", "usecases", "run", "finance", "--preset", "smoke",
+            "--set", "train.epochs=60", "--set", "train.patience=60", "--set", "train.refit_every=200"]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoint = Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke" / "neural" / "refit000" / \
+        "member0" / "last.pt"
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 143, stderr[-2000:]
+    (killed,) = runs()
+    assert killed.info.status == "KILLED"
+
+    second = usecases("run", "finance", "--preset", "smoke", "--set", "train.epochs=60",
+                      "--set", "train.patience=60", "--set", "train.refit_every=200", "--resume")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from the checkpoint after epoch" in second.stderr
+    epoch = int(second.stderr.split("resumed from the checkpoint after epoch")[1].split()[0])
+    assert 0 < epoch < 60
+    (finished,) = runs()
+    assert finished.info.run_id == killed.info.run_id and finished.info.status == "FINISHED"
+    assert finished.data.tags["resumed"] == "true"
+    history = mlflow.MlflowClient().get_metric_history(finished.info.run_id, "val/qlike")
+    steps = sorted(metric.step for metric in history)
+    assert steps[:60] == list(range(60)), "one epoch logged per step, none repeated after the resume"

@@ -1,0 +1,32 @@
+"""Checks that need a CUDA GPU; skipped elsewhere (see tests/conftest.py). Run with `make test-gpu`."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from common.runtime import array_module, make_runtime, select_amp_dtype
+from tests.cli_helpers import usecases
+
+pytestmark = pytest.mark.gpu
+
+
+def test_auto_picks_cuda_with_mixed_precision():
+    runtime = make_runtime("auto")
+    assert runtime.device.type == "cuda"
+    assert runtime.amp_dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+    assert select_amp_dtype(torch.device("cuda"), "fp32") is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="the cuda13/cuda12 extra is not installed")
+def test_array_module_is_cupy():
+    assert array_module().__name__ == "cupy"
+
+
+def test_finance_smoke_on_the_gpu(tmp_path):
+    result = usecases("run", "finance", "--preset", "smoke", "--device", "cuda", "--summary", str(tmp_path / "s.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["device"] == "cuda"
+    assert summary["models"]["neural"]["qlike_parkinson"] > 0

@@ -1,0 +1,20 @@
+"""The use cases, imported by name only when run so the CLI can set up cuDF before pandas loads.
+
+Each use case package provides `DESCRIPTION`, `PRESETS_DIR`, `Config`, `load_data(config, path)` and
+`run(config, data, job)`; adding one means adding its folder and a line here.
+"""
+
+import importlib
+from types import ModuleType
+
+from common.errors import UserError
+
+USECASES = {
+    "finance": "usecases.finance",
+}
+
+
+def load_usecase(name: str) -> ModuleType:
+    if name not in USECASES:
+        raise UserError(f"unknown use case '{name}' (available: {', '.join(USECASES)})")
+    return importlib.import_module(USECASES[name])

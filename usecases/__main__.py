@@ -1,0 +1,5 @@
+import sys
+
+from usecases.cli import main
+
+sys.exit(main())

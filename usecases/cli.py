@@ -1,0 +1,184 @@
+"""`usecases`: list, run, demo and ui. Exit 0 on success, 2 on a user error, 1 on an internal failure.
+
+Only the standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from common.errors import DataUnavailable, Terminated, UserError, raise_on_sigterm
+
+EXIT_OK, EXIT_FAILURE, EXIT_USER_ERROR = 0, 1, 2
+log = logging.getLogger("usecases")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="usecases", description="GPU machine-learning pipelines, tracked in MLflow.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    commands.add_parser("list", help="list the use cases and their presets", description="List the use cases.")
+
+    run = commands.add_parser("run", help="run one use case", description="Run one use case end to end.")
+    run.add_argument("name", help="use case (see `usecases list`)")
+    _add_run_options(run)
+    run.add_argument("--preset", default="default", help="config preset: smoke, default or full (default: default)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set train.epochs=5 (repeatable)")
+    run.add_argument("--data", type=Path, help="a data file or folder of your own instead of the preset's data")
+    run.add_argument("--summary", type=Path, metavar="FILE", help="also write summary.json here")
+    run.add_argument("--resume", action="store_true", help="continue the last interrupted run of this preset")
+
+    demo = commands.add_parser("demo", help="run every use case on its default data",
+                               description="Run every use case with its default preset; a data set that cannot "
+                                           "be had is replaced by the use case's synthetic data.")
+    _add_run_options(demo)
+
+    ui = commands.add_parser("ui", help="open the MLflow UI on the local store",
+                             description="Start the MLflow UI on the tracking store, on 127.0.0.1 only.")
+    ui.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (default: 5000)")
+    return parser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where torch runs: auto picks CUDA when there is a GPU")
+    parser.add_argument("--frames", default="auto", choices=["auto", "pandas"],
+                        help="DataFrame backend: auto uses cuDF through cudf.pandas on a GPU; pandas forces the CPU")
+
+
+def _list() -> int:
+    from common.config import available_presets
+    from usecases import USECASES, load_usecase
+
+    for name in USECASES:
+        module = load_usecase(name)
+        print(f"{name:10} {module.DESCRIPTION}  [presets: {', '.join(available_presets(module.PRESETS_DIR))}]")
+    return EXIT_OK
+
+
+def _checkpoint_root(usecase: str, preset: str) -> Path:
+    from common.tracking import project_root
+
+    base = Path(os.environ.get("USECASES_CHECKPOINT_DIR", project_root() / "checkpoints"))
+    return base / usecase / preset
+
+
+def _resume_run_id(state_file: Path, params: dict, preset: str) -> str:
+    if not state_file.is_file():
+        raise UserError(f"--resume: no interrupted run of preset '{preset}' to resume ({state_file} is missing)")
+    state = json.loads(state_file.read_text())
+    for key in sorted(set(params) | set(state["params"])):
+        if params.get(key) != state["params"].get(key):
+            raise UserError(f"--resume: config key '{key}' is {params.get(key)!r} now but was "
+                            f"{state['params'].get(key)!r} in the interrupted run")
+    return state["run_id"]
+
+
+def run_usecase(name: str, preset: str, overrides: list[str], device: str, frames: str,
+                data: Path | None = None, summary: Path | None = None, resume: bool = False) -> dict:
+    from common.runtime import use_gpu_frames
+
+    backend = use_gpu_frames(frames)
+
+    from common.config import flatten, load_config
+    from common.job import Job
+    from common.runtime import hardware_info, make_runtime, seed_everything, shutdown
+    from common.tracking import Tracker, tracked_run, write_json_atomic, write_summary
+    from usecases import load_usecase
+
+    module = load_usecase(name)
+    config = load_config(module.Config, module.PRESETS_DIR, preset, overrides)
+    if data is not None and not data.exists():
+        raise UserError(f"--data {data}: no such file or folder")
+    runtime = make_runtime(device, config.runtime.precision, config.runtime.cpu_threads)
+    try:
+        seed_everything(config.runtime.seed, config.runtime.deterministic)
+        loaded, data_tags = module.load_data(config, data)
+        checkpoint_dir = _checkpoint_root(name, preset)
+        state_file = checkpoint_dir / "run.json"
+        params = flatten(config)
+        run_id = _resume_run_id(state_file, params, preset) if resume else None
+        if not resume and runtime.is_main and checkpoint_dir.exists():
+            shutil.rmtree(checkpoint_dir)
+        if runtime.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
+                "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags}
+        with tracked_run(name, config, tags, is_main=runtime.is_main, run_id=run_id,
+                         run_name=f"{name}-{preset}") as tracker:
+            if runtime.is_main:
+                write_json_atomic({"run_id": tracker.run_id, "params": params}, state_file)
+            job = Job(name, preset, runtime, tracker, checkpoint_dir, resume, backend)
+            models = module.run(config, loaded, job)
+            if not runtime.is_main:
+                return {}
+            result = write_summary(tracker, name, preset, runtime.device.type, models, summary)
+        state_file.unlink(missing_ok=True)
+        return result
+    finally:
+        shutdown(runtime)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from usecases import USECASES
+
+    for name in USECASES:
+        print(f"== {name}", flush=True)
+        try:
+            run_usecase(name, "default", [], args.device, args.frames)
+        except DataUnavailable as exc:
+            print(f"{name}: {exc}; running on synthetic data instead", flush=True)
+            run_usecase(name, "default", ["data.source=synthetic"], args.device, args.frames)
+    print("All runs are in the local MLflow store. Open it with: usecases ui  (then http://127.0.0.1:5000)")
+    return EXIT_OK
+
+
+def _ui(port: int) -> int:
+    from common.tracking import tracking_uri
+
+    uri = tracking_uri()
+    print(f"MLflow UI on http://127.0.0.1:{port} (store: {uri}); Ctrl-C to stop", flush=True)
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+               "--port", str(port)]
+    return subprocess.call(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("usecases", "common"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    args = _parser().parse_args(argv)
+    raise_on_sigterm()
+    try:
+        if args.command == "list":
+            return _list()
+        if args.command == "ui":
+            return _ui(args.port)
+        if args.command == "demo":
+            return _demo(args)
+        run_usecase(args.name, args.preset, args.overrides, args.device, args.frames, args.data, args.summary,
+                    args.resume)
+        return EXIT_OK
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted; continue with --resume", file=sys.stderr)
+        return 130
+    except Terminated:
+        print("terminated; continue with --resume", file=sys.stderr)
+        return 143
+    except Exception:
+        traceback.print_exc()
+        return EXIT_FAILURE

@@ -1,0 +1,23 @@
+"""Market volatility and risk: 1-day-ahead variance and Value-at-Risk, walk-forward, against GARCH and HAR."""
+
+from pathlib import Path
+
+from usecases.finance.config import Config
+
+DESCRIPTION = "volatility and VaR forecasting (S&P 500, NASDAQ or your OHLC file) vs EWMA, GARCH, GJR-t, HAR"
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def load_data(config, path):
+    from usecases.finance.pipeline import load_data
+
+    return load_data(config, path)
+
+
+def run(config, data, job):
+    from usecases.finance.pipeline import run
+
+    return run(config, data, job)
+
+
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "load_data", "run"]

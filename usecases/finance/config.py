@@ -1,0 +1,84 @@
+"""The finance config schema; presets in presets/*.yaml set a subset of these keys."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from common.config import ConfigModel, RuntimeConfig
+
+
+class Columns(ConfigModel):
+    """Column names in a user's long-format CSV or Parquet file."""
+
+    date: str = "date"
+    ticker: str = "ticker"
+    open: str = "open"
+    high: str = "high"
+    low: str = "low"
+    close: str = "close"
+    volume: str = "volume"
+
+
+class Synthetic(ConfigModel):
+    """A GJR-GARCH-t panel with known parameters; High and Low come from simulated intraday paths."""
+
+    tickers: int = Field(4, ge=1)
+    days: int = Field(1500, ge=300)
+    seed: int = 0
+    omega: float = Field(0.02, gt=0)
+    alpha: float = Field(0.03, ge=0)
+    gamma: float = Field(0.10, ge=0)
+    beta: float = Field(0.90, ge=0)
+    nu: float = Field(8.0, gt=2)
+    intraday_steps: int = Field(32, ge=2)
+
+
+class Data(ConfigModel):
+    source: Literal["arch", "file", "synthetic"] = "arch"
+    series: list[Literal["sp500", "nasdaq"]] = ["sp500", "nasdaq"]
+    columns: Columns = Columns()
+    max_fill_gap: int = Field(3, ge=0, description="forward-fill at most this many consecutive missing rows")
+    synthetic: Synthetic = Synthetic()
+
+
+class Evaluation(ConfigModel):
+    test_start: str | None = "2011-01-03"
+    test_end: str | None = "2018-12-31"
+    test_fraction: float = Field(0.3, gt=0, lt=1, description="used when test_start is null")
+    refit_every: int = Field(21, ge=1, description="trading days between baseline refits")
+    dm_lags: int = Field(5, ge=0)
+
+
+class Baselines(ConfigModel):
+    models: list[Literal["ewma", "garch", "gjr_garch_t", "har"]] = ["ewma", "garch", "gjr_garch_t", "har"]
+    ewma_lambda: float = Field(0.94, gt=0, lt=1)
+
+
+class Neural(ConfigModel):
+    hidden: int = Field(64, ge=1)
+    layers: int = Field(2, ge=1)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    ensemble: int = Field(1, ge=1, description="members trained with different seeds, forecasts averaged")
+
+
+class Train(ConfigModel):
+    epochs: int = Field(60, ge=1)
+    batch_size: int = Field(256, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    patience: int = Field(8, ge=1)
+    grad_clip: float | None = 1.0
+    val_fraction: float = Field(0.15, gt=0, lt=1)
+    refit_every: int = Field(252, ge=1, description="trading days between refits of the neural model")
+    checkpoint_every: int = Field(1, ge=1)
+
+
+class Config(ConfigModel):
+    data: Data = Data()
+    evaluation: Evaluation = Evaluation()
+    baselines: Baselines = Baselines()
+    neural: Neural = Neural()
+    train: Train = Train()
+    runtime: RuntimeConfig = RuntimeConfig()

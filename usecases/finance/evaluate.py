@@ -1,0 +1,144 @@
+"""Forecast evaluation on the test window: losses against two variance proxies, tests, and plots.
+
+QLIKE(proxy, forecast) = x − ln x − 1 with x = proxy / forecast (Patton 2011): robust to the noise in the
+proxy, so models rank the same as they would against the true variance. Days where a proxy is zero are left out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from arch.covariance.kernel import Bartlett
+from scipy.special import xlogy
+from scipy.stats import chi2, norm
+
+REFERENCE_MODEL = "har"
+
+
+def qlike_losses(proxy: np.ndarray, forecast: np.ndarray) -> np.ndarray:
+    ratio = proxy / forecast
+    return ratio - np.log(ratio) - 1
+
+
+def qlike(proxy: np.ndarray, forecast: np.ndarray) -> float:
+    keep = proxy > 0
+    return float(qlike_losses(proxy[keep], forecast[keep]).mean())
+
+
+def mse(proxy: np.ndarray, forecast: np.ndarray) -> float:
+    keep = proxy > 0
+    return float(((proxy[keep] - forecast[keep]) ** 2).mean())
+
+
+def kupiec_pof(breaches: int, days: int, level: float) -> tuple[float, float]:
+    """Kupiec's proportion-of-failures likelihood ratio against χ²(1): is the breach rate the VaR level?"""
+    rate = breaches / days
+    unrestricted = xlogy(days - breaches, 1 - rate) + xlogy(breaches, rate)
+    restricted = xlogy(days - breaches, 1 - level) + xlogy(breaches, level)
+    statistic = max(-2 * (restricted - unrestricted), 0.0)
+    return statistic, float(chi2.sf(statistic, 1))
+
+
+def diebold_mariano(losses: np.ndarray, reference_losses: np.ndarray, lags: int = 5) -> tuple[float, float]:
+    """t statistic of the mean loss difference with a Bartlett (Newey-West) long-run variance; positive = worse."""
+    difference = np.asarray(losses) - np.asarray(reference_losses)
+    long_run = float(np.squeeze(Bartlett(difference, bandwidth=lags).cov.long_run))
+    if long_run <= 0:
+        return float("nan"), float("nan")
+    statistic = difference.mean() / np.sqrt(long_run / len(difference))
+    return float(statistic), float(2 * norm.sf(abs(statistic)))
+
+
+def value_at_risk(forecasts: pd.DataFrame, level: float) -> pd.Series:
+    return forecasts["mu"] + np.sqrt(forecasts["variance"]) * forecasts[f"q{round(level * 100):02d}"]
+
+
+def series_metrics(forecasts: pd.DataFrame) -> dict[str, float]:
+    """Metrics of one model on one ticker; `forecasts` holds realised `parkinson` and `ret` beside the forecast."""
+    variance = forecasts["variance"].to_numpy()
+    parkinson = forecasts["parkinson"].to_numpy()
+    returns = forecasts["ret"].to_numpy()
+    squared = (returns - returns.mean()) ** 2
+    metrics = {
+        "qlike_parkinson": qlike(parkinson, variance),
+        "qlike_sq": qlike(squared, variance),
+        "mse_parkinson": mse(parkinson, variance),
+        "mse_sq": mse(squared, variance),
+    }
+    for level in (0.01, 0.05):
+        name = f"var{round(level * 100)}"
+        breaches = int((returns < value_at_risk(forecasts, level)).sum())
+        metrics[f"{name}_breach_rate"] = breaches / len(returns)
+        metrics[f"{name}_breaches"] = float(breaches)
+        metrics["kupiec_p" if level == 0.01 else f"kupiec_p_{name}"] = kupiec_pof(breaches, len(returns), level)[1]
+    metrics["test_days"] = float(len(returns))
+    return metrics
+
+
+def evaluate(forecasts: pd.DataFrame, dm_lags: int = 5) -> dict[str, dict[str, float]]:
+    """Per model: each metric per ticker as `METRIC/ticker`, and its mean over tickers as `METRIC`.
+
+    Every model is also tested against HAR-RV (Diebold-Mariano on QLIKE against Parkinson variance).
+    """
+    results: dict[str, dict[str, float]] = {}
+    reference = forecasts[forecasts["model"] == REFERENCE_MODEL].set_index(["ticker", "date"])
+    for model, by_model in forecasts.groupby("model", sort=False):
+        per_ticker: dict[str, dict[str, float]] = {}
+        for ticker, rows in by_model.groupby("ticker", sort=False):
+            metrics = series_metrics(rows)
+            if model != REFERENCE_MODEL and len(reference):
+                paired = rows.set_index(["ticker", "date"]).join(
+                    reference["variance"].rename("variance_reference"), how="inner")
+                paired = paired[paired["parkinson"] > 0]
+                losses = qlike_losses(paired["parkinson"].to_numpy(), paired["variance"].to_numpy())
+                reference_losses = qlike_losses(paired["parkinson"].to_numpy(),
+                                                paired["variance_reference"].to_numpy())
+                metrics["dm_t_vs_har"], metrics["dm_p_vs_har"] = diebold_mariano(losses, reference_losses, dm_lags)
+            per_ticker[ticker] = metrics
+        names = list(next(iter(per_ticker.values())))
+        combined = {name: float(np.mean([metrics[name] for metrics in per_ticker.values()])) for name in names}
+        for ticker, metrics in per_ticker.items():
+            combined.update({f"{name}/{ticker}": value for name, value in metrics.items()})
+        results[model] = combined
+    return results
+
+
+def forecast_figure(forecasts: pd.DataFrame, ticker: str, models: list[str]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(12, 4.5))
+    rows = forecasts[forecasts["ticker"] == ticker]
+    realised = rows[rows["model"] == models[0]]
+    axis.plot(realised["date"], realised["parkinson"], color="0.75", lw=0.6, label="Parkinson variance")
+    for model in models:
+        selected = rows[rows["model"] == model]
+        axis.plot(selected["date"], selected["variance"], lw=1.0, label=model)
+    axis.set_yscale("log")
+    axis.set_ylabel("daily variance (%²)")
+    axis.set_title(f"{ticker}: 1-day-ahead variance forecasts on the test window")
+    axis.legend(loc="upper right", ncol=len(models) + 1, fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def var_figure(forecasts: pd.DataFrame, ticker: str, model: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = forecasts[(forecasts["ticker"] == ticker) & (forecasts["model"] == model)]
+    figure, axis = plt.subplots(figsize=(12, 4.5))
+    axis.plot(rows["date"], rows["ret"], color="0.5", lw=0.5, label="return (%)")
+    for level, color in ((0.05, "tab:orange"), (0.01, "tab:red")):
+        var = value_at_risk(rows, level)
+        axis.plot(rows["date"], var, color=color, lw=0.9, label=f"{level:.0%} VaR")
+        breached = rows["ret"] < var
+        axis.scatter(rows["date"][breached], rows["ret"][breached], color=color, s=10, zorder=3)
+    axis.set_title(f"{ticker}: {model} Value-at-Risk and its breaches")
+    axis.legend(loc="lower left", fontsize=8)
+    figure.tight_layout()
+    return figure

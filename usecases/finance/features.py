@@ -1,0 +1,56 @@
+"""Causal features of a daily OHLC panel: every value at date t uses rows up to t of the same ticker only.
+
+Written against the pandas API, so cudf.pandas runs them on the GPU when the CLI enabled it.
+Units are percent: returns are 100·ln(close_t / close_t-1), variances are in percent squared.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+HAR_WINDOWS = {"rv_d": 1, "rv_w": 5, "rv_m": 22}
+LONG_WINDOW = 66
+HISTORY_DAYS = LONG_WINDOW + 1
+NEURAL_FEATURES = [
+    "log_rv_m", "rel_rv_d", "rel_rv_w", "rel_rv_q", "rel_sq_ret", "ret_std", "neg_ret_std",
+]
+VARIANCE_FLOOR = 1e-3  # relative to the monthly average: keeps logs finite on days with High == Low
+
+
+def parkinson_variance(high: pd.Series, low: pd.Series) -> pd.Series:
+    """(100·ln(High/Low))² / (4 ln 2): the range-based daily variance, blind to the unreliable Open."""
+    return (100 * np.log(high / low)) ** 2 / (4 * np.log(2))
+
+
+def add_features(panel: pd.DataFrame) -> pd.DataFrame:
+    """Per ticker: returns, Parkinson variance, HAR averages, scale-free inputs and the next day's target.
+
+    The first row of each ticker (no return yet) is dropped; `target` and `target_date` look one day
+    ahead and are only ever used as labels whose date is before the forecast origin.
+    """
+    frame = panel.sort_values(["ticker", "date"], kind="stable").reset_index(drop=True)
+    by_ticker = frame.groupby("ticker", sort=False)
+    frame["ret"] = 100 * np.log(frame["close"] / by_ticker["close"].shift(1))
+    frame["parkinson"] = parkinson_variance(frame["high"], frame["low"])
+    frame["sq_ret"] = frame["ret"] ** 2
+    frame = frame[by_ticker.cumcount() > 0].reset_index(drop=True)
+    by_ticker = frame.groupby("ticker", sort=False)
+    for name, window in HAR_WINDOWS.items():
+        frame[name] = by_ticker["parkinson"].transform(lambda s, w=window: s.rolling(w).mean())
+    frame["rv_q"] = by_ticker["parkinson"].transform(lambda s: s.rolling(LONG_WINDOW).mean())
+    floor = VARIANCE_FLOOR * frame["rv_m"]
+    frame["log_rv_m"] = np.log(frame["rv_m"])
+    for name, source in [("rel_rv_d", "rv_d"), ("rel_rv_w", "rv_w"), ("rel_rv_q", "rv_q"), ("rel_sq_ret", "sq_ret")]:
+        frame[name] = np.log(np.maximum(frame[source], floor)) - frame["log_rv_m"]
+    frame["ret_std"] = frame["ret"] / np.sqrt(frame["rv_m"])
+    frame["neg_ret_std"] = np.minimum(frame["ret_std"], 0)
+    frame["target"] = by_ticker["parkinson"].shift(-1)
+    frame["target_ret"] = by_ticker["ret"].shift(-1)
+    frame["target_date"] = by_ticker["date"].shift(-1)
+    return frame
+
+
+def usable(frame: pd.DataFrame) -> pd.Series:
+    """Rows whose features are all defined (after the 66-day warm-up)."""
+    return frame[NEURAL_FEATURES].notna().all(axis=1) & np.isfinite(frame[NEURAL_FEATURES]).all(axis=1)

@@ -1,0 +1,190 @@
+"""The finance job: features, an expanding-window walk-forward over the test window, every model in one harness.
+
+A forecast for test day d is made at the close of the previous trading day (the origin) from data up to the
+origin only. Models are refit at the start of each block of test days: the baselines every
+`evaluation.refit_every` days, the neural model every `train.refit_every` days (it costs more to fit).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from common.errors import UserError
+from common.job import Job
+from common.training import TensorBatches, Trainer, TrainSettings
+from usecases.finance.baselines import BASELINES, VAR_LEVELS, forecast_frame
+from usecases.finance.config import Config
+from usecases.finance.data import Panel, load_panel
+from usecases.finance.evaluate import evaluate, forecast_figure, var_figure
+from usecases.finance.features import NEURAL_FEATURES, add_features, usable
+from usecases.finance.models import VolatilityMLP, qlike_loss
+from usecases.finance.serving import log_forecaster
+
+log = logging.getLogger(__name__)
+
+MIN_HISTORY = 250
+
+
+def load_data(config: Config, path: Path | None) -> tuple[Panel, dict[str, str]]:
+    panel = load_panel(config.data, path)
+    return panel, {"data_source": panel.source, "data_sha256": panel.sha256}
+
+
+def evaluation_window(frame: pd.DataFrame, config: Config) -> pd.Series:
+    """Rows (origins) whose forecast target day lies in the test window."""
+    evaluation = config.evaluation
+    dates = frame["target_date"]
+    if evaluation.test_start is None:
+        calendar = np.sort(dates.dropna().unique())
+        start = calendar[int(len(calendar) * (1 - evaluation.test_fraction))]
+    else:
+        start = pd.Timestamp(evaluation.test_start)
+    end = pd.Timestamp(evaluation.test_end) if evaluation.test_end else dates.max()
+    mask = (dates >= start) & (dates <= end)
+    if not mask.any():
+        raise UserError(f"evaluation.test_start/test_end: no trading days between {pd.Timestamp(start).date()} "
+                        f"and {end.date()} (the data runs from {frame['date'].min().date()} "
+                        f"to {frame['date'].max().date()})")
+    history = frame[dates < start].groupby("ticker").size().reindex(frame["ticker"].unique(), fill_value=0)
+    if (history < MIN_HISTORY).any():
+        ticker = history.index[history < MIN_HISTORY][0]
+        raise UserError(f"ticker '{ticker}': only {history[ticker]} days before the test window starts on "
+                        f"{pd.Timestamp(start).date()}; at least {MIN_HISTORY} are needed to fit the models")
+    return mask
+
+
+def block_starts(frame: pd.DataFrame, mask: pd.Series, every: int) -> list[pd.Timestamp]:
+    """Refit dates: every `every`-th trading day of the test window, on the calendar of all tickers."""
+    calendar = np.sort(frame.loc[mask, "target_date"].unique())
+    return [pd.Timestamp(date) for date in calendar[::every]]
+
+
+def ticker_blocks(rows: pd.DataFrame, mask: pd.Series, starts: list[pd.Timestamp]) -> list[tuple[int, int]]:
+    """The test origins of one ticker, cut at the refit dates, as (first, last) positions in `rows`."""
+    positions = np.flatnonzero(mask.to_numpy())
+    block_index = np.searchsorted(np.array(starts, dtype="datetime64[ns]"),
+                                  rows["target_date"].to_numpy()[positions], side="right")
+    return [(int(chunk[0]), int(chunk[-1])) for chunk in np.split(positions, np.flatnonzero(np.diff(block_index)) + 1)
+            if len(chunk)]
+
+
+def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config) -> pd.DataFrame:
+    starts = block_starts(frame, mask, config.evaluation.refit_every)
+    parts = []
+    for ticker, rows in frame.groupby("ticker", sort=False):
+        blocks = ticker_blocks(rows, mask[rows.index], starts)
+        for name in config.baselines.models:
+            forecasts = BASELINES[name](rows, blocks, config.baselines)
+            parts.append(forecasts.assign(model=name))
+        log.info("baselines: %s done (%d refits)", ticker, len(blocks))
+    return pd.concat(parts)
+
+
+def _member_seed(config: Config, block: int, member: int) -> int:
+    return config.runtime.seed + 1000 * block + member
+
+
+def _fit_member(config: Config, job: Job, train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
+                val_y: torch.Tensor, block: int, member: int, step_offset: int) -> tuple[VolatilityMLP, int]:
+    runtime, train = job.runtime, config.train
+    torch.manual_seed(_member_seed(config, block, member))
+    model = VolatilityMLP(len(NEURAL_FEATURES), config.neural.hidden, config.neural.layers, config.neural.dropout)
+    model.set_scaler(train_x.mean(0).cpu(), train_x.std(0).cpu())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    settings = TrainSettings(max_epochs=train.epochs, monitor="val/qlike", mode="min", patience=train.patience,
+                             grad_clip=train.grad_clip, checkpoint_every=train.checkpoint_every)
+
+    def validate(network: torch.nn.Module) -> dict[str, float]:
+        ratio = val_y / torch.exp(network(val_x).float())
+        return {"val/qlike": float((ratio - torch.log(ratio) - 1).mean())}
+
+    trainer = Trainer(model, optimizer, qlike_loss, runtime, settings,
+                      checkpoint_dir=job.checkpoint_dir / "neural" / f"refit{block:03d}" / f"member{member}",
+                      log_metrics=job.tracker.log_metrics, step_offset=step_offset,
+                      name=f"neural refit {block + 1} member {member + 1}")
+    batches = TensorBatches(train_x, train_y, batch_size=train.batch_size, seed=_member_seed(config, block, member),
+                            rank=runtime.rank, world_size=runtime.world_size)
+    result = trainer.fit(batches, validate, resume=job.resume)
+    return trainer.module.eval(), result.epochs_run
+
+
+def _predict(models: list[VolatilityMLP], features: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        return torch.stack([torch.exp(model(features).float()) for model in models]).mean(0).cpu().numpy()
+
+
+def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[pd.DataFrame, dict]:
+    """Walk-forward training of the global model; returns the test forecasts and the last refit for serving.
+
+    At each refit the network sees only pairs whose target day is before the refit date, the latest
+    `val_fraction` of those dates for early stopping. Its VaR quantiles are the empirical quantiles of the
+    standardised returns it produced in its training window (filtered historical simulation).
+    """
+    device = job.runtime.device
+    features = torch.tensor(frame[NEURAL_FEATURES].to_numpy(), dtype=torch.float32)
+    ready = usable(frame) & (frame["target"] > 0)
+    starts = block_starts(frame, mask, config.train.refit_every)
+    parts, step, latest = [], 0, {}
+    for block, start in enumerate(starts):
+        end = starts[block + 1] if block + 1 < len(starts) else pd.Timestamp.max
+        in_window = ready & (frame["target_date"] < start)
+        dates = np.sort(frame.loc[in_window, "target_date"].unique())
+        val_start = dates[int(len(dates) * (1 - config.train.val_fraction))]
+        train_rows = np.flatnonzero(in_window & (frame["target_date"] < val_start))
+        val_rows = np.flatnonzero(in_window & (frame["target_date"] >= val_start))
+        to_device = lambda rows, column=None: (features[rows] if column is None else torch.tensor(
+            frame[column].to_numpy()[rows], dtype=torch.float32)).to(device)
+        members = []
+        for member in range(config.neural.ensemble):
+            model, epochs = _fit_member(config, job, to_device(train_rows), to_device(train_rows, "target"),
+                                        to_device(val_rows), to_device(val_rows, "target"), block, member, step)
+            members.append(model)
+            step += epochs
+        fitted_rows = np.flatnonzero(in_window)
+        fitted = _predict(members, to_device(fitted_rows))
+        realised = frame["target_ret"].to_numpy()[fitted_rows]
+        mu = float(realised.mean())
+        quantiles = np.quantile((realised - mu) / np.sqrt(fitted), VAR_LEVELS)
+        predict_rows = np.flatnonzero(mask & (frame["target_date"] >= start) & (frame["target_date"] < end))
+        variance = _predict(members, to_device(predict_rows))
+        parts.append(forecast_frame(frame, predict_rows, variance, mu, quantiles))
+        latest = {"models": members, "architecture": config.neural.model_dump(exclude={"ensemble"}), "mu": mu,
+                  "quantiles": quantiles.tolist(), "trained_until": str(start.date())}
+        log.info("neural: refit %d/%d (training targets before %s) done", block + 1, len(starts), start.date())
+    return pd.concat(parts).assign(model="neural"), latest
+
+
+def run(config: Config, panel: Panel, job: Job) -> dict[str, dict[str, float]]:
+    frame = add_features(panel.frame)
+    mask = evaluation_window(frame, config)
+    neural, latest = neural_forecasts(frame, mask, config, job)
+    if not job.runtime.is_main:
+        return {}
+    baselines = baseline_forecasts(frame, mask, config)
+    realised = frame[["ticker", "target_date", "target", "target_ret"]].rename(
+        columns={"target_date": "date", "target": "parkinson", "target_ret": "ret"})
+    forecasts = pd.concat([baselines, neural]).join(realised)
+    models = evaluate(forecasts, config.evaluation.dm_lags)
+    _log_artifacts(forecasts, job)
+    log_forecaster(latest, panel.frame, job)
+    return models
+
+
+def _log_artifacts(forecasts: pd.DataFrame, job: Job) -> None:
+    import matplotlib.pyplot as plt
+
+    tracker = job.tracker
+    compared = [name for name in ("har", "gjr_garch_t", "neural") if name in set(forecasts["model"])]
+    for ticker in forecasts["ticker"].unique():
+        for figure, name in ((forecast_figure(forecasts, ticker, compared), f"forecast_{ticker}.png"),
+                             (var_figure(forecasts, ticker, "neural"), f"var_{ticker}.png")):
+            tracker.log_figure(figure, f"plots/{name}")
+            plt.close(figure)
+    table = forecasts.reset_index(drop=True)[["model", "ticker", "date", "variance", "mu", "q01", "q05",
+                                              "parkinson", "ret"]]
+    tracker.log_text(table.to_csv(index=False), "forecasts.csv")

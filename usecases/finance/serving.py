@@ -1,0 +1,114 @@
+"""The neural forecaster as an MLflow pyfunc: a recent OHLC window in, tomorrow's variance and VaR out."""
+
+from __future__ import annotations
+
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+import common
+import usecases
+from usecases.finance.features import HISTORY_DAYS, NEURAL_FEATURES, add_features
+from usecases.finance.models import VolatilityMLP
+
+INPUT_COLUMNS = ["date", "ticker", "high", "low", "close"]
+EXAMPLE_DAYS = HISTORY_DAYS + 3
+
+
+def _bad_input(message: str) -> MlflowException:
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+
+
+class VolatilityForecaster(mlflow.pyfunc.PythonModel):
+    """Input: daily rows (date, ticker, high, low, close), at least 67 consecutive days per ticker.
+
+    Output: one row per ticker with the variance forecast for the day after its last row (percent²),
+    the volatility, and the 1% and 5% one-day VaR of the percent return.
+    """
+
+    def load_context(self, context) -> None:
+        self._load(torch.load(context.artifacts["forecaster"], map_location="cpu", weights_only=False))
+
+    def _load(self, bundle: dict) -> None:
+        self.members = []
+        for state in bundle["states"]:
+            model = VolatilityMLP(len(NEURAL_FEATURES), **bundle["architecture"])
+            model.load_state_dict(state)
+            self.members.append(model.eval())
+        self.mu, self.quantiles = bundle["mu"], bundle["quantiles"]
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        frame = pd.DataFrame(model_input).copy()
+        missing = [column for column in INPUT_COLUMNS if column not in frame.columns and column != "ticker"]
+        if missing:
+            raise _bad_input(f"input is missing column '{missing[0]}' (expected {', '.join(INPUT_COLUMNS)})")
+        if "ticker" not in frame.columns:
+            frame["ticker"] = "series"
+        frame["date"] = pd.to_datetime(frame["date"], errors="coerce")
+        for column in ("high", "low", "close"):
+            frame[column] = pd.to_numeric(frame[column], errors="coerce")
+        if frame[["date", "high", "low", "close"]].isna().any().any():
+            raise _bad_input("input has missing or non-numeric values in date, high, low or close")
+        if (frame[["high", "low", "close"]] <= 0).any().any() or (frame["high"] < frame["low"]).any():
+            raise _bad_input("input prices must be positive with high >= low")
+        short = frame.groupby("ticker").size()
+        if (short < HISTORY_DAYS).any():
+            raise _bad_input(f"ticker '{short.idxmin()}' has {short.min()} rows; at least {HISTORY_DAYS} "
+                             f"consecutive trading days are needed")
+        latest = add_features(frame.sort_values(["ticker", "date"])).groupby("ticker", sort=False).tail(1)
+        features = torch.tensor(latest[NEURAL_FEATURES].to_numpy(), dtype=torch.float32)
+        with torch.no_grad():
+            variance = torch.stack([torch.exp(model(features)) for model in self.members]).mean(0).numpy()
+        volatility = np.sqrt(variance)
+        return pd.DataFrame({
+            "ticker": latest["ticker"].to_numpy(),
+            "origin_date": latest["date"].dt.strftime("%Y-%m-%d").to_numpy(),
+            "variance": variance.astype(float),
+            "volatility": volatility.astype(float),
+            "var_1pct": (self.mu + volatility * self.quantiles[0]).astype(float),
+            "var_5pct": (self.mu + volatility * self.quantiles[1]).astype(float),
+        })
+
+
+def input_example(panel: pd.DataFrame) -> pd.DataFrame:
+    recent = panel.sort_values(["ticker", "date"]).groupby("ticker", sort=False).tail(EXAMPLE_DAYS)
+    example = recent[INPUT_COLUMNS].reset_index(drop=True)
+    example["date"] = example["date"].dt.strftime("%Y-%m-%d")
+    return example
+
+
+def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
+    """Log the last refit's ensemble as `model`, with a signature and a real input example."""
+    if not job.tracker.active:
+        return
+    bundle = {
+        "states": [{key: value.cpu() for key, value in model.state_dict().items()} for model in latest["models"]],
+        "architecture": latest["architecture"],
+        "mu": latest["mu"],
+        "quantiles": latest["quantiles"],
+    }
+    probe = VolatilityForecaster()
+    probe._load(bundle)
+    example = input_example(panel)
+    signature = infer_signature(example, probe.predict(None, example))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "forecaster.pt"
+        torch.save(bundle, path)
+        mlflow.pyfunc.log_model(
+            name="model",
+            python_model=VolatilityForecaster(),
+            artifacts={"forecaster": str(path)},
+            signature=signature,
+            input_example=example,
+            code_paths=[str(Path(common.__file__).parent), str(Path(usecases.__file__).parent)],
+            pip_requirements=[f"{name}=={version(name)}" for name in ("torch", "numpy", "pandas", "mlflow")],
+        )
+    job.tracker.set_tags({"model_trained_until": latest["trained_until"]})
