@@ -39,7 +39,10 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise UserError(f"--set {item}: expected key=value, for example train.epochs=5")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise UserError(f"--set {item}: the value is not valid YAML (quote it, or write a list as [a, b])") from None
     if not isinstance(value, (list, dict)) and value is not None:
         value = raw  # scalars stay text so the schema, not YAML, decides their type
     return key.strip().split("."), value
@@ -48,7 +51,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 def _set_nested(tree: dict, path: list[str], value: Any) -> None:
     node = tree
     for part in path[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise UserError(f"config key '{'.'.join(path)}': '{part}' is a value, not a section")
         node = child
@@ -84,6 +89,8 @@ def load_config(schema: type[Schema], presets_dir: Path, preset: str, overrides:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise UserError(f"{path}: expected a mapping of config sections at the top level")
     for item in overrides:
         key_path, value = _parse_override(item)
         _set_nested(tree, key_path, value)

@@ -155,9 +155,10 @@ def tracked_run(
     mlflow.end_run("FINISHED")
 
 
-def format_table(models: dict[str, dict[str, float]]) -> str:
-    """Models as rows, the metrics without a per-series suffix as columns."""
-    columns = sorted({metric for metrics in models.values() for metric in metrics if "/" not in metric})
+def format_table(models: dict[str, dict[str, float]], columns: list[str] | None = None) -> str:
+    """Models as rows; by default every metric without a per-series suffix as a column."""
+    if columns is None:
+        columns = sorted({metric for metrics in models.values() for metric in metrics if "/" not in metric})
     width = max([len("model")] + [len(name) for name in models])
     header = "model".ljust(width) + "".join(f"  {column:>16}" for column in columns)
     lines = [header, "-" * len(header)]
@@ -181,6 +182,7 @@ def write_summary(
     device: str,
     models: dict[str, dict[str, float]],
     path: Path | None = None,
+    columns: list[str] | None = None,
 ) -> dict:
     """Test metrics of every model in the run: as MLflow metrics, summary.json, --summary FILE and a table."""
     summary = {"usecase": usecase, "run_id": tracker.run_id, "preset": preset, "device": device, "models": models}
@@ -189,5 +191,5 @@ def write_summary(
     tracker.log_dict(summary, "summary.json")
     if path is not None:
         write_json_atomic(summary, path)
-    print(format_table(models), flush=True)
+    print(format_table(models, columns), flush=True)
     return summary

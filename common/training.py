@@ -101,8 +101,11 @@ def save_atomic(state: dict, path: Path) -> None:
     """Write beside the target, then rename: a kill mid-write never leaves a truncated checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass
@@ -237,7 +240,7 @@ class Trainer:
             if self.scheduler and state["scheduler"]:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.scaler.load_state_dict(state["scaler"])
-            torch.set_rng_state(state["torch_rng"])
+            torch.set_rng_state(state["torch_rng"].cpu())
             best, best_epoch, best_state = state["best_metric"], state["best_epoch"], state["best_state"]
             bad_epochs, history = state["bad_epochs"], state["history"]
             start_epoch = resumed_from = state["epoch"] + 1

@@ -92,7 +92,7 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
     from common.config import flatten, load_config
     from common.job import Job
     from common.runtime import hardware_info, make_runtime, seed_everything, shutdown
-    from common.tracking import Tracker, tracked_run, write_json_atomic, write_summary
+    from common.tracking import tracked_run, write_json_atomic, write_summary
     from usecases import load_usecase
 
     module = load_usecase(name)
@@ -123,7 +123,8 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
             models = module.run(config, loaded, job)
             if not runtime.is_main:
                 return {}
-            result = write_summary(tracker, name, preset, runtime.device.type, models, summary)
+            result = write_summary(tracker, name, preset, runtime.device.type, models, summary,
+                                   getattr(module, "SUMMARY_COLUMNS", None))
         state_file.unlink(missing_ok=True)
         return result
     finally:
@@ -156,6 +157,8 @@ def _ui(port: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if not sys.stderr.isatty():
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     for name in ("usecases", "common"):
         logging.getLogger(name).setLevel(logging.INFO)
     args = _parser().parse_args(argv)

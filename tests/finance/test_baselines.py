@@ -1,7 +1,6 @@
 """Each baseline against the library or formula it stands for, and against the published reference numbers."""
 
 import numpy as np
-import pandas as pd
 import pytest
 from arch import arch_model
 from scipy.stats import norm

@@ -104,7 +104,7 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
         torch.save(bundle, path)
         mlflow.pyfunc.log_model(
             name="model",
-            python_model=VolatilityForecaster(),
+            python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
             artifacts={"forecaster": str(path)},
             signature=signature,
             input_example=example,

@@ -1,0 +1,38 @@
+"""Two CPU processes under torchrun train one model through the shared Trainer: DDP must keep them in step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+
+
+def test_two_ranks_end_with_identical_learned_parameters(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(ROOT), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER), str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    assert all(rank["world_size"] == 2 and rank["backend"] == "gloo" for rank in ranks)
+    first, second = (rank["state"] for rank in ranks)
+    assert first.keys() == second.keys()
+    assert any(not torch.equal(ranks[0]["initial"][key], ranks[1]["initial"][key]) for key in first), (
+        "ranks must start from different weights for the check to mean anything")
+    for key in first:
+        assert torch.equal(first[key], second[key]), f"{key} differs between ranks"
+    for rank in ranks:
+        assert rank["epochs_run"] == 4
+        assert rank["loss_end"] < rank["loss_start"] / 4

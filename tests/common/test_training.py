@@ -1,0 +1,283 @@
+"""The shared `Trainer` on CPU: learning, early stopping, checkpoints and resume, batching and logged metrics."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from common import training
+from common.errors import Terminated
+from common.runtime import Runtime
+from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, TrainSettings, save_atomic
+
+CPU = Runtime(torch.device("cpu"), None)
+
+
+def line_data(n: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = 3x + 1 with a little noise."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, generator=generator)
+    return x, 3 * x + 1 + 0.01 * torch.randn(n, 1, generator=generator)
+
+
+X, Y = line_data()
+X_VAL, Y_VAL = line_data(64, seed=1)
+
+
+def val_mse(model: nn.Module) -> dict[str, float]:
+    return {"val/mse": nn.functional.mse_loss(model(X_VAL).float(), Y_VAL).item()}
+
+
+def make_trainer(model, runtime=CPU, *, lr=0.1, momentum=0.0, scheduler=False, checkpoint_dir=None,
+                 log_metrics=None, **settings):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scheduler else None
+    settings = {"max_epochs": 10, "monitor": "val/mse", "patience": 100, **settings}
+    return Trainer(model, optimizer, nn.functional.mse_loss, runtime, TrainSettings(**settings), scheduler=sched,
+                   checkpoint_dir=checkpoint_dir, log_metrics=log_metrics)
+
+
+def linear(seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(1, 1)
+
+
+def mlp(seed: int) -> nn.Module:
+    """Dropout-free, so that a run depends only on its seed, its batches and its checkpoint."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def batches(**kwargs) -> TensorBatches:
+    return TensorBatches(X, Y, batch_size=32, seed=0, **kwargs)
+
+
+def test_learns_a_line():
+    model = linear()
+    result = make_trainer(model, max_epochs=15).fit(batches(), val_mse)
+    losses = [row["train/loss"] for row in result.history]
+    assert losses[-1] < losses[0] / 100
+    assert model.weight.item() == pytest.approx(3.0, abs=0.05)
+    assert model.bias.item() == pytest.approx(1.0, abs=0.05)
+    assert (result.epochs_run, result.resumed_from, len(result.history)) == (15, None, 15)
+    assert result.best_metric == min(row["val/mse"] for row in result.history)
+
+
+def test_early_stopping_keeps_the_best_epoch_weights():
+    """The monitored value stops improving after epoch 2: stop after `patience` more, with epoch 2's weights."""
+    values = iter([3.0, 2.0, 1.0] + [1.0] * 20)
+    snapshots = []
+
+    def validate(model):
+        snapshots.append(copy.deepcopy(model.state_dict()))
+        return {"val/score": next(values)}
+
+    model = linear()
+    result = make_trainer(model, monitor="val/score", patience=2, max_epochs=20).fit(batches(), validate)
+    assert (result.best_epoch, result.best_metric, result.epochs_run) == (2, 1.0, 5)
+    assert len(snapshots) == 5
+    final = model.state_dict()
+    assert all(torch.equal(final[key], snapshots[2][key]) for key in final)
+    assert not torch.equal(final["weight"], snapshots[4]["weight"]), "training went on after the best epoch"
+
+
+def test_early_stopping_in_max_mode():
+    values = iter([0.5, 0.9, 0.7, 0.8, 0.6])
+    result = make_trainer(linear(), monitor="val/auc", mode="max", patience=3).fit(
+        batches(), lambda model: {"val/auc": next(values)})
+    assert (result.best_epoch, result.best_metric, result.epochs_run) == (1, 0.9, 5)
+
+
+def test_missing_monitor_metric_is_named():
+    with pytest.raises(KeyError, match="val/mse"):
+        make_trainer(linear()).fit(batches(), lambda model: {"val/other": 1.0})
+
+
+def test_resume_after_interrupt_matches_an_uninterrupted_run(tmp_path):
+    """Optimizer momentum, scheduler and counters come back from the checkpoint, so resuming changes nothing."""
+    settings = {"max_epochs": 6, "lr": 0.05, "momentum": 0.9, "scheduler": True}
+    straight_model = mlp(seed=0)
+    straight = make_trainer(straight_model, checkpoint_dir=tmp_path / "straight", **settings).fit(batches(), val_mse)
+
+    def interrupt_after_three_epochs(metrics, step):
+        if step == 3:
+            raise Terminated("signal 15")
+
+    with pytest.raises(Terminated):
+        make_trainer(mlp(seed=0), checkpoint_dir=tmp_path / "resumed", log_metrics=interrupt_after_three_epochs,
+                     **settings).fit(batches(), val_mse)
+    resumed_model = mlp(seed=1)
+    resumed = make_trainer(resumed_model, checkpoint_dir=tmp_path / "resumed", **settings).fit(
+        batches(), val_mse, resume=True)
+
+    assert (resumed.resumed_from, resumed.epochs_run) == (3, 6)
+    assert [row["epoch"] for row in resumed.history] == list(range(6))
+    for key in ("train/loss", "val/mse"):
+        assert [row[key] for row in resumed.history] == [row[key] for row in straight.history]
+    assert (resumed.best_epoch, resumed.best_metric) == (straight.best_epoch, straight.best_metric)
+    expected = straight_model.state_dict()
+    assert all(torch.equal(value, expected[key]) for key, value in resumed_model.state_dict().items())
+
+
+@pytest.mark.gpu
+def test_resume_on_cuda(tmp_path):
+    runtime = Runtime(torch.device("cuda", 0), None)
+    x, y = X.to(runtime.device), Y.to(runtime.device)
+
+    def validate(model):
+        return {"val/mse": nn.functional.mse_loss(model(x), y).item()}
+
+    def interrupt_after_two_epochs(metrics, step):
+        if step == 2:
+            raise Terminated("signal 15")
+
+    with pytest.raises(Terminated):
+        make_trainer(linear(), runtime, max_epochs=4, checkpoint_dir=tmp_path,
+                     log_metrics=interrupt_after_two_epochs).fit(TensorBatches(x, y, batch_size=32), validate)
+    result = make_trainer(linear(), runtime, max_epochs=4, checkpoint_dir=tmp_path).fit(
+        TensorBatches(x, y, batch_size=32), validate, resume=True)
+    assert (result.resumed_from, result.epochs_run) == (2, 4)
+
+
+def test_finished_checkpoint_returns_without_training(tmp_path):
+    """A run that reached max_epochs is finished: resuming it, even with a larger max_epochs, trains nothing."""
+    model = mlp(seed=0)
+    first = make_trainer(model, max_epochs=3, checkpoint_dir=tmp_path).fit(batches(), val_mse)
+
+    class NoBatches:
+        def __iter__(self):
+            raise AssertionError("a finished run must not train again")
+
+    def no_validation(model):
+        raise AssertionError("a finished run must not validate again")
+
+    logged = []
+    again_model = mlp(seed=1)
+    again = make_trainer(again_model, max_epochs=6, checkpoint_dir=tmp_path,
+                         log_metrics=lambda metrics, step: logged.append(step)).fit(
+        NoBatches(), no_validation, resume=True)
+    assert (again.epochs_run, again.resumed_from, again.best_epoch) == (3, 3, first.best_epoch)
+    assert again.history == first.history and logged == []
+    expected = model.state_dict()
+    assert all(torch.equal(value, expected[key]) for key, value in again_model.state_dict().items())
+
+
+def test_resume_without_checkpoint_starts_fresh(tmp_path):
+    result = make_trainer(linear(), max_epochs=2, checkpoint_dir=tmp_path).fit(batches(), val_mse, resume=True)
+    assert (result.resumed_from, result.epochs_run) == (None, 2)
+
+
+def test_checkpoint_dir_holds_only_the_checkpoint(tmp_path):
+    make_trainer(linear(), max_epochs=3, checkpoint_dir=tmp_path / "ckpt").fit(batches(), val_mse)
+    assert [path.name for path in (tmp_path / "ckpt").iterdir()] == [CHECKPOINT_NAME]
+    state = torch.load(tmp_path / "ckpt" / CHECKPOINT_NAME, weights_only=False)
+    assert state["finished"] and state["epoch"] == 2
+
+
+def test_save_atomic_replaces_without_leftovers(tmp_path):
+    path = tmp_path / "nested" / "last.pt"
+    save_atomic({"step": 1}, path)
+    save_atomic({"step": 2, "weights": torch.ones(3)}, path)
+    assert [entry.name for entry in path.parent.iterdir()] == ["last.pt"]
+    loaded = torch.load(path)
+    assert loaded["step"] == 2 and torch.equal(loaded["weights"], torch.ones(3))
+
+
+def test_save_atomic_failure_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "last.pt"
+    save_atomic({"step": 1}, path)
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
+        save_atomic({"step": 2, "unpicklable": lambda: None}, path)
+    assert torch.load(path) == {"step": 1}
+    assert [entry.name for entry in tmp_path.iterdir()] == ["last.pt"], "the failed write left its temporary file"
+
+
+@pytest.mark.parametrize("n", [10, 11])
+def test_ranks_get_disjoint_shards_covering_everything(n):
+    """Two ranks with the same seed and epoch see one permutation and split it between them."""
+    indices = torch.arange(n)
+    shards = []
+    for rank in range(2):
+        sharded = TensorBatches(indices, batch_size=3, seed=5, rank=rank, world_size=2)
+        sharded.set_epoch(4)
+        got = torch.cat([batch for (batch,) in sharded]).tolist()
+        assert len(list(sharded)) == len(sharded)
+        shards.append(got)
+    assert len(shards[0]) == len(shards[1]) == (n + 1) // 2, "equal batch counts, or DDP ranks deadlock"
+    assert set(shards[0]) | set(shards[1]) == set(range(n))
+    if n % 2 == 0:
+        assert set(shards[0]).isdisjoint(shards[1]) and len(set(shards[0])) == n // 2
+
+
+def test_shuffle_depends_on_seed_and_epoch_only():
+    def order(epoch, seed=0, shuffle=True):
+        loader = TensorBatches(torch.arange(64), batch_size=64, seed=seed, shuffle=shuffle)
+        loader.set_epoch(epoch)
+        return next(iter(loader))[0].tolist()
+
+    assert order(1) == order(1) and order(1) != order(2) and order(1, seed=1) != order(1)
+    assert sorted(order(1)) == list(range(64))
+    assert order(3, shuffle=False) == list(range(64))
+
+
+def test_batches_keep_rows_paired_and_include_the_remainder():
+    index = torch.arange(256)
+    loader = TensorBatches(index, index * 10, batch_size=100, seed=0)
+    sizes = []
+    for first, second in loader:
+        assert torch.equal(second, first * 10)
+        sizes.append(len(first))
+    assert sizes == [100, 100, 56] and len(loader) == 3
+
+
+def test_data_wait_share_and_throughput_logged(monkeypatch):
+    """A fake clock: each batch takes 1 s to arrive and 3 s to train on, so a quarter of the time is data wait."""
+    clock = [0.0]
+    monkeypatch.setattr(training, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class SlowBatches(TensorBatches):
+        def __iter__(self):
+            for batch in super().__iter__():
+                clock[0] += 1.0
+                yield batch
+
+    def slow_loss(output, target):
+        clock[0] += 3.0
+        return nn.functional.mse_loss(output, target)
+
+    logged = []
+    model = linear()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), slow_loss, CPU,
+                      TrainSettings(max_epochs=2, monitor="val/mse"), step_offset=10,
+                      log_metrics=lambda metrics, step: logged.append((step, metrics)))
+    trainer.fit(SlowBatches(X, Y, batch_size=32, seed=0), val_mse)
+    assert [step for step, _ in logged] == [10, 11]
+    for _, metrics in logged:
+        assert {"train/loss", "val/mse", "time/data_wait_share", "throughput/samples_per_s"} <= set(metrics)
+        assert metrics["time/data_wait_share"] == pytest.approx(0.25)
+        assert metrics["throughput/samples_per_s"] == pytest.approx(256 / (8 * 4.0))
+
+
+def test_grad_clip_bounds_each_step():
+    model = linear()
+    start = torch.cat([parameter.detach().clone().flatten() for parameter in model.parameters()])
+    make_trainer(model, lr=1.0, grad_clip=1e-3, max_epochs=1).fit(batches(), val_mse)
+    end = torch.cat([parameter.detach().flatten() for parameter in model.parameters()])
+    assert 0 < (end - start).norm() <= len(batches()) * 1e-3 + 1e-6
+
+
+def test_bf16_autocast_on_cpu_trains():
+    dtypes = set()
+    model = linear()
+    model.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype) if module.training else None)
+    result = make_trainer(model, Runtime(torch.device("cpu"), torch.bfloat16), max_epochs=5).fit(batches(), val_mse)
+    assert dtypes == {torch.bfloat16}, "the forward pass ran under bf16 autocast"
+    assert model.weight.dtype == torch.float32
+    losses = [row["train/loss"] for row in result.history]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] / 10
+    assert model.weight.item() == pytest.approx(3.0, abs=0.1)
