@@ -190,7 +190,8 @@ class Trainer:
     def _train_epoch(self, batches: Iterable) -> dict[str, float]:
         self.model.train()
         device = self.runtime.device
-        total_loss, samples, wait = 0.0, 0, 0.0
+        total_loss = torch.zeros((), device=device)
+        samples, wait = 0, 0.0
         started = time.perf_counter()
         iterator = iter(batches)
         while True:
@@ -211,13 +212,13 @@ class Trainer:
                 nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            total_loss += loss.detach().item() * len(target)
+            total_loss += loss.detach() * len(target)  # summed on the device: no sync per step
             samples += len(target)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
         return {
-            "train/loss": total_loss / max(samples, 1),
+            "train/loss": total_loss.item() / max(samples, 1),
             "throughput/samples_per_s": samples * self.runtime.world_size / max(elapsed, 1e-9),
             "time/data_wait_share": wait / max(elapsed, 1e-9),
         }

@@ -1,9 +1,19 @@
 """The CLI's contract: help everywhere, exit 2 and one line for user mistakes, no run left RUNNING."""
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
 import pytest
 import torch
 
+from common.errors import DataUnavailable
 from tests.cli_helpers import runs, usecases
+from usecases import cli
 
 
 @pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["list", "--help"], ["ui", "--help"],
@@ -66,3 +76,44 @@ def test_resume_without_a_checkpoint():
 def test_user_errors_leave_no_run_behind():
     user_error("run", "finance", "--preset", "smoke", "--set", "train.epoch=3")
     assert [run.info.status for run in runs()] == []
+
+
+def test_ui_serves_the_store_on_loopback_only(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "usecases", "ui", "--port", str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline, status = time.monotonic() + 90, None
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    status = response.status
+                    break
+            except OSError:
+                time.sleep(0.5)
+        assert status == 200
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        output = server.communicate(timeout=30)[0]
+    assert f"http://127.0.0.1:{port}" in output and "0.0.0.0" not in output.split("To allow connections")[0]
+
+
+def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatch):
+    calls = []
+
+    def fake_run(name, preset, overrides, device, frames):
+        calls.append(overrides)
+        if not overrides:
+            raise DataUnavailable("no copy of the data set here")
+
+    monkeypatch.setattr(cli, "run_usecase", fake_run)
+    monkeypatch.setattr(cli, "raise_on_sigterm", lambda: None)
+    assert cli.main(["demo", "--device", "cpu"]) == 0
+    assert calls[:2] == [[], ["data.source=synthetic"]]
+
+
+def test_the_cli_imports_no_pandas_before_choosing_the_dataframe_backend():
+    code = "import sys, usecases.cli, common.runtime; sys.exit('pandas' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

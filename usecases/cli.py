@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -141,18 +140,18 @@ def _demo(args: argparse.Namespace) -> int:
         except DataUnavailable as exc:
             print(f"{name}: {exc}; running on synthetic data instead", flush=True)
             run_usecase(name, "default", ["data.source=synthetic"], args.device, args.frames)
-    print("All runs are in the local MLflow store. Open it with: usecases ui  (then http://127.0.0.1:5000)")
+    print("Done. Browse the runs with `usecases ui` (from the clone: make ui), then open http://127.0.0.1:5000")
     return EXIT_OK
 
 
 def _ui(port: int) -> int:
+    """Replace this process with MLflow's server, so Ctrl-C and SIGTERM reach it and its workers directly."""
     from common.tracking import tracking_uri
 
     uri = tracking_uri()
     print(f"MLflow UI on http://127.0.0.1:{port} (store: {uri}); Ctrl-C to stop", flush=True)
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-               "--port", str(port)]
-    return subprocess.call(command)
+    os.execv(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
+                              "--host", "127.0.0.1", "--port", str(port)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -281,3 +281,23 @@ def test_bf16_autocast_on_cpu_trains():
     losses = [row["train/loss"] for row in result.history]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] / 10
     assert model.weight.item() == pytest.approx(3.0, abs=0.1)
+
+
+def test_a_dataloader_trains_like_tensor_batches():
+    """The DataLoader path (for data that does not fit in memory) goes through the same loop."""
+    dataset = torch.utils.data.TensorDataset(X, Y)
+    loader = training.make_loader(dataset, batch_size=32, runtime=CPU, seed=0)
+    model = linear()
+    result = make_trainer(model, max_epochs=30).fit(loader, val_mse)
+    assert result.best_metric < 0.01
+    assert model.weight.item() == pytest.approx(3, abs=0.05)
+
+
+def test_make_loader_shards_with_a_distributed_sampler_under_ddp():
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0), torch.arange(10.0))
+    ranks = [Runtime(torch.device("cpu"), None, rank=rank, world_size=2) for rank in (0, 1)]
+    loaders = [training.make_loader(dataset, batch_size=4, runtime=runtime) for runtime in ranks]
+    assert all(isinstance(loader.sampler, torch.utils.data.DistributedSampler) for loader in loaders)
+    seen = [torch.cat([batch[0] for batch in loader]).tolist() for loader in loaders]
+    assert sorted(seen[0] + seen[1]) == [float(i) for i in range(10)]
+    assert not set(seen[0]) & set(seen[1])
