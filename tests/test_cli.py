@@ -117,3 +117,32 @@ def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatc
 def test_the_cli_imports_no_pandas_before_choosing_the_dataframe_backend():
     code = "import sys, usecases.cli, common.runtime; sys.exit('pandas' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def interrupted_state(params_change=None, data_sha256=None):
+    """A run.json as an interrupted smoke run leaves it, with one thing changed since."""
+    import json
+    from pathlib import Path
+
+    from common.config import flatten, load_config
+    from usecases import load_usecase
+
+    finance = load_usecase("finance")
+    config = load_config(finance.Config, finance.PRESETS_DIR, "smoke")
+    _, data_tags = finance.load_data(config, None)
+    params = {**flatten(config), **(params_change or {})}
+    folder = Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke"
+    folder.mkdir(parents=True)
+    data = {**data_tags, "data_sha256": data_sha256 or data_tags["data_sha256"]}
+    (folder / "run.json").write_text(json.dumps({"run_id": "0" * 32, "params": params, "data": data}))
+
+
+def test_resume_refuses_a_changed_config():
+    interrupted_state({"train.epochs": 99})
+    assert "config key 'train.epochs' is 15 now but was 99" in user_error("run", "finance", "--preset", "smoke",
+                                                                         "--resume")
+
+
+def test_resume_refuses_changed_data():
+    interrupted_state(data_sha256="f" * 64)
+    assert "the data (synthetic:seed=7" in user_error("run", "finance", "--preset", "smoke", "--resume")

@@ -71,7 +71,8 @@ def _checkpoint_root(usecase: str, preset: str) -> Path:
     return base / usecase / preset
 
 
-def _resume_run_id(state_file: Path, params: dict, preset: str) -> str:
+def _resume_run_id(state_file: Path, params: dict, data_tags: dict, preset: str) -> str:
+    """The interrupted run to continue, if it ran on the same config and the same data."""
     if not state_file.is_file():
         raise UserError(f"--resume: no interrupted run of preset '{preset}' to resume ({state_file} is missing)")
     state = json.loads(state_file.read_text())
@@ -79,6 +80,9 @@ def _resume_run_id(state_file: Path, params: dict, preset: str) -> str:
         if params.get(key) != state["params"].get(key):
             raise UserError(f"--resume: config key '{key}' is {params.get(key)!r} now but was "
                             f"{state['params'].get(key)!r} in the interrupted run")
+    if state["data"].get("data_sha256") != data_tags.get("data_sha256"):
+        raise UserError(f"--resume: the data ({data_tags.get('data_source')}) differs from the interrupted run's "
+                        f"({state['data'].get('data_source')}, another SHA-256)")
     return state["run_id"]
 
 
@@ -105,7 +109,7 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
         checkpoint_dir = _checkpoint_root(name, preset)
         state_file = checkpoint_dir / "run.json"
         params = flatten(config)
-        run_id = _resume_run_id(state_file, params, preset) if resume else None
+        run_id = _resume_run_id(state_file, params, data_tags, preset) if resume else None
         if not resume and runtime.is_main and checkpoint_dir.exists():
             shutil.rmtree(checkpoint_dir)
         if runtime.distributed:
@@ -117,14 +121,14 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
         with tracked_run(name, config, tags, is_main=runtime.is_main, run_id=run_id,
                          run_name=f"{name}-{preset}") as tracker:
             if runtime.is_main:
-                write_json_atomic({"run_id": tracker.run_id, "params": params}, state_file)
+                write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags}, state_file)
             job = Job(name, preset, runtime, tracker, checkpoint_dir, resume, backend)
             models = module.run(config, loaded, job)
             if not runtime.is_main:
                 return {}
             result = write_summary(tracker, name, preset, runtime.device.type, models, summary,
                                    getattr(module, "SUMMARY_COLUMNS", None))
-        state_file.unlink(missing_ok=True)
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
         return result
     finally:
         shutdown(runtime)

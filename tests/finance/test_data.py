@@ -89,7 +89,7 @@ def test_short_gaps_are_filled_and_counted(tmp_path, caplog):
     panel = load_file(write(tmp_path, GOOD.replace("10.5,11.5,10,11,", "10.5,,,,")), Data())
     row = panel.frame.iloc[1]
     assert (row["high"], row["low"], row["close"]) == (11, 9, 10.5)
-    assert "forward-filled 1 rows" in caplog.text
+    assert "forward-filled 1 rows" in caplog.text and panel.filled_rows == 1
 
 
 def test_long_gaps_and_leading_gaps_are_errors(tmp_path):

@@ -110,7 +110,7 @@ def test_a_user_csv_runs_end_to_end(tmp_path):
                       "--set", "baselines.models=[har]", "--set", "train.epochs=3")
     assert result.returncode == 0, result.stderr[-2000:]
     (run,) = runs()
-    assert run.data.tags["data_source"] == "file:mine.csv"
+    assert run.data.tags["data_source"] == "file:mine.csv" and run.data.tags["data_filled_rows"] == "0"
     assert "test/neural/qlike_parkinson/SYN000" in run.data.metrics
 
 

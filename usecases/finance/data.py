@@ -32,6 +32,7 @@ class Panel:
     frame: pd.DataFrame
     source: str
     sha256: str
+    filled_rows: int = 0
 
     @property
     def tickers(self) -> list[str]:
@@ -110,9 +111,9 @@ def load_file(path: Path, config: Data) -> Panel:
                             f"'{raw[names[key]].iloc[row - 1]}'")
         frame[key] = values.astype(float)
     frame = _check_order(frame, path, names["date"])
-    frame = _fill_gaps(frame, path, config.max_fill_gap)
+    frame, filled = _fill_gaps(frame, path, config.max_fill_gap)
     _check_prices(frame, path, names)
-    return Panel(frame[PANEL_COLUMNS].reset_index(drop=True), f"file:{path.name}", file_sha256(path))
+    return Panel(frame[PANEL_COLUMNS].reset_index(drop=True), f"file:{path.name}", file_sha256(path), filled)
 
 
 def _check_order(frame: pd.DataFrame, path: Path, date_column: str) -> pd.DataFrame:
@@ -130,11 +131,11 @@ def _check_order(frame: pd.DataFrame, path: Path, date_column: str) -> pd.DataFr
     return frame.sort_values(["ticker", "date"], kind="stable")
 
 
-def _fill_gaps(frame: pd.DataFrame, path: Path, max_gap: int) -> pd.DataFrame:
+def _fill_gaps(frame: pd.DataFrame, path: Path, max_gap: int) -> tuple[pd.DataFrame, int]:
     """Forward-fill runs of at most `max_gap` rows with a missing close, high or low; longer runs are errors."""
     missing = frame[["high", "low", "close"]].isna().any(axis=1)
     if not missing.any():
-        return frame
+        return frame, 0
     run_id = (~missing).cumsum()
     run_length = missing.groupby([frame["ticker"], run_id]).transform("sum")
     leading = missing & ((~missing).groupby(frame["ticker"]).cumsum() == 0)
@@ -147,7 +148,7 @@ def _fill_gaps(frame: pd.DataFrame, path: Path, max_gap: int) -> pd.DataFrame:
     filled[PRICE_COLUMNS] = filled.groupby("ticker")[PRICE_COLUMNS].ffill()
     log.info("data: forward-filled %d rows with missing prices in %s (gaps of at most %d rows)",
              int(missing.sum()), path.name, max_gap)
-    return filled
+    return filled, int(missing.sum())
 
 
 def _check_prices(frame: pd.DataFrame, path: Path, names: dict[str, str]) -> None:

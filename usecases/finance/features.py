@@ -36,9 +36,8 @@ def add_features(panel: pd.DataFrame) -> pd.DataFrame:
     frame["sq_ret"] = frame["ret"] ** 2
     frame = frame[by_ticker.cumcount() > 0].reset_index(drop=True)
     by_ticker = frame.groupby("ticker", sort=False)
-    for name, window in HAR_WINDOWS.items():
-        frame[name] = by_ticker["parkinson"].transform(lambda s, w=window: s.rolling(w).mean())
-    frame["rv_q"] = by_ticker["parkinson"].transform(lambda s: s.rolling(LONG_WINDOW).mean())
+    for name, window in {**HAR_WINDOWS, "rv_q": LONG_WINDOW}.items():
+        frame[name] = by_ticker["parkinson"].rolling(window).mean().reset_index(level=0, drop=True)
     floor = VARIANCE_FLOOR * frame["rv_m"]
     frame["log_rv_m"] = np.log(frame["rv_m"])
     for name, source in [("rel_rv_d", "rv_d"), ("rel_rv_w", "rv_w"), ("rel_rv_q", "rv_q"), ("rel_sq_ret", "sq_ret")]:

@@ -32,7 +32,7 @@ MIN_HISTORY = 250
 
 def load_data(config: Config, path: Path | None) -> tuple[Panel, dict[str, str]]:
     panel = load_panel(config.data, path)
-    return panel, {"data_source": panel.source, "data_sha256": panel.sha256}
+    return panel, {"data_source": panel.source, "data_sha256": panel.sha256, "data_filled_rows": panel.filled_rows}
 
 
 def evaluation_window(frame: pd.DataFrame, config: Config) -> pd.Series:
