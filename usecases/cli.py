@@ -126,8 +126,8 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
             models = module.run(config, loaded, job)
             if not runtime.is_main:
                 return {}
-            result = write_summary(tracker, name, preset, runtime.device.type, models, summary,
-                                   getattr(module, "SUMMARY_COLUMNS", None))
+            columns = module.summary_columns(config) if hasattr(module, "summary_columns") else None
+            result = write_summary(tracker, name, preset, runtime.device.type, models, summary, columns)
         shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
         return result
     finally:

@@ -23,23 +23,24 @@ BLOCKS = [(700, 720), (721, 741)]
 
 @pytest.mark.parametrize("asymmetric,dist", [(False, "normal"), (True, "t")])
 def test_garch_equals_arch_refit_on_the_data_up_to_each_block_start(series, asymmetric, dist):
-    ours = garch(series, BLOCKS, asymmetric=asymmetric, dist=dist)
+    ours = garch(series, BLOCKS, 5, asymmetric=asymmetric, dist=dist)
     for first, _ in BLOCKS:
         direct = arch_model(series["ret"].iloc[: first + 1].reset_index(drop=True), mean="Constant", vol="GARCH",
                             p=1, o=int(asymmetric), q=1, dist=dist, rescale=False).fit(disp="off")
-        expected = direct.forecast(horizon=1, reindex=False).variance.iloc[-1, 0]
-        assert ours.loc[series.index[first], "variance"] == pytest.approx(expected, rel=2e-3)
+        path = direct.forecast(horizon=5, reindex=False).variance.iloc[-1]
+        assert ours.loc[series.index[first], "variance"] == pytest.approx(path.iloc[0], rel=2e-3)
+        assert ours.loc[series.index[first], "variance_h"] == pytest.approx(path.sum(), rel=2e-3)
         assert ours.loc[series.index[first], "mu"] == pytest.approx(direct.params["mu"], rel=2e-2, abs=2e-3)
 
 
 def test_gjr_t_quantiles_are_the_fitted_standardised_t(series):
-    ours = garch(series, BLOCKS, asymmetric=True, dist="t")
+    ours = garch(series, BLOCKS, 5, asymmetric=True, dist="t")
     assert (ours["q01"] < norm.ppf(0.01)).all()
     assert (ours["q05"] > norm.ppf(0.05) - 0.2).all()
 
 
 def test_ewma_is_the_riskmetrics_recursion(series):
-    ours = ewma(series, BLOCKS, lam=0.94)
+    ours = ewma(series, BLOCKS, 5, lam=0.94)
     variance = series["sq_ret"].iloc[0]
     expected = []
     for value in series["sq_ret"]:
@@ -47,24 +48,27 @@ def test_ewma_is_the_riskmetrics_recursion(series):
         expected.append(variance)
     positions = np.r_[700:742]
     np.testing.assert_allclose(ours["variance"], np.array(expected)[positions])
+    np.testing.assert_allclose(ours["variance_h"], 5 * ours["variance"])
     assert (ours["mu"] == 0).all()
 
 
-def test_har_is_ols_on_pairs_known_at_the_origin(series):
-    ours = har(series, BLOCKS)
+@pytest.mark.parametrize("column,target,days", [("variance", "target", 1), ("variance_h", "target_h", 5)])
+def test_har_is_ols_on_pairs_known_at_the_origin(series, column, target, days):
+    ours = har(series, BLOCKS, 5)
     first = BLOCKS[1][0]
-    rows = series.iloc[:first].dropna(subset=["rv_m", "target"])
+    rows = series.iloc[: first - days + 1].dropna(subset=["rv_m", target])
+    assert rows.index[-1] + days == first, "the last pair's target days end on the origin"
     design = np.column_stack([np.ones(len(rows)), rows[["rv_d", "rv_w", "rv_m"]]])
-    coefficients = np.linalg.lstsq(design, rows["target"], rcond=None)[0]
+    coefficients = np.linalg.lstsq(design, rows[target], rcond=None)[0]
     expected = np.r_[1.0, series.loc[first, ["rv_d", "rv_w", "rv_m"]].to_numpy(float)] @ coefficients
-    assert ours.loc[first, "variance"] == pytest.approx(expected, rel=1e-8)
+    assert ours.loc[first, column] == pytest.approx(expected, rel=1e-8)
 
 
 def test_every_baseline_gives_one_positive_forecast_per_test_origin(series):
     for name, forecast in BASELINES.items():
-        result = forecast(series, BLOCKS, Baselines())
+        result = forecast(series, BLOCKS, 5, Baselines())
         assert list(result.index) == list(range(700, 742)), name
-        assert (result["variance"] > 0).all(), name
+        assert (result["variance"] > 0).all() and (result["variance_h"] > result["variance"]).all(), name
 
 
 REFERENCE = {  # ../shared/README.md: S&P 500 from arch, test 2011-01-03 .. 2018-12-31, refit every 21 days
@@ -79,7 +83,7 @@ def test_baselines_reproduce_the_published_sp500_numbers():
     forecasts = baseline_forecasts(frame, mask, config).join(
         frame[["ticker", "target_date", "target", "target_ret"]].rename(
             columns={"target_date": "date", "target": "parkinson", "target_ret": "ret"}))
-    results = evaluate(forecasts)
+    results = evaluate(forecasts, config.evaluation.horizon)
     for model, (qlike_parkinson, qlike_sq) in REFERENCE.items():
         assert results[model]["qlike_parkinson"] == pytest.approx(qlike_parkinson, abs=0.03), model
         assert results[model]["qlike_sq"] == pytest.approx(qlike_sq, abs=0.03), model

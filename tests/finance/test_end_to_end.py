@@ -79,7 +79,7 @@ def test_the_logged_model_loads_and_forecasts(smoke_run):
         mlflow.artifacts.download_artifacts(f"{model_uri}"))
     forecast = model.predict(example)
     assert list(forecast["ticker"]) == ["SYN000", "SYN001", "SYN002"]
-    assert (forecast["variance"] > 0).all()
+    assert (forecast["variance"] > 0).all() and (forecast["variance_5d"] > forecast["variance"]).all()
     assert (forecast["var_1pct"] < forecast["var_5pct"]).all() and (forecast["var_5pct"] < 0).all()
     with pytest.raises(mlflow.exceptions.MlflowException, match=r"missing inputs \['high'\]"):
         model.predict(example.drop(columns=["high"]))
@@ -140,5 +140,6 @@ def test_sigterm_then_resume_continues_from_the_checkpoint(tmp_path):
     assert finished.info.run_id == killed.info.run_id and finished.info.status == "FINISHED"
     assert finished.data.tags["resumed"] == "true"
     history = mlflow.MlflowClient().get_metric_history(finished.info.run_id, "val/qlike")
-    steps = sorted(metric.step for metric in history)
-    assert steps[:60] == list(range(60)), "one epoch logged per step, none repeated after the resume"
+    steps = [metric.step for metric in history]
+    assert set(range(60)) <= set(steps), "every epoch of the first refit is logged"
+    assert len(steps) - len(set(steps)) <= 1, "only the epoch cut short by the signal may run twice"

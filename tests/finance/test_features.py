@@ -4,7 +4,7 @@ import pytest
 
 from usecases.finance.features import HAR_WINDOWS, NEURAL_FEATURES, add_features, parkinson_variance
 
-LOOK_AHEAD = ["target", "target_ret", "target_date"]
+LOOK_AHEAD = ["target", "target_ret", "target_date", "target_h", "target_date_h"]
 
 
 def test_parkinson_variance_matches_the_formula():
@@ -22,6 +22,8 @@ def test_returns_and_har_averages_by_hand(panel):
     np.testing.assert_allclose(rows["rv_m"].iloc[30], daily.iloc[9:31].mean())
     assert set(HAR_WINDOWS) <= set(frame.columns)
     assert rows["target"].iloc[30] == pytest.approx(daily.iloc[31])
+    assert rows["target_h"].iloc[30] == pytest.approx(daily.iloc[31:36].sum())
+    assert rows["target_date_h"].iloc[30] == rows["date"].iloc[35]
 
 
 def test_features_are_causal(panel, perturb_after):

@@ -60,12 +60,15 @@ def test_evaluate_names_metrics_per_series_and_averages_them():
     for ticker, proxy in (("a", 1.0), ("b", 2.0)):
         for model in ("har", "neural"):
             for day in days:
-                rows.append({"model": model, "ticker": ticker, "date": day, "variance": 1.0, "mu": 0.0,
+                rows.append({"model": model, "ticker": ticker, "date": day, "variance": 1.0, "variance_h": 2.0,
+                             "mu": 0.0,
                              "q01": -2.33, "q05": -1.64, "parkinson": proxy, "ret": -3.0 if day == days[0] else 0.5})
-    results = evaluate(pd.DataFrame(rows), dm_lags=0)
+    results = evaluate(pd.DataFrame(rows), horizon=2, dm_lags=0)
     neural = results["neural"]
     assert neural["qlike_parkinson/a"] == 0
     assert neural["qlike_parkinson/b"] == pytest.approx(2 - math.log(2) - 1)
     assert neural["qlike_parkinson"] == pytest.approx((2 - math.log(2) - 1) / 2)
     assert neural["var1_breach_rate"] == 0.25
+    assert neural["qlike_parkinson_h2/a"] == 0, "two days of variance 1 sum to the forecast of 2"
+    assert neural["mse_parkinson_h2/b"] == pytest.approx(4.0), "three full two-day windows, each 4 against 2"
     assert "dm_t_vs_har" in neural and "dm_t_vs_har" not in results["har"]

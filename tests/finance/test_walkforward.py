@@ -36,7 +36,7 @@ def test_changing_data_after_t_leaves_forecasts_made_at_t_unchanged(panel, confi
     after = forecasts(perturb_after(panel, cutoff), config, cpu_job)
     assert before.index.equals(after.index)
     made_by_t = before["origin"] <= cutoff
-    columns = ["variance", "mu", "q01", "q05"]
+    columns = ["variance", "variance_h", "mu", "q01", "q05"]
     for model in before["model"].unique():
         rows = made_by_t & (before["model"] == model)
         np.testing.assert_allclose(after.loc[rows, columns], before.loc[rows, columns], rtol=1e-10, err_msg=model)
@@ -62,6 +62,8 @@ def test_the_neural_model_beats_its_untrained_start(panel, config, cpu_job):
     trained = qlike(proxy, neural["variance"].to_numpy())
     untrained = qlike(proxy, frame.loc[neural.index, "rv_m"].to_numpy())
     assert trained < untrained - 0.005
+    proxy_h = frame.loc[neural.index, "target_h"].to_numpy()
+    assert qlike(proxy_h, neural["variance_h"].to_numpy()) < qlike(proxy_h, 5 * frame.loc[neural.index, "rv_m"])
     assert latest["quantiles"][0] < latest["quantiles"][1] < 0
 
 

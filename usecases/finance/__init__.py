@@ -6,7 +6,12 @@ from usecases.finance.config import Config
 
 DESCRIPTION = "volatility and VaR forecasting (S&P 500, NASDAQ or your OHLC file) vs EWMA, GARCH, GJR-t, HAR"
 PRESETS_DIR = Path(__file__).parent / "presets"
-SUMMARY_COLUMNS = ["qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p", "dm_t_vs_har"]
+
+
+def summary_columns(config: Config) -> list[str]:
+    """The metrics printed at the end of a run; summary.json holds them all."""
+    return ["qlike_parkinson", "qlike_sq", "mse_parkinson", f"qlike_parkinson_h{config.evaluation.horizon}",
+            "var1_breach_rate", "kupiec_p", "dm_t_vs_har"]
 
 
 def load_data(config, path):
@@ -21,4 +26,4 @@ def run(config, data, job):
     return run(config, data, job)
 
 
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "SUMMARY_COLUMNS", "load_data", "run"]
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "load_data", "run", "summary_columns"]

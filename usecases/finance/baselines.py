@@ -1,8 +1,9 @@
 """The field's standard volatility forecasts, each refit on an expanding window at every block start.
 
-Every function takes one ticker's feature frame (rows are forecast origins, in date order) and the blocks
-of test origins as (first, last) row positions, and returns one row per test origin: the variance forecast
-for the next day, the mean return `mu`, and the standardised quantiles that turn them into Value-at-Risk.
+Every function takes one ticker's feature frame (rows are forecast origins, in date order), the blocks of
+test origins as (first, last) row positions and the longer horizon H, and returns one row per test origin:
+the variance forecast for the next day, the summed variance of the next H days (`variance_h`), the mean
+return `mu`, and the standardised quantiles that turn them into one-day Value-at-Risk.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ MIN_VARIANCE = 1e-6
 Blocks = list[tuple[int, int]]
 
 
-def forecast_frame(frame: pd.DataFrame, positions: np.ndarray, variance, mu, quantiles) -> pd.DataFrame:
+def forecast_frame(frame: pd.DataFrame, positions: np.ndarray, variance, variance_h, mu, quantiles) -> pd.DataFrame:
     out = pd.DataFrame(index=frame.index[positions])
     out["variance"] = np.maximum(np.asarray(variance, dtype=float), MIN_VARIANCE)
+    out["variance_h"] = np.maximum(np.asarray(variance_h, dtype=float), MIN_VARIANCE)
     out["mu"] = mu
     for level, quantile in zip(VAR_LEVELS, quantiles):
         out[f"q{round(level * 100):02d}"] = quantile
@@ -33,14 +35,16 @@ def _positions(blocks: Blocks) -> np.ndarray:
     return np.concatenate([np.arange(first, last + 1) for first, last in blocks])
 
 
-def ewma(frame: pd.DataFrame, blocks: Blocks, lam: float = 0.94) -> pd.DataFrame:
-    """RiskMetrics: σ²(t+1) = λ σ²(t) + (1 − λ) r(t)², zero mean, normal quantiles; nothing to refit."""
+def ewma(frame: pd.DataFrame, blocks: Blocks, horizon: int, lam: float = 0.94) -> pd.DataFrame:
+    """RiskMetrics: σ²(t+1) = λ σ²(t) + (1 − λ) r(t)², flat over the horizon, zero mean, normal quantiles."""
     variance = frame["sq_ret"].ewm(alpha=1 - lam, adjust=False).mean().to_numpy()
     positions = _positions(blocks)
-    return forecast_frame(frame, positions, variance[positions], 0.0, norm.ppf(VAR_LEVELS))
+    return forecast_frame(frame, positions, variance[positions], horizon * variance[positions], 0.0,
+                          norm.ppf(VAR_LEVELS))
 
 
-def garch(frame: pd.DataFrame, blocks: Blocks, asymmetric: bool = False, dist: str = "normal") -> pd.DataFrame:
+def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = False,
+          dist: str = "normal") -> pd.DataFrame:
     """GARCH(1,1) or GJR-GARCH(1,1,1) with a constant mean, fitted by `arch` on percent returns.
 
     At each block start the parameters are estimated on all returns up to the origin; within the block
@@ -53,39 +57,41 @@ def garch(frame: pd.DataFrame, blocks: Blocks, asymmetric: bool = False, dist: s
     for first, last in blocks:
         result = model.fit(last_obs=first + 1, disp="off", show_warning=False, starting_values=start_values)
         start_values = result.params.to_numpy()
-        forecast = result.forecast(horizon=1, start=first, reindex=False, align="origin")
-        variance = forecast.variance.to_numpy()[: last - first + 1, 0]
+        forecast = result.forecast(horizon=horizon, start=first, reindex=False, align="origin")
+        path = forecast.variance.to_numpy()[: last - first + 1]
         shape = result.params[model.distribution.parameter_names()].to_numpy()
         quantiles = model.distribution.ppf(np.array(VAR_LEVELS), shape)
-        parts.append(forecast_frame(frame, np.arange(first, last + 1), variance, result.params["mu"], quantiles))
+        parts.append(forecast_frame(frame, np.arange(first, last + 1), path[:, 0], path.sum(axis=1),
+                                    result.params["mu"], quantiles))
     return pd.concat(parts)
 
 
-def har(frame: pd.DataFrame, blocks: Blocks) -> pd.DataFrame:
+def har(frame: pd.DataFrame, blocks: Blocks, horizon: int) -> pd.DataFrame:
     """HAR-RV (Corsi 2009): next-day Parkinson variance on its 1-, 5- and 22-day averages, OLS with intercept.
 
-    Fitted on the pairs whose target day is at or before the origin; the VaR uses the mean return of the
-    same window and normal quantiles.
+    The H-day sum gets its own regression (direct, not iterated). Each is fitted on the pairs whose target
+    days are all at or before the origin; the VaR uses the window's mean return and normal quantiles.
     """
     inputs = frame[HAR_INPUTS].to_numpy()
-    target = frame["target"].to_numpy()
     returns = frame["ret"].to_numpy()
-    complete = np.isfinite(inputs).all(axis=1) & np.isfinite(target)
+    known = np.isfinite(inputs).all(axis=1)
     parts = []
     for first, last in blocks:
-        train = complete.copy()
-        train[first:] = False
-        regression = LinearRegression().fit(inputs[train], target[train])
         positions = np.arange(first, last + 1)
-        variance = regression.predict(inputs[positions])
+        forecasts = []
+        for target, lag in (("target", 1), ("target_h", horizon)):
+            values = frame[target].to_numpy()
+            train = known & np.isfinite(values)
+            train[first - lag + 1 :] = False
+            forecasts.append(LinearRegression().fit(inputs[train], values[train]).predict(inputs[positions]))
         mu = np.nanmean(returns[: first + 1])
-        parts.append(forecast_frame(frame, positions, variance, mu, norm.ppf(VAR_LEVELS)))
+        parts.append(forecast_frame(frame, positions, *forecasts, mu, norm.ppf(VAR_LEVELS)))
     return pd.concat(parts)
 
 
 BASELINES = {
-    "ewma": lambda frame, blocks, config: ewma(frame, blocks, config.ewma_lambda),
-    "garch": lambda frame, blocks, config: garch(frame, blocks),
-    "gjr_garch_t": lambda frame, blocks, config: garch(frame, blocks, asymmetric=True, dist="t"),
-    "har": lambda frame, blocks, config: har(frame, blocks),
+    "ewma": lambda frame, blocks, horizon, config: ewma(frame, blocks, horizon, config.ewma_lambda),
+    "garch": lambda frame, blocks, horizon, config: garch(frame, blocks, horizon),
+    "gjr_garch_t": lambda frame, blocks, horizon, config: garch(frame, blocks, horizon, asymmetric=True, dist="t"),
+    "har": lambda frame, blocks, horizon, config: har(frame, blocks, horizon),
 }

@@ -48,6 +48,7 @@ class Evaluation(ConfigModel):
     test_end: str | None = "2018-12-31"
     test_fraction: float = Field(0.3, gt=0, lt=1, description="used when test_start is null")
     refit_every: int = Field(21, ge=1, description="trading days between baseline refits")
+    horizon: int = Field(5, ge=2, description="the longer horizon in trading days, forecast beside the next day")
     dm_lags: int = Field(5, ge=0)
 
 

@@ -1,7 +1,8 @@
 """Forecast evaluation on the test window: losses against two variance proxies, tests, and plots.
 
 QLIKE(proxy, forecast) = x − ln x − 1 with x = proxy / forecast (Patton 2011): robust to the noise in the
-proxy, so models rank the same as they would against the true variance. Days where a proxy is zero are left out.
+proxy, so models rank the same as they would against the true variance. Days where a proxy is zero are left out,
+and so are the last H − 1 days of the window for the H-day forecasts, whose proxies would reach past it.
 """
 
 from __future__ import annotations
@@ -53,17 +54,28 @@ def value_at_risk(forecasts: pd.DataFrame, level: float) -> pd.Series:
     return forecasts["mu"] + np.sqrt(forecasts["variance"]) * forecasts[f"q{round(level * 100):02d}"]
 
 
-def series_metrics(forecasts: pd.DataFrame) -> dict[str, float]:
-    """Metrics of one model on one ticker; `forecasts` holds realised `parkinson` and `ret` beside the forecast."""
+def _forward_sum(values: np.ndarray, days: int) -> np.ndarray:
+    """values[i] + ... + values[i + days − 1]; NaN where the window runs past the end."""
+    return pd.Series(values).rolling(days).sum().shift(-(days - 1)).to_numpy()
+
+
+def series_metrics(forecasts: pd.DataFrame, horizon: int) -> dict[str, float]:
+    """Metrics of one model on one ticker, its rows in date order; `forecasts` holds the realised `parkinson`
+    and `ret` of each target day beside the forecasts. H-day proxies sum H consecutive target days."""
     variance = forecasts["variance"].to_numpy()
     parkinson = forecasts["parkinson"].to_numpy()
     returns = forecasts["ret"].to_numpy()
     squared = (returns - returns.mean()) ** 2
+    variance_h = forecasts["variance_h"].to_numpy()
+    parkinson_h, squared_h = _forward_sum(parkinson, horizon), _forward_sum(squared, horizon)
     metrics = {
         "qlike_parkinson": qlike(parkinson, variance),
         "qlike_sq": qlike(squared, variance),
         "mse_parkinson": mse(parkinson, variance),
         "mse_sq": mse(squared, variance),
+        f"qlike_parkinson_h{horizon}": qlike(parkinson_h, variance_h),
+        f"qlike_sq_h{horizon}": qlike(squared_h, variance_h),
+        f"mse_parkinson_h{horizon}": mse(parkinson_h, variance_h),
     }
     for level in (0.01, 0.05):
         name = f"var{round(level * 100)}"
@@ -75,7 +87,7 @@ def series_metrics(forecasts: pd.DataFrame) -> dict[str, float]:
     return metrics
 
 
-def evaluate(forecasts: pd.DataFrame, dm_lags: int = 5) -> dict[str, dict[str, float]]:
+def evaluate(forecasts: pd.DataFrame, horizon: int = 5, dm_lags: int = 5) -> dict[str, dict[str, float]]:
     """Per model: each metric per ticker as `METRIC/ticker`, and its mean over tickers as `METRIC`.
 
     Every model is also tested against HAR-RV (Diebold-Mariano on QLIKE against Parkinson variance).
@@ -85,7 +97,7 @@ def evaluate(forecasts: pd.DataFrame, dm_lags: int = 5) -> dict[str, dict[str, f
     for model, by_model in forecasts.groupby("model", sort=False):
         per_ticker: dict[str, dict[str, float]] = {}
         for ticker, rows in by_model.groupby("ticker", sort=False):
-            metrics = series_metrics(rows)
+            metrics = series_metrics(rows.sort_values("date"), horizon)
             if model != REFERENCE_MODEL and len(reference):
                 paired = rows.set_index(["ticker", "date"]).join(
                     reference["variance"].rename("variance_reference"), how="inner")

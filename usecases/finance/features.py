@@ -23,11 +23,12 @@ def parkinson_variance(high: pd.Series, low: pd.Series) -> pd.Series:
     return (100 * np.log(high / low)) ** 2 / (4 * np.log(2))
 
 
-def add_features(panel: pd.DataFrame) -> pd.DataFrame:
-    """Per ticker: returns, Parkinson variance, HAR averages, scale-free inputs and the next day's target.
+def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
+    """Per ticker: returns, Parkinson variance, HAR averages, scale-free inputs, and the targets.
 
-    The first row of each ticker (no return yet) is dropped; `target` and `target_date` look one day
-    ahead and are only ever used as labels whose date is before the forecast origin.
+    The first row of each ticker (no return yet) is dropped. The targets look ahead and are only ever used
+    as labels whose date is before the forecast origin: `target` is the next day's Parkinson variance (on
+    `target_date`), `target_h` the sum over the next `horizon` days (known on `target_date_h`).
     """
     frame = panel.sort_values(["ticker", "date"], kind="stable").reset_index(drop=True)
     by_ticker = frame.groupby("ticker", sort=False)
@@ -47,6 +48,9 @@ def add_features(panel: pd.DataFrame) -> pd.DataFrame:
     frame["target"] = by_ticker["parkinson"].shift(-1)
     frame["target_ret"] = by_ticker["ret"].shift(-1)
     frame["target_date"] = by_ticker["date"].shift(-1)
+    frame["target_h"] = by_ticker["parkinson"].rolling(horizon).sum().reset_index(level=0, drop=True)
+    frame["target_h"] = frame.groupby("ticker", sort=False)["target_h"].shift(-horizon)
+    frame["target_date_h"] = by_ticker["date"].shift(-horizon)
     return frame
 
 

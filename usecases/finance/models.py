@@ -2,27 +2,31 @@
 
 Inputs are scale-free (log variances relative to the ticker's 22-day average, standardised returns) plus
 the level itself, so one network serves tickers of any volatility. It predicts the log of the next day's
-variance as a correction to the 22-day average, which makes an untrained network a sensible forecaster.
+variance and of the next H days' summed variance, each as a correction to the 22-day average (times H),
+which makes an untrained network a sensible forecaster.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 
 class VolatilityMLP(nn.Module):
-    def __init__(self, n_features: int, hidden: int = 64, layers: int = 2, dropout: float = 0.1):
+    def __init__(self, n_features: int, hidden: int = 64, layers: int = 2, dropout: float = 0.1, horizon: int = 5):
         super().__init__()
         self.register_buffer("mean", torch.zeros(n_features))
         self.register_buffer("scale", torch.ones(n_features))
+        self.register_buffer("log_days", torch.tensor([0.0, math.log(horizon)]))
         blocks: list[nn.Module] = []
         width = n_features
         for _ in range(layers):
             blocks += [nn.Linear(width, hidden), nn.GELU(), nn.Dropout(dropout)]
             width = hidden
         self.body = nn.Sequential(*blocks)
-        self.head = nn.Linear(width, 1)
+        self.head = nn.Linear(width, 2)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
@@ -32,11 +36,15 @@ class VolatilityMLP(nn.Module):
         self.scale.copy_(torch.where(scale > 0, scale, torch.ones_like(scale)))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """Log variance forecast: the log 22-day average (the first feature) plus a learned correction."""
+        """Log variance forecasts (next day, next H days): the log 22-day average (the first feature) plus a
+        learned correction, as a (batch, 2) tensor."""
         scaled = (features - self.mean) / self.scale
-        return features[:, 0] + self.head(self.body(scaled)).squeeze(-1)
+        return features[:, :1] + self.log_days + self.head(self.body(scaled))
 
 
 def qlike_loss(log_forecast: torch.Tensor, proxy: torch.Tensor) -> torch.Tensor:
-    """QLIKE up to terms free of the forecast: proxy/f + ln f, minimised in expectation by f = E[proxy]."""
+    """QLIKE up to terms free of the forecast: proxy/f + ln f, minimised in expectation by f = E[proxy].
+
+    Averaged over both horizons, whose losses are on the same scale since QLIKE depends on proxy/f only.
+    """
     return (proxy * torch.exp(-log_forecast) + log_forecast).mean()

@@ -79,7 +79,7 @@ def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config) -> 
     for ticker, rows in frame.groupby("ticker", sort=False):
         blocks = ticker_blocks(rows, mask[rows.index], starts)
         for name in config.baselines.models:
-            forecasts = BASELINES[name](rows, blocks, config.baselines)
+            forecasts = BASELINES[name](rows, blocks, config.evaluation.horizon, config.baselines)
             parts.append(forecasts.assign(model=name))
         log.info("baselines: %s done (%d refits)", ticker, len(blocks))
     return pd.concat(parts)
@@ -89,31 +89,36 @@ def _member_seed(config: Config, block: int, member: int) -> int:
     return config.runtime.seed + 1000 * block + member
 
 
-def _fit_member(config: Config, job: Job, train_x: torch.Tensor, train_y: torch.Tensor, val_x: torch.Tensor,
-                val_y: torch.Tensor, block: int, member: int, step_offset: int) -> tuple[VolatilityMLP, int]:
-    runtime, train = job.runtime, config.train
+def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tensor],
+                validation: tuple[torch.Tensor, torch.Tensor], block: int, member: int,
+                step_offset: int) -> tuple[VolatilityMLP, int]:
+    runtime, settings, horizon = job.runtime, config.train, config.evaluation.horizon
     torch.manual_seed(_member_seed(config, block, member))
-    model = VolatilityMLP(len(NEURAL_FEATURES), config.neural.hidden, config.neural.layers, config.neural.dropout)
-    model.set_scaler(train_x.mean(0).cpu(), train_x.std(0).cpu())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-    settings = TrainSettings(max_epochs=train.epochs, monitor="val/qlike", mode="min", patience=train.patience,
-                             grad_clip=train.grad_clip, checkpoint_every=train.checkpoint_every)
+    model = VolatilityMLP(len(NEURAL_FEATURES), horizon=horizon, **config.neural.model_dump(exclude={"ensemble"}))
+    model.set_scaler(train[0].mean(0).cpu(), train[0].std(0).cpu())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    val_x, val_y = validation
 
     def validate(network: torch.nn.Module) -> dict[str, float]:
         ratio = val_y / torch.exp(network(val_x).float())
-        return {"val/qlike": float((ratio - torch.log(ratio) - 1).mean())}
+        losses = (ratio - torch.log(ratio) - 1).mean(0)
+        return {"val/qlike": float(losses[0]), f"val/qlike_h{horizon}": float(losses[1])}
 
-    trainer = Trainer(model, optimizer, qlike_loss, runtime, settings,
+    trainer = Trainer(model, optimizer, qlike_loss, runtime,
+                      TrainSettings(max_epochs=settings.epochs, monitor="val/qlike", mode="min",
+                                    patience=settings.patience, grad_clip=settings.grad_clip,
+                                    checkpoint_every=settings.checkpoint_every),
                       checkpoint_dir=job.checkpoint_dir / "neural" / f"refit{block:03d}" / f"member{member}",
                       log_metrics=job.tracker.log_metrics, step_offset=step_offset,
                       name=f"neural refit {block + 1} member {member + 1}")
-    batches = TensorBatches(train_x, train_y, batch_size=train.batch_size, seed=_member_seed(config, block, member),
+    batches = TensorBatches(*train, batch_size=settings.batch_size, seed=_member_seed(config, block, member),
                             rank=runtime.rank, world_size=runtime.world_size)
     result = trainer.fit(batches, validate, resume=job.resume)
     return trainer.module.eval(), result.epochs_run
 
 
 def _predict(models: list[VolatilityMLP], features: torch.Tensor) -> np.ndarray:
+    """The ensemble's mean variance forecasts, as (rows, 2): next day, next H days."""
     with torch.no_grad():
         return torch.stack([torch.exp(model(features).float()) for model in models]).mean(0).cpu().numpy()
 
@@ -121,46 +126,47 @@ def _predict(models: list[VolatilityMLP], features: torch.Tensor) -> np.ndarray:
 def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[pd.DataFrame, dict]:
     """Walk-forward training of the global model; returns the test forecasts and the last refit for serving.
 
-    At each refit the network sees only pairs whose target day is before the refit date, the latest
-    `val_fraction` of those dates for early stopping. Its VaR quantiles are the empirical quantiles of the
-    standardised returns it produced in its training window (filtered historical simulation).
+    At each refit the network sees only pairs whose target days (all H of them) are before the refit date,
+    the latest `val_fraction` of those dates for early stopping. Its VaR quantiles are the empirical quantiles
+    of the standardised returns it produced in its training window (filtered historical simulation).
     """
     device = job.runtime.device
     features = torch.tensor(frame[NEURAL_FEATURES].to_numpy(), dtype=torch.float32)
-    ready = usable(frame) & (frame["target"] > 0)
+    targets = torch.tensor(frame[["target", "target_h"]].to_numpy(), dtype=torch.float32)
+    ready = usable(frame) & (frame["target"] > 0) & (frame["target_h"] > 0)
     starts = block_starts(frame, mask, config.train.refit_every)
     parts, step, latest = [], 0, {}
     for block, start in enumerate(starts):
         end = starts[block + 1] if block + 1 < len(starts) else pd.Timestamp.max
-        in_window = ready & (frame["target_date"] < start)
-        dates = np.sort(frame.loc[in_window, "target_date"].unique())
+        in_window = ready & (frame["target_date_h"] < start)
+        dates = np.sort(frame.loc[in_window, "target_date_h"].unique())
         val_start = dates[int(len(dates) * (1 - config.train.val_fraction))]
-        train_rows = np.flatnonzero(in_window & (frame["target_date"] < val_start))
-        val_rows = np.flatnonzero(in_window & (frame["target_date"] >= val_start))
-        to_device = lambda rows, column=None: (features[rows] if column is None else torch.tensor(
-            frame[column].to_numpy()[rows], dtype=torch.float32)).to(device)
+        train_rows = np.flatnonzero(in_window & (frame["target_date_h"] < val_start))
+        val_rows = np.flatnonzero(in_window & (frame["target_date_h"] >= val_start))
         members = []
         for member in range(config.neural.ensemble):
-            model, epochs = _fit_member(config, job, to_device(train_rows), to_device(train_rows, "target"),
-                                        to_device(val_rows), to_device(val_rows, "target"), block, member, step)
+            model, epochs = _fit_member(
+                config, job, (features[train_rows].to(device), targets[train_rows].to(device)),
+                (features[val_rows].to(device), targets[val_rows].to(device)), block, member, step)
             members.append(model)
             step += epochs
         fitted_rows = np.flatnonzero(in_window)
-        fitted = _predict(members, to_device(fitted_rows))
+        fitted = _predict(members, features[fitted_rows].to(device))[:, 0]
         realised = frame["target_ret"].to_numpy()[fitted_rows]
         mu = float(realised.mean())
         quantiles = np.quantile((realised - mu) / np.sqrt(fitted), VAR_LEVELS)
         predict_rows = np.flatnonzero(mask & (frame["target_date"] >= start) & (frame["target_date"] < end))
-        variance = _predict(members, to_device(predict_rows))
-        parts.append(forecast_frame(frame, predict_rows, variance, mu, quantiles))
-        latest = {"models": members, "architecture": config.neural.model_dump(exclude={"ensemble"}), "mu": mu,
-                  "quantiles": quantiles.tolist(), "trained_until": str(start.date())}
+        forecast = _predict(members, features[predict_rows].to(device))
+        parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, quantiles))
+        latest = {"models": members, "architecture": {**config.neural.model_dump(exclude={"ensemble"}),
+                                                      "horizon": config.evaluation.horizon},
+                  "mu": mu, "quantiles": quantiles.tolist(), "trained_until": str(start.date())}
         log.info("neural: refit %d/%d (training targets before %s) done", block + 1, len(starts), start.date())
     return pd.concat(parts).assign(model="neural"), latest
 
 
 def run(config: Config, panel: Panel, job: Job) -> dict[str, dict[str, float]]:
-    frame = add_features(panel.frame)
+    frame = add_features(panel.frame, config.evaluation.horizon)
     mask = evaluation_window(frame, config)
     neural, latest = neural_forecasts(frame, mask, config, job)
     if not job.runtime.is_main:
@@ -169,7 +175,7 @@ def run(config: Config, panel: Panel, job: Job) -> dict[str, dict[str, float]]:
     realised = frame[["ticker", "target_date", "target", "target_ret"]].rename(
         columns={"target_date": "date", "target": "parkinson", "target_ret": "ret"})
     forecasts = pd.concat([baselines, neural]).join(realised)
-    models = evaluate(forecasts, config.evaluation.dm_lags)
+    models = evaluate(forecasts, config.evaluation.horizon, config.evaluation.dm_lags)
     _log_artifacts(forecasts, job)
     log_forecaster(latest, panel.frame, job)
     return models
@@ -185,6 +191,6 @@ def _log_artifacts(forecasts: pd.DataFrame, job: Job) -> None:
                              (var_figure(forecasts, ticker, "neural"), f"var_{ticker}.png")):
             tracker.log_figure(figure, f"plots/{name}")
             plt.close(figure)
-    table = forecasts.reset_index(drop=True)[["model", "ticker", "date", "variance", "mu", "q01", "q05",
-                                              "parkinson", "ret"]]
+    table = forecasts.reset_index(drop=True)[["model", "ticker", "date", "variance", "variance_h", "mu", "q01",
+                                              "q05", "parkinson", "ret"]]
     tracker.log_text(table.to_csv(index=False), "forecasts.csv")

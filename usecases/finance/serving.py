@@ -30,8 +30,8 @@ def _bad_input(message: str) -> MlflowException:
 class VolatilityForecaster(mlflow.pyfunc.PythonModel):
     """Input: daily rows (date, ticker, high, low, close), at least 67 consecutive days per ticker.
 
-    Output: one row per ticker with the variance forecast for the day after its last row (percent²),
-    the volatility, and the 1% and 5% one-day VaR of the percent return.
+    Output: one row per ticker with the variance forecast for the day after its last row (percent²), the
+    summed variance of the next H days, the volatility, and the 1% and 5% one-day VaR of the percent return.
     """
 
     def load_context(self, context) -> None:
@@ -44,6 +44,7 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
             model.load_state_dict(state)
             self.members.append(model.eval())
         self.mu, self.quantiles = bundle["mu"], bundle["quantiles"]
+        self.horizon = bundle["architecture"]["horizon"]
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         frame = pd.DataFrame(model_input).copy()
@@ -63,15 +64,18 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
         if (short < HISTORY_DAYS).any():
             raise _bad_input(f"ticker '{short.idxmin()}' has {short.min()} rows; at least {HISTORY_DAYS} "
                              f"consecutive trading days are needed")
-        latest = add_features(frame.sort_values(["ticker", "date"])).groupby("ticker", sort=False).tail(1)
+        latest = add_features(frame.sort_values(["ticker", "date"]), self.horizon)
+        latest = latest.groupby("ticker", sort=False).tail(1)
         features = torch.tensor(latest[NEURAL_FEATURES].to_numpy(), dtype=torch.float32)
         with torch.no_grad():
-            variance = torch.stack([torch.exp(model(features)) for model in self.members]).mean(0).numpy()
+            forecast = torch.stack([torch.exp(model(features)) for model in self.members]).mean(0).numpy()
+        variance = forecast[:, 0]
         volatility = np.sqrt(variance)
         return pd.DataFrame({
             "ticker": latest["ticker"].to_numpy(),
             "origin_date": latest["date"].dt.strftime("%Y-%m-%d").to_numpy(),
             "variance": variance.astype(float),
+            f"variance_{self.horizon}d": forecast[:, 1].astype(float),
             "volatility": volatility.astype(float),
             "var_1pct": (self.mu + volatility * self.quantiles[0]).astype(float),
             "var_5pct": (self.mu + volatility * self.quantiles[1]).astype(float),
