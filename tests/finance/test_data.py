@@ -6,7 +6,7 @@ import pytest
 
 from common.errors import UserError
 from usecases.finance.config import Data, Synthetic
-from usecases.finance.data import load_arch, load_file, load_panel, synthetic_panel
+from usecases.finance.data import attach_exogenous, load_arch, load_file, load_panel, synthetic_panel
 from usecases.finance.features import add_features
 
 GOOD = """date,ticker,open,high,low,close,volume
@@ -128,3 +128,21 @@ def test_synthetic_panel_is_seeded_consistent_and_carries_its_variance():
     correlation = np.corrcoef(np.log(features["rv_m"]), np.log(features["target"]))[0, 1]
     assert correlation > 0.3, "the Parkinson variance must be predictable from its own past"
     assert synthetic_panel(Synthetic(tickers=3, days=2000, seed=6)).sha256 != first.sha256
+
+
+def test_exogenous_series_join_by_date_without_look_ahead():
+    from arch.data import wti
+
+    frame = pd.DataFrame({"date": pd.to_datetime(["2011-01-03", "2011-01-01", "2030-01-02"]), "ticker": "A"})
+    joined = attach_exogenous(frame, ["wti", "vix"])
+    oil = wti.load().iloc[:, 0]
+    assert list(joined["date"]) == sorted(frame["date"])
+    assert joined.loc[joined["date"] == "2011-01-03", "wti"].item() == oil.loc["2011-01-03"]
+    assert joined.loc[joined["date"] == "2011-01-01", "wti"].item() == oil.loc["2010-12-31"], "the last value before"
+    assert joined.loc[joined["date"] == "2030-01-02", "wti"].isna().all(), "stale values are not carried on"
+    assert joined["vix"].isna().all(), "arch's VIX starts in 2014"
+
+
+def test_exogenous_columns_reach_the_panel_and_its_source():
+    panel = load_panel(Data(source="synthetic", exogenous=["wti"], synthetic=Synthetic(tickers=1, days=300)))
+    assert panel.source.endswith("+wti") and panel.frame["wti"].notna().mean() > 0.9

@@ -97,7 +97,7 @@ def test_a_csv_without_high_is_one_line_and_exit_2(tmp_path):
     assert all(run.info.status != "RUNNING" for run in runs())
 
 
-def test_a_user_csv_runs_end_to_end(tmp_path):
+def test_a_user_csv_with_an_exogenous_input_runs_end_to_end(tmp_path):
     from usecases.finance.config import Synthetic
     from usecases.finance.data import synthetic_panel
 
@@ -107,11 +107,17 @@ def test_a_user_csv_runs_end_to_end(tmp_path):
     columns = [f"--set=data.columns.{key}={key.upper()}" for key in ("date", "ticker", "open", "high", "low",
                                                                       "close", "volume")]
     result = usecases("run", "finance", "--preset", "smoke", "--data", str(csv), *columns,
-                      "--set", "baselines.models=[har]", "--set", "train.epochs=3")
+                      "--set", "data.exogenous=[wti]", "--set", "baselines.models=[har]", "--set", "train.epochs=3")
     assert result.returncode == 0, result.stderr[-2000:]
     (run,) = runs()
-    assert run.data.tags["data_source"] == "file:mine.csv" and run.data.tags["data_filled_rows"] == "0"
+    assert run.data.tags["data_source"] == "file:mine.csv+wti" and run.data.tags["data_filled_rows"] == "0"
     assert "test/neural/qlike_parkinson/SYN000" in run.data.metrics
+    model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    assert "wti" in model.metadata.get_input_schema().input_names()
+    recent = frame.tail(80).rename(columns=str.lower).assign(wti=60.0)
+    recent["date"] = recent["date"].astype(str)
+    forecast = model.predict(recent[["date", "ticker", "high", "low", "close", "wti"]])
+    assert forecast["variance"].iloc[0] > 0
 
 
 def test_sigterm_then_resume_continues_from_the_checkpoint(tmp_path):

@@ -77,3 +77,15 @@ def test_a_window_outside_the_data_is_a_user_error(panel, config):
     config.evaluation.test_start, config.evaluation.test_end = "2030-01-01", "2030-12-31"
     with pytest.raises(UserError, match="no trading days between 2030-01-01"):
         evaluation_window(add_features(panel), config)
+
+
+def test_exogenous_inputs_are_used_and_gaps_imputed(panel, config, cpu_job):
+    """WTI covers the synthetic dates and VIX does not: the model trains and forecasts either way."""
+    from usecases.finance.data import attach_exogenous
+
+    config.data.exogenous = ["wti", "vix"]
+    frame = add_features(attach_exogenous(panel, config.data.exogenous))
+    assert frame["log_wti_rv"].notna().mean() > 0.9 and frame["rel_vix"].isna().all()
+    neural, latest = neural_forecasts(frame, evaluation_window(frame, config), config, cpu_job)
+    assert latest["features"][-2:] == ["log_wti_rv", "rel_vix"]
+    assert np.isfinite(neural[["variance", "variance_h"]].to_numpy()).all()

@@ -38,6 +38,8 @@ class Synthetic(ConfigModel):
 class Data(ConfigModel):
     source: Literal["arch", "file", "synthetic"] = "arch"
     series: list[Literal["sp500", "nasdaq"]] = ["sp500", "nasdaq"]
+    exogenous: list[Literal["vix", "wti"]] = Field(
+        [], description="market-wide inputs from arch, joined by date: VIX (2014-2018) and WTI crude (1986-2018)")
     columns: Columns = Columns()
     max_fill_gap: int = Field(3, ge=0, description="forward-fill at most this many consecutive missing rows")
     synthetic: Synthetic = Synthetic()

@@ -25,10 +25,13 @@ log = logging.getLogger(__name__)
 PRICE_COLUMNS = ["open", "high", "low", "close"]
 REQUIRED_COLUMNS = ["date", "high", "low", "close"]
 PANEL_COLUMNS = ["date", "ticker", *PRICE_COLUMNS, "volume"]
+EXOGENOUS_STALE_DAYS = 7
 
 
 @dataclass
 class Panel:
+    """A long-format frame (PANEL_COLUMNS, plus any exogenous columns) and where it came from."""
+
     frame: pd.DataFrame
     source: str
     sha256: str
@@ -41,12 +44,30 @@ class Panel:
 
 def load_panel(config: Data, path: Path | None = None) -> Panel:
     if path is not None:
-        return load_file(path, config)
-    if config.source == "synthetic":
-        return synthetic_panel(config.synthetic)
-    if config.source == "file":
+        panel = load_file(path, config)
+    elif config.source == "synthetic":
+        panel = synthetic_panel(config.synthetic)
+    elif config.source == "file":
         raise UserError("data.source=file needs --data PATH (a CSV or Parquet file in long format)")
-    return load_arch(config.series)
+    else:
+        panel = load_arch(config.series)
+    if config.exogenous:
+        panel.frame = attach_exogenous(panel.frame, config.exogenous)
+        panel.source += f"+{'+'.join(config.exogenous)}"
+    return panel
+
+
+def attach_exogenous(frame: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+    """Market-wide daily series from `arch` as extra columns, each row taking the latest value on or before
+    its date (never a later one); values older than a week are left missing rather than carried on."""
+    joined = frame.sort_values("date", kind="stable")
+    for name in names:
+        series = importlib.import_module(f"arch.data.{name}").load().iloc[:, 0].dropna()
+        values = pd.DataFrame({"date": pd.to_datetime(series.index).astype("datetime64[ns]"),
+                               name: series.to_numpy(dtype=float)})
+        joined = pd.merge_asof(joined.astype({"date": "datetime64[ns]"}), values, on="date", direction="backward",
+                               tolerance=pd.Timedelta(days=EXOGENOUS_STALE_DAYS))
+    return joined.sort_values(["ticker", "date"], kind="stable").reset_index(drop=True)
 
 
 def load_arch(series: list[str]) -> Panel:

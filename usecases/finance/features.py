@@ -15,7 +15,13 @@ HISTORY_DAYS = LONG_WINDOW + 1
 NEURAL_FEATURES = [
     "log_rv_m", "rel_rv_d", "rel_rv_w", "rel_rv_q", "rel_sq_ret", "ret_std", "neg_ret_std",
 ]
+EXOGENOUS_FEATURES = {"vix": "rel_vix", "wti": "log_wti_rv"}
 VARIANCE_FLOOR = 1e-3  # relative to the monthly average: keeps logs finite on days with High == Low
+
+
+def feature_names(exogenous: list[str]) -> list[str]:
+    """The neural model's inputs: the log 22-day average first (the model's baseline), exogenous ones last."""
+    return NEURAL_FEATURES + [EXOGENOUS_FEATURES[name] for name in exogenous]
 
 
 def parkinson_variance(high: pd.Series, low: pd.Series) -> pd.Series:
@@ -35,6 +41,8 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
     frame["ret"] = 100 * np.log(frame["close"] / by_ticker["close"].shift(1))
     frame["parkinson"] = parkinson_variance(frame["high"], frame["low"])
     frame["sq_ret"] = frame["ret"] ** 2
+    if "wti" in frame:
+        frame["wti_sq_ret"] = (100 * np.log(frame["wti"] / by_ticker["wti"].shift(1))) ** 2
     frame = frame[by_ticker.cumcount() > 0].reset_index(drop=True)
     by_ticker = frame.groupby("ticker", sort=False)
     for name, window in {**HAR_WINDOWS, "rv_q": LONG_WINDOW}.items():
@@ -45,6 +53,11 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
         frame[name] = np.log(np.maximum(frame[source], floor)) - frame["log_rv_m"]
     frame["ret_std"] = frame["ret"] / np.sqrt(frame["rv_m"])
     frame["neg_ret_std"] = np.minimum(frame["ret_std"], 0)
+    if "vix" in frame:
+        frame["rel_vix"] = np.log(frame["vix"] ** 2 / 252) - frame["log_rv_m"]
+    if "wti" in frame:
+        wti_rv = by_ticker["wti_sq_ret"].rolling(HAR_WINDOWS["rv_m"], min_periods=15).mean()
+        frame["log_wti_rv"] = np.log(wti_rv.reset_index(level=0, drop=True) + VARIANCE_FLOOR)
     frame["target"] = by_ticker["parkinson"].shift(-1)
     frame["target_ret"] = by_ticker["ret"].shift(-1)
     frame["target_date"] = by_ticker["date"].shift(-1)
@@ -55,5 +68,5 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
 
 
 def usable(frame: pd.DataFrame) -> pd.Series:
-    """Rows whose features are all defined (after the 66-day warm-up)."""
+    """Rows whose own features are all defined (after the 66-day warm-up); exogenous gaps are imputed later."""
     return frame[NEURAL_FEATURES].notna().all(axis=1) & np.isfinite(frame[NEURAL_FEATURES]).all(axis=1)

@@ -30,15 +30,17 @@ class VolatilityMLP(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def set_scaler(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
-        """Standardisation fitted on the training window only; kept in the state dict for serving."""
-        self.mean.copy_(mean)
+    def fit_scaler(self, features: torch.Tensor) -> None:
+        """Standardisation fitted on the training window only (missing values ignored), kept for serving."""
+        mean = torch.nanmean(features, dim=0)
+        scale = torch.nanmean((features - mean) ** 2, dim=0).sqrt()
+        self.mean.copy_(torch.nan_to_num(mean, nan=0.0))
         self.scale.copy_(torch.where(scale > 0, scale, torch.ones_like(scale)))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Log variance forecasts (next day, next H days): the log 22-day average (the first feature) plus a
-        learned correction, as a (batch, 2) tensor."""
-        scaled = (features - self.mean) / self.scale
+        learned correction, as a (batch, 2) tensor. A missing exogenous input counts as its training mean."""
+        scaled = torch.nan_to_num((features - self.mean) / self.scale, nan=0.0)
         return features[:, :1] + self.log_days + self.head(self.body(scaled))
 
 

@@ -21,7 +21,7 @@ from usecases.finance.baselines import BASELINES, VAR_LEVELS, forecast_frame
 from usecases.finance.config import Config
 from usecases.finance.data import Panel, load_panel
 from usecases.finance.evaluate import evaluate, forecast_figure, var_figure
-from usecases.finance.features import NEURAL_FEATURES, add_features, usable
+from usecases.finance.features import add_features, feature_names, usable
 from usecases.finance.models import VolatilityMLP, qlike_loss
 from usecases.finance.serving import log_forecaster
 
@@ -94,8 +94,8 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
                 step_offset: int) -> tuple[VolatilityMLP, int]:
     runtime, settings, horizon = job.runtime, config.train, config.evaluation.horizon
     torch.manual_seed(_member_seed(config, block, member))
-    model = VolatilityMLP(len(NEURAL_FEATURES), horizon=horizon, **config.neural.model_dump(exclude={"ensemble"}))
-    model.set_scaler(train[0].mean(0).cpu(), train[0].std(0).cpu())
+    model = VolatilityMLP(train[0].shape[1], horizon=horizon, **config.neural.model_dump(exclude={"ensemble"}))
+    model.fit_scaler(train[0].cpu())
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     val_x, val_y = validation
 
@@ -131,7 +131,8 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     of the standardised returns it produced in its training window (filtered historical simulation).
     """
     device = job.runtime.device
-    features = torch.tensor(frame[NEURAL_FEATURES].to_numpy(), dtype=torch.float32)
+    names = feature_names(config.data.exogenous)
+    features = torch.tensor(frame[names].to_numpy(), dtype=torch.float32)
     targets = torch.tensor(frame[["target", "target_h"]].to_numpy(), dtype=torch.float32)
     ready = usable(frame) & (frame["target"] > 0) & (frame["target_h"] > 0)
     starts = block_starts(frame, mask, config.train.refit_every)
@@ -158,8 +159,9 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
         predict_rows = np.flatnonzero(mask & (frame["target_date"] >= start) & (frame["target_date"] < end))
         forecast = _predict(members, features[predict_rows].to(device))
         parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, quantiles))
-        latest = {"models": members, "architecture": {**config.neural.model_dump(exclude={"ensemble"}),
-                                                      "horizon": config.evaluation.horizon},
+        latest = {"models": members, "features": names, "exogenous": config.data.exogenous,
+                  "architecture": {**config.neural.model_dump(exclude={"ensemble"}),
+                                   "horizon": config.evaluation.horizon},
                   "mu": mu, "quantiles": quantiles.tolist(), "trained_until": str(start.date())}
         log.info("neural: refit %d/%d (training targets before %s) done", block + 1, len(starts), start.date())
     return pd.concat(parts).assign(model="neural"), latest

@@ -16,7 +16,7 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 import common
 import usecases
-from usecases.finance.features import HISTORY_DAYS, NEURAL_FEATURES, add_features
+from usecases.finance.features import HISTORY_DAYS, add_features
 from usecases.finance.models import VolatilityMLP
 
 INPUT_COLUMNS = ["date", "ticker", "high", "low", "close"]
@@ -28,7 +28,8 @@ def _bad_input(message: str) -> MlflowException:
 
 
 class VolatilityForecaster(mlflow.pyfunc.PythonModel):
-    """Input: daily rows (date, ticker, high, low, close), at least 67 consecutive days per ticker.
+    """Input: daily rows (date, ticker, high, low, close, and the exogenous columns the model was trained
+    with, such as vix), at least 67 consecutive days per ticker.
 
     Output: one row per ticker with the variance forecast for the day after its last row (percent²), the
     summed variance of the next H days, the volatility, and the 1% and 5% one-day VaR of the percent return.
@@ -39,8 +40,9 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
 
     def _load(self, bundle: dict) -> None:
         self.members = []
+        self.features, self.exogenous = bundle["features"], bundle["exogenous"]
         for state in bundle["states"]:
-            model = VolatilityMLP(len(NEURAL_FEATURES), **bundle["architecture"])
+            model = VolatilityMLP(len(self.features), **bundle["architecture"])
             model.load_state_dict(state)
             self.members.append(model.eval())
         self.mu, self.quantiles = bundle["mu"], bundle["quantiles"]
@@ -48,13 +50,14 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         frame = pd.DataFrame(model_input).copy()
-        missing = [column for column in INPUT_COLUMNS if column not in frame.columns and column != "ticker"]
+        expected = INPUT_COLUMNS + self.exogenous
+        missing = [column for column in expected if column not in frame.columns and column != "ticker"]
         if missing:
-            raise _bad_input(f"input is missing column '{missing[0]}' (expected {', '.join(INPUT_COLUMNS)})")
+            raise _bad_input(f"input is missing column '{missing[0]}' (expected {', '.join(expected)})")
         if "ticker" not in frame.columns:
             frame["ticker"] = "series"
         frame["date"] = pd.to_datetime(frame["date"], errors="coerce")
-        for column in ("high", "low", "close"):
+        for column in ["high", "low", "close", *self.exogenous]:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
         if frame[["date", "high", "low", "close"]].isna().any().any():
             raise _bad_input("input has missing or non-numeric values in date, high, low or close")
@@ -66,7 +69,7 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
                              f"consecutive trading days are needed")
         latest = add_features(frame.sort_values(["ticker", "date"]), self.horizon)
         latest = latest.groupby("ticker", sort=False).tail(1)
-        features = torch.tensor(latest[NEURAL_FEATURES].to_numpy(), dtype=torch.float32)
+        features = torch.tensor(latest[self.features].to_numpy(), dtype=torch.float32)
         with torch.no_grad():
             forecast = torch.stack([torch.exp(model(features)) for model in self.members]).mean(0).numpy()
         variance = forecast[:, 0]
@@ -82,9 +85,9 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
         })
 
 
-def input_example(panel: pd.DataFrame) -> pd.DataFrame:
+def input_example(panel: pd.DataFrame, exogenous: list[str]) -> pd.DataFrame:
     recent = panel.sort_values(["ticker", "date"]).groupby("ticker", sort=False).tail(EXAMPLE_DAYS)
-    example = recent[INPUT_COLUMNS].reset_index(drop=True)
+    example = recent[INPUT_COLUMNS + exogenous].reset_index(drop=True)
     example["date"] = example["date"].dt.strftime("%Y-%m-%d")
     return example
 
@@ -96,12 +99,14 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
     bundle = {
         "states": [{key: value.cpu() for key, value in model.state_dict().items()} for model in latest["models"]],
         "architecture": latest["architecture"],
+        "features": latest["features"],
+        "exogenous": latest["exogenous"],
         "mu": latest["mu"],
         "quantiles": latest["quantiles"],
     }
     probe = VolatilityForecaster()
     probe._load(bundle)
-    example = input_example(panel)
+    example = input_example(panel, latest["exogenous"])
     signature = infer_signature(example, probe.predict(None, example))
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "forecaster.pt"
