@@ -20,7 +20,7 @@ from typing import Any
 import mlflow
 
 from common.config import flatten
-from common.errors import Terminated
+from common.interrupt import Terminated
 
 log = logging.getLogger(__name__)
 

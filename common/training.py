@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm.auto import tqdm
 
+from common.interrupt import stop_point
 from common.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -195,6 +196,7 @@ class Trainer:
         started = time.perf_counter()
         iterator = iter(batches)
         while True:
+            stop_point()
             fetch = time.perf_counter()
             try:
                 batch = next(iterator)

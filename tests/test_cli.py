@@ -109,7 +109,7 @@ def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatc
             raise DataUnavailable("no copy of the data set here")
 
     monkeypatch.setattr(cli, "run_usecase", fake_run)
-    monkeypatch.setattr(cli, "raise_on_sigterm", lambda: None)
+    monkeypatch.setattr(cli, "stop_on_signals", lambda: None)
     assert cli.main(["demo", "--device", "cpu"]) == 0
     assert calls[:2] == [[], ["data.source=synthetic"]]
 

@@ -14,7 +14,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from common.errors import DataUnavailable, Terminated, UserError, raise_on_sigterm
+from common.errors import DataUnavailable, UserError
+from common.interrupt import Terminated, stop_on_signals
 
 EXIT_OK, EXIT_FAILURE, EXIT_USER_ERROR = 0, 1, 2
 log = logging.getLogger("usecases")
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("usecases", "common"):
         logging.getLogger(name).setLevel(logging.INFO)
     args = _parser().parse_args(argv)
-    raise_on_sigterm()
+    stop_on_signals()
     try:
         if args.command == "list":
             return _list()

@@ -12,7 +12,7 @@ import mlflow
 import pytest
 
 from common.config import ConfigModel, flatten
-from common.errors import Terminated
+from common.interrupt import Terminated
 from common.tracking import Tracker, experiment_name, git_commit, tracked_run, write_summary
 
 USECASE = "unit"

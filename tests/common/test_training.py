@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from common import training
-from common.errors import Terminated
+from common.interrupt import Terminated
 from common.runtime import Runtime
 from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, TrainSettings, save_atomic
 

@@ -14,6 +14,8 @@ from arch import arch_model
 from scipy.stats import norm
 from sklearn.linear_model import LinearRegression
 
+from common.interrupt import stop_point
+
 VAR_LEVELS = (0.01, 0.05)
 HAR_INPUTS = ["rv_d", "rv_w", "rv_m"]
 MIN_VARIANCE = 1e-6
@@ -55,6 +57,7 @@ def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = 
                        rescale=False)
     parts, start_values = [], None
     for first, last in blocks:
+        stop_point()  # each fit takes a moment: a requested stop need not wait for all of them
         result = model.fit(last_obs=first + 1, disp="off", show_warning=False, starting_values=start_values)
         start_values = result.params.to_numpy()
         forecast = result.forecast(horizon=horizon, start=first, reindex=False, align="origin")

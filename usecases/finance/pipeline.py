@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from common.errors import UserError
+from common.interrupt import stop_point
 from common.job import Job
 from common.training import TensorBatches, Trainer, TrainSettings
 from usecases.finance.baselines import BASELINES, VAR_LEVELS, forecast_frame
@@ -79,6 +80,7 @@ def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config) -> 
     for ticker, rows in frame.groupby("ticker", sort=False):
         blocks = ticker_blocks(rows, mask[rows.index], starts)
         for name in config.baselines.models:
+            stop_point()
             forecasts = BASELINES[name](rows, blocks, config.evaluation.horizon, config.baselines)
             parts.append(forecasts.assign(model=name))
         log.info("baselines: %s done (%d refits)", ticker, len(blocks))

@@ -1,0 +1,43 @@
+"""Stopping on Ctrl-C or SIGTERM at a safe point, so checkpoints, runs and database connections close cleanly.
+
+An exception raised straight from a signal handler can land inside a lock held by SQLAlchemy or MLflow's
+system-metrics thread and deadlock the shutdown. So the first signal only records the request, and the job
+raises at its next `stop_point()` (every training step, every baseline refit); a second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+_requested: int | None = None
+
+
+class Terminated(BaseException):
+    """The job was asked to stop by SIGTERM (as KeyboardInterrupt is for Ctrl-C)."""
+
+
+def _exception_for(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(f"signal {signum}")
+
+
+def _handler(signum: int, frame) -> None:
+    global _requested
+    if _requested is not None:
+        raise _exception_for(signum)
+    _requested = signum
+    print(f"{signal.Signals(signum).name}: stopping at the next safe point (send it again to stop at once)",
+          file=sys.stderr, flush=True)
+
+
+def stop_on_signals() -> None:
+    global _requested
+    _requested = None
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)
+
+
+def stop_point() -> None:
+    """Raise KeyboardInterrupt or Terminated here if a stop was requested."""
+    if _requested is not None:
+        raise _exception_for(_requested)
