@@ -3,6 +3,7 @@
 An exception raised straight from a signal handler can land inside a lock held by SQLAlchemy or MLflow's
 system-metrics thread and deadlock the shutdown. So the first signal only records the request, and the job
 raises at its next `stop_point()` (every training step, every baseline refit); a second signal stops at once.
+Under DDP the ranks agree once per epoch (see common/training.py), so none is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def stop_on_signals() -> None:
     _requested = None
     signal.signal(signal.SIGINT, _handler)
     signal.signal(signal.SIGTERM, _handler)
+
+
+def stop_requested() -> bool:
+    return _requested is not None
 
 
 def stop_point() -> None:

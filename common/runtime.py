@@ -127,6 +127,8 @@ def use_gpu_frames(frames: str = "auto") -> str:
         return "pandas"
     if importlib.util.find_spec("cudf") is None:
         return "pandas"
+    if "cudf.pandas" in sys.modules:
+        return "cudf.pandas"  # installed by an earlier run in this process (usecases demo)
     if "pandas" in sys.modules:
         log.warning("pandas was imported before cudf.pandas could be installed; DataFrames stay on the CPU")
         return "pandas"

@@ -25,6 +25,7 @@ from common.interrupt import Terminated
 log = logging.getLogger(__name__)
 
 EXPERIMENT_PREFIX = "gpu-usecases"
+SYSTEM_METRICS_INTERVAL_S = 5  # MLflow's 10 s default misses the short smoke runs entirely
 
 
 def project_root() -> Path:
@@ -134,6 +135,7 @@ def tracked_run(
         yield Tracker(active=False)
         return
     experiment_id = ensure_experiment(usecase)
+    mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
     run = mlflow.start_run(
         run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=run_name, log_system_metrics=True
     )

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm.auto import tqdm
 
-from common.interrupt import stop_point
+from common.interrupt import Terminated, stop_point, stop_requested
 from common.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,18 @@ def all_reduce_mean(values: dict[str, float], runtime: Runtime) -> dict[str, flo
     tensor = torch.tensor([float(values[key]) for key in keys], dtype=torch.float64, device=runtime.device)
     dist.all_reduce(tensor)
     return dict(zip(keys, (tensor / runtime.world_size).tolist()))
+
+
+def stop_if_any_rank_asked(runtime: Runtime) -> None:
+    """Every rank stops at the same point when any of them got Ctrl-C or SIGTERM."""
+    if not runtime.distributed:
+        stop_point()
+        return
+    flag = torch.tensor([float(stop_requested())], device=runtime.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        stop_point()
+        raise Terminated("another rank was asked to stop")
 
 
 def save_atomic(state: dict, path: Path) -> None:
@@ -196,7 +208,8 @@ class Trainer:
         started = time.perf_counter()
         iterator = iter(batches)
         while True:
-            stop_point()
+            if not self.runtime.distributed:
+                stop_point()
             fetch = time.perf_counter()
             try:
                 batch = next(iterator)
@@ -256,6 +269,7 @@ class Trainer:
         progress = tqdm(range(start_epoch, settings.max_epochs), desc=self.name, leave=False,
                         disable=not sys.stderr.isatty() or not self.runtime.is_main)
         for epoch in progress:
+            stop_if_any_rank_asked(self.runtime)
             if hasattr(batches, "set_epoch"):
                 batches.set_epoch(epoch)
             elif isinstance(getattr(batches, "sampler", None), DistributedSampler):

@@ -1,11 +1,7 @@
 """Shared test setup: GPU tests skip without a GPU; every test tracks into its own temporary store."""
 
-from pathlib import Path
-
 import pytest
 import torch
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def pytest_collection_modifyitems(config, items):

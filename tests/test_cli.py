@@ -59,9 +59,18 @@ def test_missing_data_path(tmp_path):
     assert "no such file or folder" in user_error("run", "finance", "--data", str(tmp_path / "nope.csv"))
 
 
-def test_bad_device_choice_is_an_argparse_error():
-    result = usecases("run", "finance", "--device", "tpu")
-    assert result.returncode == 2 and "invalid choice" in result.stderr
+def test_usage_mistakes_are_one_line_too():
+    assert "argument --device: invalid choice: 'tpu'" in user_error("run", "finance", "--device", "tpu")
+    assert "invalid choice: 'bogus'" in user_error("bogus")
+
+
+def test_an_unwritable_summary_path_is_refused_before_the_run(tmp_path):
+    assert "--summary" in user_error("run", "finance", "--preset", "smoke", "--summary", str(tmp_path / "no" / "s.json"))
+
+
+def test_a_test_start_that_is_no_date():
+    assert "config key 'evaluation.test_start'" in user_error("run", "finance", "--preset", "smoke",
+                                                             "--set", "evaluation.test_start=notadate")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -75,6 +84,8 @@ def test_resume_without_a_checkpoint():
 
 def test_user_errors_leave_no_run_behind():
     user_error("run", "finance", "--preset", "smoke", "--set", "train.epoch=3")
+    assert "days before the test window" in user_error("run", "finance", "--preset", "smoke",
+                                                       "--set", "evaluation.test_fraction=0.9")
     assert [run.info.status for run in runs()] == []
 
 

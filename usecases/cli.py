@@ -21,8 +21,15 @@ EXIT_OK, EXIT_FAILURE, EXIT_USER_ERROR = 0, 1, 2
 log = logging.getLogger("usecases")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes in one line, like every other user error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"error: {message} (see: {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="usecases", description="GPU machine-learning pipelines, tracked in MLflow.")
+    parser = _Parser(prog="usecases", description="GPU machine-learning pipelines, tracked in MLflow.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     commands.add_parser("list", help="list the use cases and their presets", description="List the use cases.")
@@ -103,7 +110,12 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
     config = load_config(module.Config, module.PRESETS_DIR, preset, overrides)
     if data is not None and not data.exists():
         raise UserError(f"--data {data}: no such file or folder")
+    if summary is not None and not (summary.parent.is_dir() and os.access(summary.parent, os.W_OK)):
+        raise UserError(f"--summary {summary}: cannot write there (no such folder, or no permission)")
     runtime = make_runtime(device, config.runtime.precision, config.runtime.cpu_threads)
+    if not runtime.is_main:
+        for logger in ("usecases", "common"):
+            logging.getLogger(logger).setLevel(logging.WARNING)
     try:
         seed_everything(config.runtime.seed, config.runtime.deterministic)
         loaded, data_tags = module.load_data(config, data)

@@ -1,9 +1,12 @@
 """Run by test_ddp.py under torchrun: DDP training of a small MLP on CPU (gloo), saving what each rank ends with.
 
 Each rank seeds differently before building its model, so equal final parameters can only come from DDP's
-initial broadcast and gradient all-reduce.
+initial broadcast and gradient all-reduce. With a second argument R, rank R alone gets SIGTERM at the end of
+the first epoch, and every rank must stop together at the start of the second.
 """
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -11,44 +14,46 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.interrupt import Terminated, stop_on_signals
 from common.runtime import make_runtime, shutdown
 from common.training import TensorBatches, Trainer, TrainSettings
 
 
-def main(outdir: Path) -> None:
+def main(outdir: Path, signal_rank: int | None = None) -> None:
     runtime = make_runtime("cpu")
+    stop_on_signals()
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 2, generator=generator)
     y = 2 * x[:, :1] - x[:, 1:] + 0.5
+    epochs_validated = []
+
+    def mse(model: nn.Module) -> float:
+        with torch.no_grad():
+            return nn.functional.mse_loss(model(x), y).item()
 
     def validate(model: nn.Module) -> dict[str, float]:
-        return {"val/mse": nn.functional.mse_loss(model(x), y).item()}
+        epochs_validated.append(len(epochs_validated))
+        if runtime.rank == signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {"val/mse": mse(model)}
 
     torch.manual_seed(100 + runtime.rank)
     model = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
     initial = {key: value.clone() for key, value in model.state_dict().items()}
-    with torch.no_grad():
-        loss_start = validate(model)["val/mse"]
+    loss_start = mse(model)
     batches = TensorBatches(x, y, batch_size=16, seed=0, rank=runtime.rank, world_size=runtime.world_size)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), nn.functional.mse_loss,
                       runtime, TrainSettings(max_epochs=4, monitor="val/mse"))
-    result = trainer.fit(batches, validate)
-    with torch.no_grad():
-        loss_end = validate(model)["val/mse"]
-    torch.save(
-        {
-            "state": model.state_dict(),
-            "initial": initial,
-            "loss_start": loss_start,
-            "loss_end": loss_end,
-            "world_size": runtime.world_size,
-            "backend": dist.get_backend(),
-            "epochs_run": result.epochs_run,
-        },
-        outdir / f"rank{runtime.rank}.pt",
-    )
+    outcome = {"world_size": runtime.world_size, "backend": dist.get_backend(), "initial": initial,
+               "loss_start": loss_start}
+    try:
+        outcome["epochs_run"] = trainer.fit(batches, validate).epochs_run
+    except Terminated:
+        outcome["stopped_after"] = len(epochs_validated)
+    outcome.update(state=model.state_dict(), loss_end=mse(model))
+    torch.save(outcome, outdir / f"rank{runtime.rank}.pt")
     shutdown(runtime)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -71,7 +71,7 @@ def test_every_baseline_gives_one_positive_forecast_per_test_origin(series):
         assert (result["variance"] > 0).all() and (result["variance_h"] > result["variance"]).all(), name
 
 
-REFERENCE = {  # ../shared/README.md: S&P 500 from arch, test 2011-01-03 .. 2018-12-31, refit every 21 days
+REFERENCE = {  # published for S&P 500 from arch, test 2011-01-03 .. 2018-12-31, 21-day expanding refits
     "ewma": (0.524, 1.731), "garch": (0.566, 1.679), "gjr_garch_t": (0.523, 1.633), "har": (0.425, 1.654),
 }
 

@@ -146,3 +146,16 @@ def test_exogenous_series_join_by_date_without_look_ahead():
 def test_exogenous_columns_reach_the_panel_and_its_source():
     panel = load_panel(Data(source="synthetic", exogenous=["wti"], synthetic=Synthetic(tickers=1, days=300)))
     assert panel.source.endswith("+wti") and panel.frame["wti"].notna().mean() > 0.9
+
+
+def test_infinite_value(tmp_path):
+    assert "column 'close', row 2: expected a number, got 'inf'" in error_for(tmp_path, GOOD.replace(",11,100", ",inf,100", 1))
+
+
+def test_header_only(tmp_path):
+    assert "no data rows" in error_for(tmp_path, GOOD.splitlines()[0] + "\n")
+
+
+def test_close_outside_the_day_range(tmp_path):
+    assert "row 1: close 12.0 is outside [low, high] = [9.0, 11.0]" in error_for(
+        tmp_path, GOOD.replace("10,11,9,10.5", "10,11,9,12", 1))

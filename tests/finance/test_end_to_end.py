@@ -56,8 +56,9 @@ def test_the_run_is_finished_with_tags_params_metrics_and_artifacts(smoke_run):
     assert run.data.params["train.epochs"] == "15"
     metrics = run.data.metrics
     assert metrics["test/neural/qlike_parkinson"] == summary["models"]["neural"]["qlike_parkinson"]
-    for key in ("val/qlike", "train/loss", "throughput/samples_per_s", "time/data_wait_share"):
+    for key in ("val/qlike", "val/qlike_h5", "train/loss", "throughput/samples_per_s", "time/data_wait_share"):
         assert key in metrics, key
+    assert any(key.startswith("system/") for key in metrics), "system metrics are logged"
     assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, "val/qlike")) > 3
     artifacts = mlflow.artifacts.download_artifacts(run_id=run.info.run_id)
     names = {str(path.relative_to(artifacts)) for path in Path(artifacts).rglob("*") if path.is_file()}
@@ -85,6 +86,8 @@ def test_the_logged_model_loads_and_forecasts(smoke_run):
         model.predict(example.drop(columns=["high"]))
     with pytest.raises(mlflow.exceptions.MlflowException, match="at least 67"):
         model.predict(example.tail(10))
+    with pytest.raises(mlflow.exceptions.MlflowException, match="no rows"):
+        model.predict(example.head(0))
 
 
 def test_a_csv_without_high_is_one_line_and_exit_2(tmp_path):

@@ -89,3 +89,20 @@ def test_exogenous_inputs_are_used_and_gaps_imputed(panel, config, cpu_job):
     neural, latest = neural_forecasts(frame, evaluation_window(frame, config), config, cpu_job)
     assert latest["features"][-2:] == ["log_wti_rv", "rel_vix"]
     assert np.isfinite(neural[["variance", "variance_h"]].to_numpy()).all()
+
+
+def test_an_input_unseen_in_training_stays_at_its_mean():
+    import torch
+
+    from usecases.finance.models import VolatilityMLP
+
+    torch.manual_seed(0)
+    model = VolatilityMLP(3, hidden=8, layers=1, dropout=0.0)
+    torch.nn.init.normal_(model.head.weight)
+    training = torch.tensor([[0.0, 1.0, float("nan")], [1.0, 2.0, float("nan")], [0.5, 3.0, float("nan")]])
+    model.fit_scaler(training)
+    model.eval()
+    missing = torch.tensor([[0.2, 1.5, float("nan")]])
+    present = torch.tensor([[0.2, 1.5, 20.0]])
+    assert torch.equal(model(missing), model(present))
+    assert not torch.equal(model(present), model(torch.tensor([[0.2, 2.5, 20.0]])))

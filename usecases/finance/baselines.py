@@ -23,13 +23,18 @@ MIN_VARIANCE = 1e-6
 Blocks = list[tuple[int, int]]
 
 
+def quantile_column(level: float) -> str:
+    """The column holding the standardised return quantile at a VaR level: q01, q05."""
+    return f"q{round(level * 100):02d}"
+
+
 def forecast_frame(frame: pd.DataFrame, positions: np.ndarray, variance, variance_h, mu, quantiles) -> pd.DataFrame:
     out = pd.DataFrame(index=frame.index[positions])
     out["variance"] = np.maximum(np.asarray(variance, dtype=float), MIN_VARIANCE)
     out["variance_h"] = np.maximum(np.asarray(variance_h, dtype=float), MIN_VARIANCE)
     out["mu"] = mu
     for level, quantile in zip(VAR_LEVELS, quantiles):
-        out[f"q{round(level * 100):02d}"] = quantile
+        out[quantile_column(level)] = quantile
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import date
 from typing import Literal
 
 from pydantic import Field
@@ -46,8 +47,8 @@ class Data(ConfigModel):
 
 
 class Evaluation(ConfigModel):
-    test_start: str | None = "2011-01-03"
-    test_end: str | None = "2018-12-31"
+    test_start: date | None = date(2011, 1, 3)
+    test_end: date | None = date(2018, 12, 31)
     test_fraction: float = Field(0.3, gt=0, lt=1, description="used when test_start is null")
     refit_every: int = Field(21, ge=1, description="trading days between baseline refits")
     horizon: int = Field(5, ge=2, description="the longer horizon in trading days, forecast beside the next day")

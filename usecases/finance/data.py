@@ -103,6 +103,8 @@ def _first_bad(mask: pd.Series) -> int:
 
 def load_file(path: Path, config: Data) -> Panel:
     raw = _read_table(path)
+    if raw.empty:
+        raise UserError(f"{path}: no data rows (expected one row per ticker and day)")
     names = config.columns.model_dump()
     missing = [key for key in REQUIRED_COLUMNS if names[key] not in raw.columns]
     if missing:
@@ -125,7 +127,7 @@ def load_file(path: Path, config: Data) -> Panel:
             frame[key] = np.nan
             continue
         values = pd.to_numeric(raw[names[key]], errors="coerce")
-        bad = values.isna() & raw[names[key]].notna()
+        bad = (values.isna() & raw[names[key]].notna()) | np.isinf(values)
         if bad.any():
             row = _first_bad(bad)
             raise UserError(f"{path}: column '{names[key]}', row {row}: expected a number, got "
@@ -184,6 +186,12 @@ def _check_prices(frame: pd.DataFrame, path: Path, names: dict[str, str]) -> Non
         row = _first_bad(bad)
         raise UserError(f"{path}: row {row}: {names['high']} {frame['high'].iloc[row - 1]} is below "
                         f"{names['low']} {frame['low'].iloc[row - 1]}")
+    bad = (frame["close"] > frame["high"]) | (frame["close"] < frame["low"])
+    if bad.any():
+        row = _first_bad(bad)
+        raise UserError(f"{path}: row {row}: {names['close']} {frame['close'].iloc[row - 1]} is outside "
+                        f"[{names['low']}, {names['high']}] = [{frame['low'].iloc[row - 1]}, "
+                        f"{frame['high'].iloc[row - 1]}]")
 
 
 def _to_numpy(array) -> np.ndarray:

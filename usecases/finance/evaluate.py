@@ -13,6 +13,8 @@ from arch.covariance.kernel import Bartlett
 from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
+from usecases.finance.baselines import VAR_LEVELS, quantile_column
+
 REFERENCE_MODEL = "har"
 
 
@@ -51,7 +53,7 @@ def diebold_mariano(losses: np.ndarray, reference_losses: np.ndarray, lags: int 
 
 
 def value_at_risk(forecasts: pd.DataFrame, level: float) -> pd.Series:
-    return forecasts["mu"] + np.sqrt(forecasts["variance"]) * forecasts[f"q{round(level * 100):02d}"]
+    return forecasts["mu"] + np.sqrt(forecasts["variance"]) * forecasts[quantile_column(level)]
 
 
 def _forward_sum(values: np.ndarray, days: int) -> np.ndarray:
@@ -77,7 +79,7 @@ def series_metrics(forecasts: pd.DataFrame, horizon: int) -> dict[str, float]:
         f"qlike_sq_h{horizon}": qlike(squared_h, variance_h),
         f"mse_parkinson_h{horizon}": mse(parkinson_h, variance_h),
     }
-    for level in (0.01, 0.05):
+    for level in VAR_LEVELS:
         name = f"var{round(level * 100)}"
         breaches = int((returns < value_at_risk(forecasts, level)).sum())
         metrics[f"{name}_breach_rate"] = breaches / len(returns)

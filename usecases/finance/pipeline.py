@@ -8,6 +8,7 @@ origin only. Models are refit at the start of each block of test days: the basel
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from usecases.finance.config import Config
 from usecases.finance.data import Panel, load_panel
 from usecases.finance.evaluate import evaluate, forecast_figure, var_figure
 from usecases.finance.features import add_features, feature_names, usable
-from usecases.finance.models import VolatilityMLP, qlike_loss
+from usecases.finance.models import VolatilityMLP, ensemble_forecast, qlike, qlike_loss
 from usecases.finance.serving import log_forecaster
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,22 @@ log = logging.getLogger(__name__)
 MIN_HISTORY = 250
 
 
-def load_data(config: Config, path: Path | None) -> tuple[Panel, dict[str, str]]:
+@dataclass
+class Prepared:
+    """The validated panel, its features, and which rows are test origins: all that a run needs."""
+
+    panel: Panel
+    frame: pd.DataFrame
+    test: pd.Series
+
+
+def load_data(config: Config, path: Path | None) -> tuple[Prepared, dict[str, str]]:
+    """Everything that can be wrong with the data is found here, before an MLflow run is started."""
     panel = load_panel(config.data, path)
-    return panel, {"data_source": panel.source, "data_sha256": panel.sha256, "data_filled_rows": panel.filled_rows}
+    frame = add_features(panel.frame, config.evaluation.horizon)
+    prepared = Prepared(panel, frame, evaluation_window(frame, config))
+    return prepared, {"data_source": panel.source, "data_sha256": panel.sha256,
+                      "data_filled_rows": panel.filled_rows}
 
 
 def evaluation_window(frame: pd.DataFrame, config: Config) -> pd.Series:
@@ -102,8 +116,7 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
     val_x, val_y = validation
 
     def validate(network: torch.nn.Module) -> dict[str, float]:
-        ratio = val_y / torch.exp(network(val_x).float())
-        losses = (ratio - torch.log(ratio) - 1).mean(0)
+        losses = qlike(network(val_x).float(), val_y)
         return {"val/qlike": float(losses[0]), f"val/qlike_h{horizon}": float(losses[1])}
 
     trainer = Trainer(model, optimizer, qlike_loss, runtime,
@@ -117,12 +130,6 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
                             rank=runtime.rank, world_size=runtime.world_size)
     result = trainer.fit(batches, validate, resume=job.resume)
     return trainer.module.eval(), result.epochs_run
-
-
-def _predict(models: list[VolatilityMLP], features: torch.Tensor) -> np.ndarray:
-    """The ensemble's mean variance forecasts, as (rows, 2): next day, next H days."""
-    with torch.no_grad():
-        return torch.stack([torch.exp(model(features).float()) for model in models]).mean(0).cpu().numpy()
 
 
 def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[pd.DataFrame, dict]:
@@ -154,12 +161,12 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
             members.append(model)
             step += epochs
         fitted_rows = np.flatnonzero(in_window)
-        fitted = _predict(members, features[fitted_rows].to(device))[:, 0]
+        fitted = ensemble_forecast(members, features[fitted_rows].to(device))[:, 0].cpu().numpy()
         realised = frame["target_ret"].to_numpy()[fitted_rows]
         mu = float(realised.mean())
         quantiles = np.quantile((realised - mu) / np.sqrt(fitted), VAR_LEVELS)
         predict_rows = np.flatnonzero(mask & (frame["target_date"] >= start) & (frame["target_date"] < end))
-        forecast = _predict(members, features[predict_rows].to(device))
+        forecast = ensemble_forecast(members, features[predict_rows].to(device)).cpu().numpy()
         parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, quantiles))
         latest = {"models": members, "features": names, "exogenous": config.data.exogenous,
                   "architecture": {**config.neural.model_dump(exclude={"ensemble"}),
@@ -169,9 +176,8 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     return pd.concat(parts).assign(model="neural"), latest
 
 
-def run(config: Config, panel: Panel, job: Job) -> dict[str, dict[str, float]]:
-    frame = add_features(panel.frame, config.evaluation.horizon)
-    mask = evaluation_window(frame, config)
+def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]:
+    frame, mask = data.frame, data.test
     neural, latest = neural_forecasts(frame, mask, config, job)
     if not job.runtime.is_main:
         return {}
@@ -181,7 +187,7 @@ def run(config: Config, panel: Panel, job: Job) -> dict[str, dict[str, float]]:
     forecasts = pd.concat([baselines, neural]).join(realised)
     models = evaluate(forecasts, config.evaluation.horizon, config.evaluation.dm_lags)
     _log_artifacts(forecasts, job)
-    log_forecaster(latest, panel.frame, job)
+    log_forecaster(latest, data.panel.frame, job)
     return models
 
 

@@ -17,7 +17,7 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 import common
 import usecases
 from usecases.finance.features import HISTORY_DAYS, add_features
-from usecases.finance.models import VolatilityMLP
+from usecases.finance.models import VolatilityMLP, ensemble_forecast
 
 INPUT_COLUMNS = ["date", "ticker", "high", "low", "close"]
 EXAMPLE_DAYS = HISTORY_DAYS + 3
@@ -51,11 +51,11 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         frame = pd.DataFrame(model_input).copy()
         expected = INPUT_COLUMNS + self.exogenous
-        missing = [column for column in expected if column not in frame.columns and column != "ticker"]
+        missing = [column for column in expected if column not in frame.columns]
         if missing:
             raise _bad_input(f"input is missing column '{missing[0]}' (expected {', '.join(expected)})")
-        if "ticker" not in frame.columns:
-            frame["ticker"] = "series"
+        if frame.empty:
+            raise _bad_input("input has no rows")
         frame["date"] = pd.to_datetime(frame["date"], errors="coerce")
         for column in ["high", "low", "close", *self.exogenous]:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
@@ -70,8 +70,7 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
         latest = add_features(frame.sort_values(["ticker", "date"]), self.horizon)
         latest = latest.groupby("ticker", sort=False).tail(1)
         features = torch.tensor(latest[self.features].to_numpy(), dtype=torch.float32)
-        with torch.no_grad():
-            forecast = torch.stack([torch.exp(model(features)) for model in self.members]).mean(0).numpy()
+        forecast = ensemble_forecast(self.members, features).numpy()
         variance = forecast[:, 0]
         volatility = np.sqrt(variance)
         return pd.DataFrame({
