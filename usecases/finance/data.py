@@ -26,6 +26,7 @@ PRICE_COLUMNS = ["open", "high", "low", "close"]
 REQUIRED_COLUMNS = ["date", "high", "low", "close"]
 PANEL_COLUMNS = ["date", "ticker", *PRICE_COLUMNS, "volume"]
 EXOGENOUS_STALE_DAYS = 7
+PRICE_TOLERANCE = 1e-9
 
 
 @dataclass
@@ -186,7 +187,8 @@ def _check_prices(frame: pd.DataFrame, path: Path, names: dict[str, str]) -> Non
         row = _first_bad(bad)
         raise UserError(f"{path}: row {row}: {names['high']} {frame['high'].iloc[row - 1]} is below "
                         f"{names['low']} {frame['low'].iloc[row - 1]}")
-    bad = (frame["close"] > frame["high"]) | (frame["close"] < frame["low"])
+    slack = PRICE_TOLERANCE * frame["close"]  # rounding in the file, not a data error
+    bad = (frame["close"] > frame["high"] + slack) | (frame["close"] < frame["low"] - slack)
     if bad.any():
         row = _first_bad(bad)
         raise UserError(f"{path}: row {row}: {names['close']} {frame['close'].iloc[row - 1]} is outside "
@@ -234,8 +236,8 @@ def synthetic_panel(config: Synthetic) -> Panel:
         "date": np.repeat(dates.to_numpy()[None, :], tickers, axis=0).ravel(),
         "ticker": np.repeat([f"SYN{i:03d}" for i in range(tickers)], days),
         "open": np.exp(log_open).T.ravel(),
-        "high": np.exp(log_open + _to_numpy(high_move) / 100).T.ravel(),
-        "low": np.exp(log_open + _to_numpy(low_move) / 100).T.ravel(),
+        "high": np.exp(np.maximum(log_open + _to_numpy(high_move) / 100, log_close)).T.ravel(),
+        "low": np.exp(np.minimum(log_open + _to_numpy(low_move) / 100, log_close)).T.ravel(),
         "close": np.exp(log_close).T.ravel(),
         "volume": 1e6,
     })
