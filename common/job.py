@@ -11,10 +11,7 @@ from common.tracking import Tracker
 
 @dataclass
 class Job:
-    usecase: str
-    preset: str
     runtime: Runtime
     tracker: Tracker
     checkpoint_dir: Path
     resume: bool = False
-    frames: str = "pandas"

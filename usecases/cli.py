@@ -135,7 +135,7 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
                          run_name=f"{name}-{preset}") as tracker:
             if runtime.is_main:
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags}, state_file)
-            job = Job(name, preset, runtime, tracker, checkpoint_dir, resume, backend)
+            job = Job(runtime, tracker, checkpoint_dir, resume)
             models = module.run(config, loaded, job)
             if not runtime.is_main:
                 return {}

@@ -18,7 +18,7 @@ def cpu_job(tmp_path):
     import torch
 
     runtime = Runtime(torch.device("cpu"), None)
-    return Job("finance", "test", runtime, Tracker(active=False), tmp_path / "checkpoints")
+    return Job(runtime, Tracker(active=False), tmp_path / "checkpoints")
 
 
 def _perturb_after(panel, cutoff, seed=0):
