@@ -8,7 +8,13 @@ from common.errors import UserError
 from usecases.finance.config import Config
 from usecases.finance.evaluate import qlike
 from usecases.finance.features import add_features
-from usecases.finance.pipeline import baseline_forecasts, block_starts, neural_forecasts, evaluation_window
+from usecases.finance.pipeline import (
+    baseline_forecasts,
+    block_starts,
+    evaluation_window,
+    neural_forecasts,
+    training_window,
+)
 
 
 @pytest.fixture
@@ -28,12 +34,21 @@ def forecasts(panel, config, job):
     return result.join(frame[["ticker", "date"]].rename(columns={"date": "origin"}))
 
 
-def test_changing_data_after_t_leaves_forecasts_made_at_t_unchanged(panel, config, cpu_job, perturb_after, tmp_path):
-    calendar = np.sort(panel["date"].unique())
-    cutoff = calendar[int(len(calendar) * 0.85)]
-    before = forecasts(panel, config, cpu_job)
-    cpu_job.checkpoint_dir = tmp_path / "second"
-    after = forecasts(perturb_after(panel, cutoff), config, cpu_job)
+@pytest.fixture
+def unperturbed(panel, config, cpu_job):
+    return forecasts(panel, config, cpu_job)
+
+
+@pytest.mark.parametrize("schedule", ["baselines", "neural"])
+def test_changing_data_after_t_leaves_forecasts_made_at_t_unchanged(panel, config, cpu_job, perturb_after, tmp_path,
+                                                                   unperturbed, schedule):
+    """t is the origin just before a refit date, where a fit that peeked even one day ahead would show."""
+    frame = add_features(panel)
+    every = config.evaluation.refit_every if schedule == "baselines" else config.train.refit_every
+    refit_date = block_starts(frame, evaluation_window(frame, config), every)[1]
+    cutoff = frame.loc[frame["date"] < refit_date, "date"].max()
+    cpu_job.checkpoint_dir = tmp_path / "perturbed"
+    before, after = unperturbed, forecasts(perturb_after(panel, cutoff), config, cpu_job)
     assert before.index.equals(after.index)
     made_by_t = before["origin"] <= cutoff
     columns = ["variance", "variance_h", "mu", "q01", "q05"]
@@ -106,3 +121,16 @@ def test_an_input_unseen_in_training_stays_at_its_mean():
     present = torch.tensor([[0.2, 1.5, 20.0]])
     assert torch.equal(model(missing), model(present))
     assert not torch.equal(model(present), model(torch.tensor([[0.2, 2.5, 20.0]])))
+
+
+def test_neural_training_and_validation_rows_all_precede_the_refit_date(panel, config):
+    """Validation-only leaks barely move early stopping, so the forecast comparison above cannot see them."""
+    frame = add_features(panel)
+    refit_date = block_starts(frame, evaluation_window(frame, config), config.train.refit_every)[1]
+    ready = frame[["target", "target_h"]].notna().all(axis=1)
+    train_rows, val_rows = training_window(frame, ready, refit_date, 0.15)
+    assert frame.loc[np.r_[train_rows, val_rows], "target_date_h"].max() < refit_date
+    assert frame.loc[train_rows, "target_date_h"].max() < frame.loc[val_rows, "target_date_h"].min()
+    assert 0.1 < len(val_rows) / (len(train_rows) + len(val_rows)) < 0.2
+    earlier = frame["target_date_h"] < refit_date - pd.Timedelta(days=30)
+    assert ready[earlier].sum() < len(train_rows) + len(val_rows), "the window reaches up to the refit date"

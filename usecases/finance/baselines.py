@@ -8,9 +8,12 @@ return `mu`, and the standardised quantiles that turn them into one-day Value-at
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 from arch import arch_model
+from arch.utility.exceptions import StartingValueWarning
 from scipy.stats import norm
 from sklearn.linear_model import LinearRegression
 
@@ -63,7 +66,9 @@ def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = 
     parts, start_values = [], None
     for first, last in blocks:
         stop_point()  # each fit takes a moment: a requested stop need not wait for all of them
-        result = model.fit(last_obs=first + 1, disp="off", show_warning=False, starting_values=start_values)
+        with warnings.catch_warnings():  # a warm start outside the constraints just falls back to arch's own
+            warnings.simplefilter("ignore", StartingValueWarning)
+            result = model.fit(last_obs=first + 1, disp="off", show_warning=False, starting_values=start_values)
         start_values = result.params.to_numpy()
         forecast = result.forecast(horizon=horizon, start=first, reindex=False, align="origin")
         path = forecast.variance.to_numpy()[: last - first + 1]

@@ -132,11 +132,21 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
     return trainer.module.eval(), result.epochs_run
 
 
+def training_window(frame: pd.DataFrame, ready: pd.Series, refit_date: pd.Timestamp,
+                    val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Rows to train and to early-stop on at a refit: pairs whose H target days all precede the refit date,
+    the latest `val_fraction` of them (by their last target day) held out for validation."""
+    known = ready & (frame["target_date_h"] < refit_date)
+    dates = np.sort(frame.loc[known, "target_date_h"].unique())
+    val_start = dates[int(len(dates) * (1 - val_fraction))]
+    return (np.flatnonzero(known & (frame["target_date_h"] < val_start)),
+            np.flatnonzero(known & (frame["target_date_h"] >= val_start)))
+
+
 def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[pd.DataFrame, dict]:
     """Walk-forward training of the global model; returns the test forecasts and the last refit for serving.
 
-    At each refit the network sees only pairs whose target days (all H of them) are before the refit date,
-    the latest `val_fraction` of those dates for early stopping. Its VaR quantiles are the empirical quantiles
+    At each refit the network sees only the rows `training_window` gives. Its VaR quantiles are the empirical quantiles
     of the standardised returns it produced in its training window (filtered historical simulation).
     """
     device = job.runtime.device
@@ -148,11 +158,7 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     parts, step, latest = [], 0, {}
     for block, start in enumerate(starts):
         end = starts[block + 1] if block + 1 < len(starts) else pd.Timestamp.max
-        in_window = ready & (frame["target_date_h"] < start)
-        dates = np.sort(frame.loc[in_window, "target_date_h"].unique())
-        val_start = dates[int(len(dates) * (1 - config.train.val_fraction))]
-        train_rows = np.flatnonzero(in_window & (frame["target_date_h"] < val_start))
-        val_rows = np.flatnonzero(in_window & (frame["target_date_h"] >= val_start))
+        train_rows, val_rows = training_window(frame, ready, start, config.train.val_fraction)
         members = []
         for member in range(config.neural.ensemble):
             model, epochs = _fit_member(
@@ -160,7 +166,7 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
                 (features[val_rows].to(device), targets[val_rows].to(device)), block, member, step)
             members.append(model)
             step += epochs
-        fitted_rows = np.flatnonzero(in_window)
+        fitted_rows = np.union1d(train_rows, val_rows)
         fitted = ensemble_forecast(members, features[fitted_rows].to(device))[:, 0].cpu().numpy()
         realised = frame["target_ret"].to_numpy()[fitted_rows]
         mu = float(realised.mean())
