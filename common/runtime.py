@@ -59,8 +59,13 @@ def select_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def cpu_has_native_bf16() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def select_amp_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
-    """Mixed precision on GPU by default (bf16 where the GPU has it); on CPU only when asked, as bf16."""
+    """Mixed precision on GPU by default (bf16 where the GPU has it); on CPU only when asked, as bf16, and only
+    where the CPU computes BF16 natively."""
     if precision not in PRECISION_CHOICES:
         raise UserError(f"precision: expected one of {', '.join(PRECISION_CHOICES)}, got '{precision}'")
     if precision == "fp32" or (precision == "auto" and device.type == "cpu"):
@@ -68,6 +73,10 @@ def select_amp_dtype(device: torch.device, precision: str = "auto") -> torch.dty
     if device.type == "cpu":
         if precision == "fp16":
             raise UserError("precision fp16: only on CUDA; on CPU use bf16 or fp32")
+        if not cpu_has_native_bf16():
+            log.warning("precision bf16: this CPU has no native BF16 (AVX512-BF16 or AMX), so it would run slower "
+                        "than fp32; running fp32")
+            return None
         return torch.bfloat16
     if precision == "fp16" or (precision == "auto" and not torch.cuda.is_bf16_supported()):
         return torch.float16

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, WeightedRandomSampler
 from tqdm.auto import tqdm
 
+from common.errors import UserError
 from common.interrupt import Terminated, stop_point, stop_requested
 from common.runtime import Runtime
 
@@ -36,11 +37,13 @@ class TensorBatches:
 
     Per-item indexing through a DataLoader costs more than the model itself for small tabular or image
     data that fits in memory; this shuffles indices once per epoch and slices, sharded by rank under DDP.
+    With `weights`, each epoch draws as many rows with replacement in proportion to them (a weighted sampler).
     """
 
     def __init__(self, *tensors: torch.Tensor, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, weights: torch.Tensor | None = None):
         self.tensors = tensors
+        self.weights = weights
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -53,8 +56,10 @@ class TensorBatches:
 
     def _indices(self) -> torch.Tensor:
         n = len(self.tensors[0])
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.weights is not None:
+            order = torch.multinomial(self.weights.double().cpu(), n, replacement=True, generator=generator)
+        elif self.shuffle:
             order = torch.randperm(n, generator=generator)
         else:
             order = torch.arange(n)
@@ -73,10 +78,17 @@ class TensorBatches:
 
 
 def make_loader(dataset: Dataset, batch_size: int, runtime: Runtime, *, shuffle: bool = True,
-                num_workers: int = 0, seed: int = 0) -> DataLoader:
-    """A DataLoader for data that does not fit in memory: workers, pinned memory, and a DistributedSampler."""
+                num_workers: int = 0, seed: int = 0, weights: torch.Tensor | None = None) -> DataLoader:
+    """A DataLoader for data that does not fit in memory: workers, pinned memory, and a DistributedSampler.
+
+    `weights` draws rows with replacement in proportion to them; not under DDP, whose sampler shards by rank.
+    """
     sampler = None
-    if runtime.distributed:
+    if weights is not None:
+        if runtime.distributed:
+            raise UserError("a weighted sampler cannot be combined with DDP here; use class weights in the loss")
+        sampler = WeightedRandomSampler(weights.double(), len(dataset), generator=torch.Generator().manual_seed(seed))
+    elif runtime.distributed:
         sampler = DistributedSampler(dataset, runtime.world_size, runtime.rank, shuffle=shuffle, seed=seed)
     return DataLoader(
         dataset,

@@ -11,6 +11,7 @@ from common.errors import UserError
 
 USECASES = {
     "finance": "usecases.finance",
+    "medical": "usecases.medical",
 }
 
 

@@ -1,4 +1,4 @@
-"""`usecases`: list, run, demo and ui. Exit 0 on success, 2 on a user error, 1 on an internal failure.
+"""`usecases`: list, run, bench, demo and ui. Exit 0 on success, 2 on a user error, 1 on an internal failure.
 
 Only the standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
 """
@@ -37,12 +37,15 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run one use case", description="Run one use case end to end.")
     run.add_argument("name", help="use case (see `usecases list`)")
     _add_run_options(run)
-    run.add_argument("--preset", default="default", help="config preset: smoke, default or full (default: default)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key, e.g. --set train.epochs=5 (repeatable)")
-    run.add_argument("--data", type=Path, help="a data file or folder of your own instead of the preset's data")
-    run.add_argument("--summary", type=Path, metavar="FILE", help="also write summary.json here")
+    _add_config_options(run)
     run.add_argument("--resume", action="store_true", help="continue the last interrupted run of this preset")
+
+    bench = commands.add_parser("bench", help="measure a use case's pipeline against a plain baseline loop",
+                                description="Run a use case's benchmark: our pipeline and a plain loop on the "
+                                            "same data in one run, throughputs and their ratio.")
+    bench.add_argument("name", help="use case with a benchmark (see `usecases list`)")
+    _add_run_options(bench)
+    _add_config_options(bench)
 
     demo = commands.add_parser("demo", help="run every use case on its default data",
                                description="Run every use case with its default preset; a data set that cannot "
@@ -53,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
                              description="Start the MLflow UI on the tracking store, on 127.0.0.1 only.")
     ui.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (default: 5000)")
     return parser
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="default", help="config preset: smoke, default or full (default: default)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.epochs=5 (repeatable)")
+    parser.add_argument("--data", type=Path, help="a data file or folder of your own instead of the preset's data")
+    parser.add_argument("--summary", type=Path, metavar="FILE", help="also write summary.json here")
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +90,15 @@ def _checkpoint_root(usecase: str, preset: str) -> Path:
     return base / usecase / preset
 
 
+def _job_entry(module, name: str, bench: bool):
+    """The use case's `run`, or its `benchmark` for `usecases bench`."""
+    if not bench:
+        return module.run
+    if not hasattr(module, "benchmark"):
+        raise UserError(f"use case '{name}' has no benchmark")
+    return module.benchmark
+
+
 def _resume_run_id(state_file: Path, params: dict, data_tags: dict, preset: str) -> str:
     """The interrupted run to continue, if it ran on the same config and the same data."""
     if not state_file.is_file():
@@ -95,7 +115,9 @@ def _resume_run_id(state_file: Path, params: dict, data_tags: dict, preset: str)
 
 
 def run_usecase(name: str, preset: str, overrides: list[str], device: str, frames: str,
-                data: Path | None = None, summary: Path | None = None, resume: bool = False) -> dict:
+                data: Path | None = None, summary: Path | None = None, resume: bool = False,
+                bench: bool = False) -> dict:
+    """One tracked run; with `bench`, the use case's benchmark in the `<name>-benchmark` experiment."""
     from common.runtime import use_gpu_frames
 
     backend = use_gpu_frames(frames)
@@ -107,6 +129,7 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
     from usecases import load_usecase
 
     module = load_usecase(name)
+    entry = _job_entry(module, name, bench)
     config = load_config(module.Config, module.PRESETS_DIR, preset, overrides)
     if data is not None and not data.exists():
         raise UserError(f"--data {data}: no such file or folder")
@@ -119,7 +142,8 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
     try:
         seed_everything(config.runtime.seed, config.runtime.deterministic)
         loaded, data_tags = module.load_data(config, data)
-        checkpoint_dir = _checkpoint_root(name, preset)
+        experiment = f"{name}-benchmark" if bench else name
+        checkpoint_dir = _checkpoint_root(experiment, preset)
         state_file = checkpoint_dir / "run.json"
         params = flatten(config)
         run_id = _resume_run_id(state_file, params, data_tags, preset) if resume else None
@@ -131,16 +155,16 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
             dist.barrier()
         tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
                 "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags}
-        with tracked_run(name, config, tags, is_main=runtime.is_main, run_id=run_id,
-                         run_name=f"{name}-{preset}") as tracker:
+        with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
+                         run_name=f"{experiment}-{preset}") as tracker:
             if runtime.is_main:
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags}, state_file)
             job = Job(runtime, tracker, checkpoint_dir, resume)
-            models = module.run(config, loaded, job)
+            models = entry(config, loaded, job)
             if not runtime.is_main:
                 return {}
-            columns = module.summary_columns(config) if hasattr(module, "summary_columns") else None
-            result = write_summary(tracker, name, preset, runtime.device.type, models, summary, columns)
+            columns = module.summary_columns(config) if hasattr(module, "summary_columns") and not bench else None
+            result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary, columns)
         shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
         return result
     finally:
@@ -187,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         run_usecase(args.name, args.preset, args.overrides, args.device, args.frames, args.data, args.summary,
-                    args.resume)
+                    getattr(args, "resume", False), bench=args.command == "bench")
         return EXIT_OK
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -85,8 +85,16 @@ def test_unknown_device_is_a_user_error():
         (CUDA, "fp16", torch.float16),
     ],
 )
-def test_amp_dtype_rules(device, precision, expected):
+def test_amp_dtype_rules(monkeypatch, device, precision, expected):
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
     assert select_amp_dtype(device, precision) is expected
+
+
+def test_cpu_bf16_falls_back_to_fp32_without_native_support(monkeypatch, caplog):
+    """Emulated BF16 is slower than fp32: asking for bf16 there would only cost time."""
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: False)
+    assert select_amp_dtype(CPU, "bf16") is None
+    assert "no native BF16" in caplog.text
 
 
 @pytest.mark.parametrize(("bf16_supported", "expected"), [(True, torch.bfloat16), (False, torch.float16)])

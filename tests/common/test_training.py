@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from common import training
+from common.errors import UserError
 from common.interrupt import Terminated
 from common.runtime import Runtime
 from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, TrainSettings, save_atomic
@@ -301,3 +302,27 @@ def test_make_loader_shards_with_a_distributed_sampler_under_ddp():
     seen = [torch.cat([batch[0] for batch in loader]).tolist() for loader in loaders]
     assert sorted(seen[0] + seen[1]) == [float(i) for i in range(10)]
     assert not set(seen[0]) & set(seen[1])
+
+
+def test_weighted_batches_draw_rows_in_proportion_to_their_weights():
+    rows = torch.arange(100)
+    weights = torch.where(rows < 10, 9.0, 1.0)  # the first 10 rows carry half the total weight
+    drawn = torch.cat([batch[0] for epoch in range(20) for batch in _epoch(
+        TensorBatches(rows, batch_size=25, seed=1, weights=weights), epoch)])
+    assert len(drawn) == 2000
+    assert 0.45 < (drawn < 10).float().mean().item() < 0.55
+
+
+def _epoch(batches, epoch):
+    batches.set_epoch(epoch)
+    return list(batches)
+
+
+def test_make_loader_samples_by_weight_and_refuses_it_under_ddp():
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0))
+    weights = torch.tensor([1.0] + [0.0] * 9)
+    loader = training.make_loader(dataset, batch_size=5, runtime=CPU, weights=weights)
+    assert torch.cat([batch[0] for batch in loader]).tolist() == [0.0] * 10
+    with pytest.raises(UserError, match="weighted sampler cannot be combined with DDP"):
+        training.make_loader(dataset, batch_size=5, runtime=Runtime(torch.device("cpu"), None, world_size=2),
+                             weights=weights)

@@ -1,0 +1,35 @@
+"""Medical image classification: MedMNIST, your image folders or DICOM, with a clinician's view of the results."""
+
+from pathlib import Path
+
+from usecases.medical.config import Config
+
+DESCRIPTION = "medical image classification (MedMNIST, image folders, DICOM): ResNet-18 vs logistic regression"
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def summary_columns(config: Config) -> list[str]:
+    """The metrics printed at the end of a run; summary.json holds them all."""
+    return ["auc", "acc", "auc_ci_low", "auc_ci_high", "ece", "brier", "sensitivity_at_threshold",
+            "specificity_at_threshold"]
+
+
+def load_data(config, path):
+    from usecases.medical.pipeline import load_data
+
+    return load_data(config, path)
+
+
+def run(config, data, job):
+    from usecases.medical.pipeline import run
+
+    return run(config, data, job)
+
+
+def benchmark(config, data, job):
+    from usecases.medical.benchmark import benchmark
+
+    return benchmark(config, data, job)
+
+
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "benchmark", "load_data", "run", "summary_columns"]

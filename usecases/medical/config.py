@@ -1,0 +1,114 @@
+"""The medical imaging config schema; presets in presets/*.yaml set a subset of these keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from common.config import ConfigModel, RuntimeConfig
+
+
+class MedMNIST(ConfigModel):
+    """An official MedMNIST v2 file: downloaded (MD5 checked) into the cache, or given with --data."""
+
+    flag: str = Field("breastmnist", description="the data set's name, e.g. breastmnist, pneumoniamnist, dermamnist")
+    size: Literal[28, 64, 128, 224] = 28
+    cache_dir: Path | None = Field(None, description="default: $MEDMNIST_CACHE or ~/.cache/gpu-usecases/medmnist")
+    download: bool = True
+
+
+class Files(ConfigModel):
+    """Your own images: a CSV manifest (path, label, patient id, optional split) or a folder of class folders."""
+
+    path_column: str = "path"
+    label_column: str = "label"
+    patient_column: str | None = Field("patient_id", description="split by this column; null: every image its own patient")
+    split_column: str | None = Field("split", description="use the manifest's own train/val/test split when present")
+    image_size: int = Field(28, ge=8, description="images are resized to this square size")
+    channels: Literal[1, 3] = 1
+    val_fraction: float = Field(0.1, gt=0, lt=0.5)
+    test_fraction: float = Field(0.2, gt=0, lt=0.5)
+    window_center: float | None = Field(None, description="DICOM window; null takes the file's own, else min-max")
+    window_width: float | None = Field(None, gt=0)
+
+
+class Synthetic(ConfigModel):
+    """Class-dependent shapes under noise: learnable, so a test can assert that the model learned."""
+
+    classes: int = Field(2, ge=2)
+    size: int = Field(28, ge=16)
+    train: int = Field(512, ge=8)
+    val: int = Field(128, ge=4)
+    test: int = Field(256, ge=4)
+    noise: float = Field(0.25, ge=0)
+    seed: int = 0
+
+
+class Data(ConfigModel):
+    source: Literal["medmnist", "files", "synthetic"] = "medmnist"
+    medmnist: MedMNIST = MedMNIST()
+    files: Files = Files()
+    synthetic: Synthetic = Synthetic()
+    in_memory: bool | Literal["auto"] = Field(
+        "auto", description="hold the data as one tensor on the device and augment in batches; auto: when it fits")
+
+
+class Augment(ConfigModel):
+    """Applied on the device to whole batches; all off in the MedMNIST recipe."""
+
+    horizontal_flip: bool = False
+    vertical_flip: bool = False
+    shift_pixels: int = Field(0, ge=0, description="random translation by up to this many pixels (reflect padding)")
+
+
+class Model(ConfigModel):
+    name: str = Field("resnet18", description="a torchvision classification model by name")
+    cifar_stem: bool | Literal["auto"] = Field(
+        "auto", description="3x3 stride-1 first convolution and no max-pool; auto: for images under 64 px")
+    channels_last: bool = True
+
+
+class Train(ConfigModel):
+    epochs: int = Field(100, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    milestones: list[float] = Field([0.5, 0.75], description="lr x gamma at these fractions of the epochs")
+    gamma: float = Field(0.1, gt=0, le=1)
+    patience: int | None = Field(None, ge=1, description="stop after this many epochs without a better val AUC")
+    grad_clip: float | None = None
+    imbalance: Literal["none", "class_weights", "sampler"] = "none"
+    workers: int = Field(2, ge=0, description="DataLoader workers when the data is not held in memory")
+    checkpoint_every: int = Field(5, ge=1, description="epochs between checkpoints (a ResNet-18 one is ~130 MB)")
+
+
+class Evaluation(ConfigModel):
+    positive_class: int = Field(1, ge=0, description="the class the operating point and the clinical rates are for")
+    target_sensitivity: float = Field(0.95, gt=0, le=1)
+    calibration_bins: int = Field(15, ge=2)
+    bootstrap: int = Field(1000, ge=0, description="resamples for the AUC confidence interval; 0 skips it")
+    tta: bool = Field(False, description="average the probabilities over horizontal flips at test time")
+    gradcam_examples: int = Field(4, ge=0, description="per row: true positives, false positives, false negatives")
+
+
+class Baselines(ConfigModel):
+    models: list[Literal["logreg"]] = ["logreg"]
+    logreg_size: int = Field(28, ge=4, description="images are resized to this before logistic regression")
+    logreg_c: float = Field(0.01, gt=0)
+
+
+class Benchmark(ConfigModel):
+    epochs: int = Field(3, ge=2, description="per side; the first is a warm-up and not counted")
+
+
+class Config(ConfigModel):
+    data: Data = Data()
+    augment: Augment = Augment()
+    model: Model = Model()
+    train: Train = Train()
+    evaluation: Evaluation = Evaluation()
+    baselines: Baselines = Baselines()
+    benchmark: Benchmark = Benchmark()
+    runtime: RuntimeConfig = RuntimeConfig()

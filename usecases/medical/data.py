@@ -1,0 +1,226 @@
+"""Image classification data sets as uint8 arrays split into train, val and test.
+
+Three sources: an official MedMNIST `.npz` (downloaded with its MD5 checked, or a local file), your own images
+through a CSV manifest or class folders (`files.py`: PNG, JPEG or DICOM, split by patient), and a synthetic set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from common.errors import DataUnavailable, UserError
+from common.tracking import file_sha256, project_root
+from usecases.medical.config import Data, MedMNIST, Synthetic
+
+log = logging.getLogger(__name__)
+
+DOWNLOAD_TIMEOUT_S = 30
+
+SPLITS = ("train", "val", "test")
+Task = Literal["binary", "multi-class", "multi-label"]
+
+
+@dataclass
+class ImageSet:
+    """Images are uint8 (N, H, W, C) with C 1 or 3. Labels are int64 class indices (N,), or 0/1 (N, L) for
+    multi-label tasks. `patients` holds each image's patient id where the source has one."""
+
+    images: dict[str, np.ndarray]
+    labels: dict[str, np.ndarray]
+    task: Task
+    classes: list[str]
+    source: str
+    sha256: str
+    patients: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def channels(self) -> int:
+        return self.images["train"].shape[-1]
+
+    @property
+    def size(self) -> int:
+        return self.images["train"].shape[1]
+
+    def counts(self, split: str) -> np.ndarray:
+        """Images per class (per label for multi-label tasks)."""
+        labels = self.labels[split]
+        if self.task == "multi-label":
+            return labels.sum(axis=0)
+        return np.bincount(labels, minlength=len(self.classes))
+
+
+def check_classes(data: ImageSet, where: str) -> None:
+    """Every class must be seen in training and validation, or the loss and the val AUC are undefined."""
+    for split in ("train", "val"):
+        counts = data.counts(split)
+        if (counts == 0).any():
+            name = data.classes[int(np.flatnonzero(counts == 0)[0])]
+            raise UserError(f"{where}: class '{name}' has no images in the {split} split "
+                            f"(images per class: {dict(zip(data.classes, counts.tolist()))})")
+
+
+def load_images(config: Data, path: Path | None, seed: int) -> ImageSet:
+    """`--data` decides the source when given: a `.npz` is MedMNIST, anything else your own files."""
+    if path is not None:
+        from usecases.medical.files import load_files
+
+        data = load_medmnist_file(path) if path.suffix == ".npz" else load_files(path, config.files, seed)
+    elif config.source == "files":
+        raise UserError("data.source=files needs --data PATH (a CSV manifest or a folder of class folders)")
+    elif config.source == "synthetic":
+        data = synthetic_images(config.synthetic)
+    else:
+        data = load_medmnist_file(medmnist_path(config.medmnist))
+    check_classes(data, data.source)
+    return data
+
+
+def medmnist_cache(config: MedMNIST) -> Path:
+    if config.cache_dir is not None:
+        return config.cache_dir.expanduser()
+    return Path(os.environ.get("MEDMNIST_CACHE", Path.home() / ".cache" / "gpu-usecases" / "medmnist"))
+
+
+def medmnist_path(config: MedMNIST) -> Path:
+    """The cache, then the development copy in ../shared, then a download checked against the official MD5."""
+    from medmnist.info import INFO
+
+    if config.flag not in INFO:
+        raise UserError(f"data.medmnist.flag: unknown data set '{config.flag}' "
+                        f"(MedMNIST 2D sets: {', '.join(name for name in INFO if not name.endswith('3d'))})")
+    suffix = "" if config.size == 28 else f"_{config.size}"
+    name = f"{config.flag}{suffix}.npz"
+    cache = medmnist_cache(config)
+    for candidate in (cache / name, project_root().parent / "shared" / "data" / "medmnist" / name):
+        if candidate.is_file():
+            return candidate
+    info = INFO[config.flag]
+    url, md5 = info[f"url{suffix}"], info[f"MD5{suffix}"]
+    where = f"put {name} in {cache} (from {url}, MD5 {md5}) or pass --data FILE.npz"
+    if not config.download:
+        raise DataUnavailable(f"MedMNIST {name} is not in the cache and data.medmnist.download is off: {where}")
+    return _download(url, cache, name, md5, where)
+
+
+def _download(url: str, folder: Path, name: str, md5: str, where: str) -> Path:
+    from torchvision.datasets.utils import check_integrity, download_url
+
+    log.info("downloading %s from %s", name, url)
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
+    try:
+        download_url(url, str(folder), f"{name}.part", md5=None)
+    except Exception as exc:
+        raise DataUnavailable(f"cannot download MedMNIST {name} ({str(exc).splitlines()[0][:80]}): {where}") from None
+    finally:
+        socket.setdefaulttimeout(previous)
+    part = folder / f"{name}.part"
+    if not check_integrity(str(part), md5):
+        part.unlink(missing_ok=True)
+        raise UserError(f"the downloaded {name} does not match the official MD5 {md5}: {where}")
+    os.replace(part, folder / name)
+    return folder / name
+
+
+def _medmnist_task(flag: str, labels: np.ndarray) -> tuple[Task, list[str]]:
+    """Task and class names from MedMNIST's own metadata, or from the labels for a file of unknown name."""
+    from medmnist.info import INFO
+
+    info = INFO.get(flag)
+    if info is not None:
+        task = {"binary-class": "binary", "multi-label, binary-class": "multi-label"}.get(info["task"], "multi-class")
+        names = [info["label"][key] for key in sorted(info["label"], key=int)]
+        return task, names
+    if labels.ndim == 2 and labels.shape[1] > 1:
+        return "multi-label", [str(index) for index in range(labels.shape[1])]
+    count = int(labels.max()) + 1
+    return ("binary" if count == 2 else "multi-class"), [str(index) for index in range(count)]
+
+
+def load_medmnist_file(path: Path) -> ImageSet:
+    """A MedMNIST npz of any 2D set and size; the set's name comes from the file name (`dermamnist_64.npz`)."""
+    try:
+        archive = np.load(path)
+        arrays = {key: archive[key] for key in archive.files}
+    except Exception as exc:
+        raise UserError(f"{path}: not a readable .npz file ({type(exc).__name__})") from None
+    expected = [f"{split}_{kind}" for split in SPLITS for kind in ("images", "labels")]
+    missing = [key for key in expected if key not in arrays]
+    if missing:
+        raise UserError(f"{path}: missing key '{missing[0]}' (a MedMNIST file has {', '.join(expected)}; "
+                        f"this one has {', '.join(sorted(arrays)) or 'none'})")
+    images, labels = {}, {}
+    for split in SPLITS:
+        image, label = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        if image.dtype != np.uint8 or image.ndim not in (3, 4) or (image.ndim == 4 and image.shape[-1] not in (1, 3)):
+            raise UserError(f"{path}: {split}_images must be uint8 of shape (N, H, W) or (N, H, W, 3), "
+                            f"got {image.dtype} {image.shape}")
+        if len(label) != len(image):
+            raise UserError(f"{path}: {split}_labels has {len(label)} rows but {split}_images has {len(image)}")
+        images[split] = image[..., None] if image.ndim == 3 else image
+        labels[split] = label
+    task, classes = _medmnist_task(path.name.removesuffix(".npz").split("_")[0], labels["train"])
+    for split in SPLITS:
+        if task != "multi-label":
+            labels[split] = labels[split].reshape(-1).astype(np.int64)
+            if labels[split].min() < 0 or labels[split].max() >= len(classes):
+                raise UserError(f"{path}: {split}_labels must be class indices 0..{len(classes) - 1}")
+        else:
+            labels[split] = labels[split].reshape(len(labels[split]), -1).astype(np.int64)
+    return ImageSet(images, labels, task, classes, f"medmnist:{path.name}", file_sha256(path))
+
+
+SHAPES = ("disc", "square", "cross", "ring", "horizontal_bars", "vertical_bars")
+
+
+def _shape_masks(kind: str, size: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """One shape per image at a random place and scale: the class is in the shape, not in where it is."""
+    grid = np.arange(size, dtype=np.float32)
+    rows, cols = grid[None, :, None], grid[None, None, :]
+    radius = rng.uniform(0.18, 0.3, count)[:, None, None] * size
+    centre_row = rng.uniform(0.35, 0.65, count)[:, None, None] * size
+    centre_col = rng.uniform(0.35, 0.65, count)[:, None, None] * size
+    dy, dx = np.abs(rows - centre_row), np.abs(cols - centre_col)
+    inside = (dy <= radius) & (dx <= radius)
+    if kind == "disc":
+        return np.hypot(dy, dx) <= radius
+    if kind == "square":
+        return inside
+    if kind == "cross":
+        return inside & ((dy <= radius / 3) | (dx <= radius / 3))
+    if kind == "ring":
+        return (np.hypot(dy, dx) <= radius) & (np.hypot(dy, dx) >= radius * 0.55)
+    stripes = rows if kind == "horizontal_bars" else cols
+    return inside & ((stripes // 3) % 2 == 0)
+
+
+def synthetic_images(config: Synthetic) -> ImageSet:
+    """Grey images with a class-dependent shape under Gaussian noise; more than six classes vary brightness too."""
+    rng = np.random.default_rng(config.seed)
+    images, labels = {}, {}
+    for split in SPLITS:
+        count = getattr(config, split)
+        label = rng.integers(0, config.classes, count)
+        canvas = rng.normal(0.3, config.noise * 0.5, (count, config.size, config.size)).astype(np.float32)
+        for index in range(config.classes):
+            chosen = np.flatnonzero(label == index)
+            mask = _shape_masks(SHAPES[index % len(SHAPES)], config.size, len(chosen), rng)
+            brightness = 0.7 + 0.1 * (index // len(SHAPES))
+            canvas[chosen] += mask * brightness
+        canvas += rng.normal(0, config.noise, canvas.shape).astype(np.float32)
+        images[split] = (np.clip(canvas, 0, 1) * 255).astype(np.uint8)[..., None]
+        labels[split] = label.astype(np.int64)
+    classes = [SHAPES[index % len(SHAPES)] + ("" if index < len(SHAPES) else f"_{index // len(SHAPES)}")
+               for index in range(config.classes)]
+    digest = hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    return ImageSet(images, labels, "binary" if config.classes == 2 else "multi-class", classes, "synthetic",
+                    digest)

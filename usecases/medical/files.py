@@ -1,0 +1,334 @@
+"""Your own images (PNG, JPEG or DICOM) as an ImageSet, split so that no patient is in two splits.
+
+Images of one patient look alike, so a patient in both train and test inflates every test metric; a given split
+is checked for that leak and a split made here holds out whole patients (stratified by label). Every mistake in the
+manifest or the files fails before training with one line naming the file, column or row. DICOM pixels become
+what a radiologist's viewer shows: modality LUT (e.g. Hounsfield units), then a window, with MONOCHROME1 inverted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pydicom
+from PIL import Image, ImageOps
+from pydicom.errors import InvalidDicomError
+from pydicom.misc import is_dicom
+from pydicom.multival import MultiValue
+from pydicom.pixels import apply_modality_lut
+from sklearn.model_selection import StratifiedGroupKFold
+
+from common.errors import UserError
+from common.tracking import file_sha256
+from usecases.medical.config import Files
+from usecases.medical.data import SPLITS, ImageSet, check_classes
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.csv"
+PILLOW_SUFFIXES = {".png", ".jpg", ".jpeg"}
+DICOM_SUFFIXES = {".dcm", ".dicom"}
+PIXEL_DATA_TAGS = ("PixelData", "FloatPixelData", "DoubleFloatPixelData")
+HIGH_BIT_DEPTH_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}
+PILLOW_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+DICOM_READ_ERRORS = (InvalidDicomError, OSError, EOFError, KeyError, TypeError, ValueError, struct.error)
+DICOM_DECODE_ERRORS = (AttributeError, KeyError, NotImplementedError, RuntimeError, TypeError, ValueError)
+
+
+@dataclass
+class Listing:
+    """What is known about each image before a pixel is read, so that bad labels and splits fail fast."""
+
+    where: str
+    files: list[Path]
+    labels: list[str]
+    patients: list[str]
+    has_patients: bool
+    splits: list[str] | None = None
+    manifest: Path | None = None
+
+
+def load_files(path: Path, config: Files, seed: int) -> ImageSet:
+    """A CSV manifest, a folder holding `manifest.csv`, or a folder of class folders."""
+    path = Path(path)
+    if (config.window_center is None) != (config.window_width is None):
+        raise UserError("data.files.window_center and data.files.window_width must be set together (or both null)")
+    if path.is_dir() and (path / MANIFEST_NAME).is_file():
+        listing = read_manifest(path / MANIFEST_NAME, config)
+    elif path.is_dir():
+        listing = list_class_folders(path)
+    elif path.is_file():
+        listing = read_manifest(path, config)
+    else:
+        raise UserError(f"{path}: no such file or folder (expected a CSV manifest or a folder of class folders)")
+
+    classes = class_names(listing.labels, listing.where)
+    index = {name: position for position, name in enumerate(classes)}
+    labels = np.array([index[label] for label in listing.labels], dtype=np.int64)
+    patients = np.array(listing.patients, dtype=str)
+    if not listing.has_patients:
+        log.warning("%s: no patient ids, so every image is its own patient: the split is by image, not patient, "
+                    "and images of one patient may land in different splits", listing.where)
+    if listing.splits is None:
+        split_of = split_by_patient(labels, patients, config, seed, listing.where)
+    else:
+        split_of = np.array(listing.splits, dtype=str)
+    rows = {split: np.flatnonzero(split_of == split) for split in SPLITS}
+    for split, members in rows.items():
+        if len(members) == 0:
+            raise UserError(f"{listing.where}: the {split} split has no images")
+    assert_no_patient_leak({split: patients[members] for split, members in rows.items()}, listing.where)
+
+    images = np.stack([read_image(file, config) for file in listing.files])
+    data = ImageSet(
+        images={split: images[members] for split, members in rows.items()},
+        labels={split: labels[members] for split, members in rows.items()},
+        task="binary" if len(classes) == 2 else "multi-class",
+        classes=classes,
+        source=f"files:{path.name}",
+        sha256=listing_sha256(listing),
+        patients={split: patients[members] for split, members in rows.items()},
+    )
+    check_classes(data, where=str(path))
+    return data
+
+
+def read_manifest(manifest: Path, config: Files) -> Listing:
+    """One row per image; paths are relative to the manifest's folder so that the folder can move."""
+    where = str(manifest)
+    try:
+        table = pd.read_csv(manifest, dtype=str, keep_default_na=False)
+    except pd.errors.EmptyDataError:
+        raise UserError(f"{where}: the manifest is empty (expected a header and one row per image)") from None
+    except (pd.errors.ParserError, UnicodeDecodeError) as error:
+        raise UserError(f"{where}: cannot be read as a CSV manifest ({short(error)})") from None
+    if table.empty:
+        raise UserError(f"{where}: the manifest has no rows (expected one row per image)")
+    table.columns = [str(column).strip() for column in table.columns]
+    for key in ("path_column", "label_column"):
+        column = getattr(config, key)
+        if column not in table.columns:
+            raise UserError(f"{where}: missing column '{column}' (rename it with --set data.files.{key}=NAME; "
+                            f"found: {', '.join(table.columns)})")
+    table = table.apply(lambda column: column.str.strip())
+    for column in (config.path_column, config.label_column):
+        empty = np.flatnonzero(table[column] == "")
+        if len(empty):
+            raise UserError(f"{where}: column '{column}', row {empty[0] + 1}: empty value")
+
+    files = [manifest.parent / value for value in table[config.path_column]]
+    for row, file in enumerate(files, start=1):
+        if not file.is_file():
+            raise UserError(f"{where}: column '{config.path_column}', row {row}: file not found: {file}")
+    has_patients = config.patient_column is not None and config.patient_column in table.columns
+    if has_patients:
+        patients = table[config.patient_column]
+        empty = np.flatnonzero(patients == "")
+        if len(empty):
+            raise UserError(f"{where}: column '{config.patient_column}', row {empty[0] + 1}: empty patient id")
+    else:
+        patients = table[config.path_column]
+    splits = None
+    if config.split_column is not None and config.split_column in table.columns:
+        splits = table[config.split_column].str.lower()
+        bad = np.flatnonzero(~splits.isin(SPLITS))
+        if len(bad):
+            raise UserError(f"{where}: column '{config.split_column}', row {bad[0] + 1}: split "
+                            f"'{table[config.split_column].iloc[bad[0]]}' is not one of {', '.join(SPLITS)}")
+        splits = splits.tolist()
+    return Listing(where, files, table[config.label_column].tolist(), patients.tolist(), has_patients, splits,
+                   manifest)
+
+
+def list_class_folders(root: Path) -> Listing:
+    """`<root>/<class>/**/<image>`: the folder name is the label; there are no patient ids, nor a given split."""
+    where = str(root)
+    class_folders = sorted(folder for folder in root.iterdir() if folder.is_dir() and not is_hidden(folder, root))
+    if not class_folders:
+        raise UserError(f"{where}: no {MANIFEST_NAME} and no class folders (expected <folder>/<class>/<images>)")
+    files: list[Path] = []
+    labels: list[str] = []
+    for folder in class_folders:
+        candidates = sorted(file for file in folder.rglob("*") if file.is_file() and not is_hidden(file, root))
+        images = [file for file in candidates if is_image_file(file)]
+        if len(images) < len(candidates):
+            log.warning("%s: skipped %d files that are not PNG, JPEG or DICOM", folder, len(candidates) - len(images))
+        if not images:
+            raise UserError(f"{where}: class '{folder.name}' has no images (PNG, JPEG or DICOM) in {folder}")
+        files += images
+        labels += [folder.name] * len(images)
+    patients = [file.relative_to(root).as_posix() for file in files]
+    return Listing(where, files, labels, patients, has_patients=False)
+
+
+def is_hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def is_image_file(file: Path) -> bool:
+    """Suffix-less DICOM files are common (PACS exports), so the DICOM header counts as well as the suffix."""
+    suffix = file.suffix.lower()
+    return suffix in PILLOW_SUFFIXES or suffix in DICOM_SUFFIXES or is_dicom(file)
+
+
+def class_names(labels: list[str], where: str) -> list[str]:
+    """Integer labels sort as numbers, so that label k stays class index k; others sort as text."""
+    unique = set(labels)
+    if len(unique) < 2:
+        raise UserError(f"{where}: needs at least 2 classes, found {len(unique)} ({', '.join(sorted(unique))})")
+    if all(re.fullmatch(r"-?\d+", label) for label in unique):
+        return sorted(unique, key=int)
+    return sorted(unique)
+
+
+def split_by_patient(labels: np.ndarray, patients: np.ndarray, config: Files, seed: int, where: str) -> np.ndarray:
+    """Test first, then val from the rest, each about its fraction of the patients with the classes balanced."""
+    split_of = np.full(len(labels), "train", dtype=object)
+    split_of[held_out_fold(labels, patients, config.test_fraction, seed, where)] = "test"
+    rest = np.flatnonzero(split_of == "train")
+    val_fraction = config.val_fraction / (1 - config.test_fraction)
+    split_of[rest[held_out_fold(labels[rest], patients[rest], val_fraction, seed, where)]] = "val"
+    return split_of.astype(str)
+
+
+def held_out_fold(labels: np.ndarray, patients: np.ndarray, fraction: float, seed: int, where: str) -> np.ndarray:
+    """One fold of k = 1/fraction stratified group folds: whole patients, and each class in proportion."""
+    n_splits = max(2, round(1 / fraction))
+    n_patients = len(np.unique(patients))
+    if n_patients < n_splits:
+        raise UserError(f"{where}: {n_patients} patients are too few to hold out {fraction:.0%} of them "
+                        f"(needs at least {n_splits})")
+    folds = StratifiedGroupKFold(n_splits=n_splits, shuffle=True, random_state=seed)
+    try:
+        _, held_out = next(folds.split(np.zeros(len(labels)), labels, patients))
+    except ValueError as error:
+        raise UserError(f"{where}: cannot hold out {fraction:.0%} of the patients by label ({short(error)})") from None
+    return held_out
+
+
+def assert_no_patient_leak(patients: dict[str, np.ndarray], where: str) -> None:
+    """A patient in two splits lets the model be tested on a patient it was trained on."""
+    names = list(patients)
+    for position, first in enumerate(names):
+        for second in names[position + 1:]:
+            shared = np.intersect1d(patients[first], patients[second])
+            if len(shared):
+                more = f" ({len(shared)} patients are in both)" if len(shared) > 1 else ""
+                raise UserError(f"{where}: patient '{shared[0]}' appears in both {first} and {second}; "
+                                f"a patient's images must all be in one split{more}")
+
+
+def read_image(file: Path, config: Files) -> np.ndarray:
+    """(size, size, channels) uint8; non-square images are stretched to the square, not cropped."""
+    if file.suffix.lower() in DICOM_SUFFIXES or is_dicom(file):
+        image = Image.fromarray(dicom_to_uint8(read_dicom(file), config.window_center, config.window_width))
+    else:
+        image = read_pillow(file)
+    image = image.convert("L" if config.channels == 1 else "RGB")
+    image = image.resize((config.image_size, config.image_size), Image.Resampling.BILINEAR)
+    return np.asarray(image, dtype=np.uint8).reshape(config.image_size, config.image_size, config.channels)
+
+
+def read_pillow(file: Path) -> Image.Image:
+    """Upright (EXIF orientation) and 8-bit: 16-bit grey PNGs are min-max scaled, as Pillow would clip them."""
+    try:
+        with Image.open(file) as opened:
+            image = ImageOps.exif_transpose(opened)
+            image.load()
+    except PILLOW_ERRORS as error:
+        raise UserError(f"{file}: cannot read the image ({short(error)})") from None
+    if image.mode in HIGH_BIT_DEPTH_MODES:
+        image = Image.fromarray(to_uint8(unit_range(np.asarray(image, dtype=np.float64))))
+    return image
+
+
+def read_dicom(file: Path) -> pydicom.Dataset:
+    """Forced, since files without the Part 10 header are common; a file that is no DICOM at all then reads as
+    one without a header nor pixel data."""
+    try:
+        dataset = pydicom.dcmread(file, force=True)
+    except DICOM_READ_ERRORS as error:
+        raise UserError(f"{file}: cannot read the DICOM file ({short(error)})") from None
+    if not dataset.file_meta and not any(tag in dataset for tag in PIXEL_DATA_TAGS):
+        raise UserError(f"{file}: cannot read the DICOM file (no DICOM header and no pixel data)")
+    return dataset
+
+
+def dicom_to_uint8(dataset: pydicom.Dataset, center: float | None = None, width: float | None = None) -> np.ndarray:
+    """What a viewer shows, as uint8 (H, W) grey or (H, W, 3) colour.
+
+    Grey: the modality LUT (rescale slope and intercept), then the DICOM linear window (PS3.3 C.11.2.1.2) given
+    by `center` and `width`, else the file's first window, else min-max; MONOCHROME1 is inverted so high is bright.
+    Colour: scaled from its stored bit depth, no window. Multi-frame: the middle frame, as the most representative
+    single image of a series or cine loop.
+    """
+    name = getattr(dataset, "filename", None) or "DICOM dataset"
+    if not any(tag in dataset for tag in PIXEL_DATA_TAGS):
+        raise UserError(f"{name}: DICOM has no pixel data")
+    try:
+        pixels = dataset.pixel_array
+    except DICOM_DECODE_ERRORS as error:
+        raise UserError(f"{name}: cannot decode the DICOM pixel data ({short(error)})") from None
+    if int(dataset.get("NumberOfFrames") or 1) > 1:
+        pixels = pixels[len(pixels) // 2]
+    photometric = str(dataset.get("PhotometricInterpretation", "MONOCHROME2"))
+    if int(dataset.get("SamplesPerPixel") or 1) == 3:
+        full_scale = 2 ** int(dataset.get("BitsStored") or 8) - 1
+        return to_uint8(np.clip(pixels / full_scale, 0, 1))
+    if photometric not in ("MONOCHROME1", "MONOCHROME2"):
+        raise UserError(f"{name}: DICOM photometric interpretation '{photometric}' is not supported "
+                        f"(MONOCHROME1, MONOCHROME2 or a 3-sample colour image)")
+    values = apply_modality_lut(pixels, dataset).astype(np.float64)
+    if center is None or width is None:
+        center, width = file_window(dataset)
+    if center is None or width is None:
+        scaled = unit_range(values)
+    elif width <= 1:
+        raise UserError(f"{name}: window width {width} is too narrow (the DICOM linear window needs more than 1)")
+    else:
+        scaled = np.clip((values - (center - 0.5)) / (width - 1) + 0.5, 0, 1)
+    if photometric == "MONOCHROME1":
+        scaled = 1 - scaled
+    return to_uint8(scaled)
+
+
+def file_window(dataset: pydicom.Dataset) -> tuple[float | None, float | None]:
+    """The file's first window: a file may list several alternatives (e.g. lung, then mediastinum)."""
+    if "WindowCenter" not in dataset or "WindowWidth" not in dataset:
+        return None, None
+    center, width = dataset.WindowCenter, dataset.WindowWidth
+    return (float(center[0] if isinstance(center, MultiValue) else center),
+            float(width[0] if isinstance(width, MultiValue) else width))
+
+
+def unit_range(values: np.ndarray) -> np.ndarray:
+    """Min-max to [0, 1]: the fallback when nothing says which values matter."""
+    low, high = float(values.min()), float(values.max())
+    if high == low:
+        return np.zeros(values.shape)
+    return (values - low) / (high - low)
+
+
+def to_uint8(scaled: np.ndarray) -> np.ndarray:
+    return np.round(scaled * 255).astype(np.uint8)
+
+
+def listing_sha256(listing: Listing) -> str:
+    """The manifest and the images pin the data; without a manifest the labels live in the folder names, so the
+    relative paths are hashed with the images' bytes."""
+    if listing.manifest is not None:
+        return file_sha256(listing.manifest, *listing.files)
+    layout = "\n".join(f"{label}\t{patient}" for label, patient in zip(listing.labels, listing.patients))
+    return hashlib.sha256((layout + "\n" + file_sha256(*listing.files)).encode()).hexdigest()
+
+
+def short(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

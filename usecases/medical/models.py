@@ -1,0 +1,83 @@
+"""The classifier: a torchvision model behind on-device preprocessing and augmentation.
+
+The network takes uint8 images (or floats in [0, 1]) as (N, C, H, W), so the data stays uint8 until it is on
+the device and the logged model accepts raw pixels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+from common.errors import UserError
+
+CIFAR_STEM_BELOW = 64
+
+
+def _first_conv(model: nn.Module) -> tuple[nn.Module, str, nn.Conv2d]:
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d):
+                return parent, name, child
+    raise UserError("model.name: the model has no 2D convolution to take the images")
+
+
+def build_backbone(name: str, in_channels: int, num_classes: int, cifar_stem: bool) -> nn.Module:
+    """A torchvision model trained from scratch, its first convolution taking `in_channels`.
+
+    The CIFAR stem (3x3 stride-1 first convolution, no max-pool) is the MedMNIST recipe for 28 px inputs, where
+    the usual stem would shrink a 28 px image to 7 px before the first residual block.
+    """
+    if name not in torchvision.models.list_models(module=torchvision.models):
+        raise UserError(f"model.name: '{name}' is not a torchvision classification model "
+                        f"(for example resnet18, resnet50, densenet121, efficientnet_b0)")
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    parent, attribute, conv = _first_conv(model)
+    if cifar_stem:
+        if not hasattr(model, "maxpool"):
+            raise UserError(f"model.cifar_stem: only for the ResNet family, not '{name}'")
+        model.maxpool = nn.Identity()
+        setattr(parent, attribute, nn.Conv2d(in_channels, conv.out_channels, 3, 1, 1, bias=False))
+    elif conv.in_channels != in_channels:
+        setattr(parent, attribute, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                                             conv.padding, bias=conv.bias is not None))
+    return model
+
+
+def use_cifar_stem(setting: bool | str, name: str, image_size: int) -> bool:
+    if setting == "auto":
+        return name.startswith(("resnet", "resnext", "wide_resnet")) and image_size < CIFAR_STEM_BELOW
+    return bool(setting)
+
+
+class ImageClassifier(nn.Module):
+    """Scales pixels to [-1, 1] (the MedMNIST normalisation), augments in training mode, then the backbone."""
+
+    def __init__(self, backbone: nn.Module, augment: nn.Module | None = None, channels_last: bool = False):
+        super().__init__()
+        self.backbone = backbone
+        self.augment = augment if augment is not None else nn.Identity()
+        self.channels_last = channels_last
+        if channels_last:
+            self.backbone.to(memory_format=torch.channels_last)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        pixels = images.float() / 255 if images.dtype == torch.uint8 else images.float()
+        pixels = (pixels - 0.5) / 0.5
+        if self.training:
+            pixels = self.augment(pixels)
+        if self.channels_last:
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        return self.backbone(pixels)
+
+
+def architecture(name: str, in_channels: int, num_classes: int, cifar_stem: bool, channels_last: bool) -> dict:
+    """What it takes to rebuild the network for serving, without the training-only augmentation."""
+    return {"name": name, "in_channels": in_channels, "num_classes": num_classes, "cifar_stem": cifar_stem,
+            "channels_last": channels_last}
+
+
+def build_classifier(arch: dict, augment: nn.Module | None = None) -> ImageClassifier:
+    backbone = build_backbone(arch["name"], arch["in_channels"], arch["num_classes"], arch["cifar_stem"])
+    return ImageClassifier(backbone, augment, arch["channels_last"])

@@ -1,0 +1,92 @@
+"""The medical job: train the network (best epoch by validation AUC), evaluate it and the baseline on the test
+set with the same clinical metrics, log plots, Grad-CAM overlays and the model."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.job import Job
+from usecases.medical.baselines import logreg_logits
+from usecases.medical.config import Config
+from usecases.medical.data import ImageSet, load_images
+from usecases.medical.evaluate import check_positive_class, evaluate_model, reliability_figure, roc_pr_figure
+from usecases.medical.explain import grad_cam, overlay_figure, pick_examples
+from usecases.medical.serving import log_classifier
+from usecases.medical.train import channels_first, fit_network, predict_logits
+
+log = logging.getLogger(__name__)
+
+
+def load_data(config: Config, path: Path | None) -> tuple[ImageSet, dict[str, str]]:
+    """Everything that can be wrong with the data is found here, before an MLflow run is started."""
+    data = load_images(config.data, path, config.runtime.seed)
+    check_positive_class(config.evaluation.positive_class, data.classes)
+    sizes = {split: len(data.labels[split]) for split in ("train", "val", "test")}
+    log.info("data: %s, %s, %d classes, %s px, train/val/test %s", data.source, data.task, len(data.classes),
+             data.size, "/".join(map(str, sizes.values())))
+    return data, {"data_source": data.source, "data_sha256": data.sha256, "task": data.task,
+                  **{f"data_{split}_images": count for split, count in sizes.items()}}
+
+
+def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]:
+    runtime, evaluation = job.runtime, config.evaluation
+    started = time.perf_counter()
+    model, arch, result = fit_network(config, data, job)
+    train_seconds = time.perf_counter() - started
+    if not runtime.is_main:
+        return {}
+    images = {split: channels_first(data.images[split]) for split in ("val", "test")}
+    logits = {split: predict_logits(model, images[split], runtime, tta=evaluation.tta) for split in images}
+    metrics, details = evaluate_model(logits["val"], data.labels["val"], logits["test"], data.labels["test"],
+                                      data.task, data.classes, evaluation, config.runtime.seed)
+    metrics.update(best_epoch=result.best_epoch + 1, epochs_run=result.epochs_run, train_seconds=train_seconds)
+    models = {arch["name"]: metrics}
+    _log_figures(arch["name"], details, job)
+    _log_gradcam(model, data, images["test"], details, evaluation.gradcam_examples, job)
+    log_classifier(model, arch, data, {"operating_threshold": metrics["threshold"],
+                                       "positive_class": data.classes[evaluation.positive_class],
+                                       "target_sensitivity": evaluation.target_sensitivity,
+                                       "temperature": metrics["temperature"], "best_epoch": result.best_epoch + 1},
+                   job)
+    for name in config.baselines.models:
+        baseline = logreg_logits(data, config.baselines, config.runtime.seed)
+        models[name], baseline_details = evaluate_model(baseline["val"], data.labels["val"], baseline["test"],
+                                                        data.labels["test"], data.task, data.classes, evaluation,
+                                                        config.runtime.seed)
+        _log_figures(name, baseline_details, job)
+    return models
+
+
+def _log_figures(name: str, details, job: Job) -> None:
+    import matplotlib.pyplot as plt
+
+    for figure, artifact in ((roc_pr_figure(details), f"plots/{name}_roc_pr.png"),
+                             (reliability_figure(details), f"plots/{name}_reliability.png")):
+        job.tracker.log_figure(figure, artifact)
+        plt.close(figure)
+
+
+def _log_gradcam(model: torch.nn.Module, data: ImageSet, test_images: torch.Tensor, details, count: int,
+                 job: Job) -> None:
+    """Where the network looked, for its most confident true positives, false positives and false negatives."""
+    import matplotlib.pyplot as plt
+
+    if count == 0 or not job.tracker.active:
+        return
+    examples = pick_examples(details.is_positive, details.predicted_positive, details.score, count)
+    rows = {}
+    network = model.cpu().float()
+    target = details.positive_class
+    for group, indices in examples.items():
+        batch = test_images[torch.from_numpy(np.ascontiguousarray(indices))].float() / 255
+        heatmaps = grad_cam(network, batch, target) if len(indices) else np.zeros((0, data.size, data.size))
+        titles = [f"p={details.score[index]:.2f}" for index in indices]
+        rows[group] = (data.images["test"][indices], heatmaps, titles)
+    figure = overlay_figure(rows)
+    job.tracker.log_figure(figure, "plots/gradcam.png")
+    plt.close(figure)

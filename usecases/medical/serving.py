@@ -1,0 +1,90 @@
+"""The trained network as an MLflow pyfunc: uint8 images in, class probabilities out."""
+
+from __future__ import annotations
+
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+import common
+import usecases
+from usecases.medical.models import build_classifier
+
+EXAMPLE_IMAGES = 4
+BATCH = 256
+
+
+class ImageClassifierModel(mlflow.pyfunc.PythonModel):
+    """Input: images as the MedMNIST files hold them, uint8 (N, H, W) for grey or (N, H, W, 3) for RGB, at the
+    training size. Output: a column of probabilities per class (softmax; sigmoid per label for multi-label tasks).
+
+    The operating threshold chosen on validation, the positive class and the calibration temperature travel
+    in the model's metadata.
+    """
+
+    def load_context(self, context) -> None:
+        self._load(torch.load(context.artifacts["classifier"], map_location="cpu", weights_only=False))
+
+    def _load(self, bundle: dict) -> None:
+        self.network = build_classifier(bundle["architecture"]).eval()
+        self.network.load_state_dict(bundle["state"])
+        self.classes, self.task, self.size = bundle["classes"], bundle["task"], bundle["size"]
+        self.channels = bundle["architecture"]["in_channels"]
+
+    def _as_batch(self, images) -> torch.Tensor:
+        array = np.asarray(images)
+        if array.ndim == 3 and self.channels == 1:
+            array = array[..., None]
+        expected = f"(N, {self.size}, {self.size})" if self.channels == 1 else f"(N, {self.size}, {self.size}, 3)"
+        if array.ndim != 4 or array.shape[1:] != (self.size, self.size, self.channels):
+            raise MlflowException(f"expected images of shape {expected}, got {array.shape}",
+                                  error_code=INVALID_PARAMETER_VALUE)
+        if array.dtype != np.uint8:
+            if not np.issubdtype(array.dtype, np.floating) or array.min() < 0 or array.max() > 1:
+                raise MlflowException(f"expected uint8 pixels, or floats in [0, 1]; got {array.dtype}",
+                                      error_code=INVALID_PARAMETER_VALUE)
+            array = array.astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(array.transpose(0, 3, 1, 2)))
+
+    @torch.no_grad()
+    def predict(self, context, model_input: np.ndarray, params=None) -> pd.DataFrame:
+        images = self._as_batch(model_input)
+        logits = torch.cat([self.network(images[start : start + BATCH]) for start in range(0, len(images), BATCH)])
+        probabilities = torch.sigmoid(logits) if self.task == "multi-label" else torch.softmax(logits, dim=1)
+        return pd.DataFrame(probabilities.numpy().astype(np.float64), columns=self.classes)
+
+
+def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job) -> None:
+    """Log the best-epoch network as `model`, with a signature and real test images as the input example."""
+    if not job.tracker.active:
+        return
+    bundle = {"state": {key: value.cpu() for key, value in model.state_dict().items()}, "architecture": arch,
+              "classes": data.classes, "task": data.task, "size": data.size}
+    probe = ImageClassifierModel()
+    probe._load(bundle)
+    example = data.images["test"][:EXAMPLE_IMAGES]
+    if example.shape[-1] == 1:
+        example = example[..., 0]
+    signature = infer_signature(example, probe.predict(None, example))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "classifier.pt"
+        torch.save(bundle, path)
+        mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
+            artifacts={"classifier": str(path)},
+            signature=signature,
+            input_example=example,
+            metadata=metadata,
+            code_paths=[str(Path(common.__file__).parent), str(Path(usecases.__file__).parent)],
+            pip_requirements=[f"{name}=={version(name)}"
+                              for name in ("torch", "torchvision", "numpy", "pandas", "mlflow")],
+        )

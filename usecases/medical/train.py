@@ -1,0 +1,140 @@
+"""Training the network with the common loop: data held as one uint8 tensor on the device when it fits,
+a DataLoader with workers and pinned memory when it does not; best epoch by validation AUC."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from common.job import Job
+from common.runtime import Runtime
+from common.training import FitResult, TensorBatches, Trainer, TrainSettings, make_loader
+from usecases.medical.config import Config
+from usecases.medical.data import ImageSet
+from usecases.medical.evaluate import auc
+from usecases.medical.models import ImageClassifier, architecture, build_classifier, use_cifar_stem
+from usecases.medical.transforms import build_augment
+
+log = logging.getLogger(__name__)
+
+PREDICT_BATCH = 512
+GPU_MEMORY_SHARE = 0.25
+
+
+def channels_first(images: np.ndarray) -> torch.Tensor:
+    """uint8 (N, H, W, C) arrays as the (N, C, H, W) tensors torch models take; still uint8."""
+    return torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2)))
+
+
+def label_tensor(labels: np.ndarray, task: str) -> torch.Tensor:
+    return torch.from_numpy(labels).float() if task == "multi-label" else torch.from_numpy(labels).long()
+
+
+class UInt8Images(Dataset):
+    """One uint8 image per item: the workers only index and the device does the float conversion and augmentation."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
+
+def fits_in_memory(data: ImageSet, runtime: Runtime, setting: bool | str) -> bool:
+    """On a CPU the arrays are in memory already; on a GPU, when the uint8 training set takes under a quarter of
+    its free memory."""
+    if setting != "auto":
+        return bool(setting)
+    if runtime.device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(runtime.device)
+    return data.images["train"].nbytes < GPU_MEMORY_SHARE * free
+
+
+def class_weights(data: ImageSet) -> torch.Tensor:
+    """Inverse class frequency, scaled so a balanced set gets weights of 1."""
+    counts = data.counts("train").astype(np.float64)
+    if data.task == "multi-label":
+        return torch.tensor((len(data.labels["train"]) - counts) / counts, dtype=torch.float32)  # BCE pos_weight
+    return torch.tensor(counts.sum() / (len(counts) * counts), dtype=torch.float32)
+
+
+def sample_weights(data: ImageSet) -> torch.Tensor:
+    """Per image, the inverse frequency of its class, so each epoch draws the classes about equally."""
+    if data.task == "multi-label":
+        raise ValueError("a weighted sampler needs one class per image; use train.imbalance=class_weights")
+    labels = data.labels["train"]
+    return torch.tensor(1.0 / data.counts("train")[labels], dtype=torch.float64)
+
+
+def loss_function(data: ImageSet, imbalance: str, device: torch.device) -> nn.Module:
+    weights = class_weights(data).to(device) if imbalance == "class_weights" else None
+    if data.task == "multi-label":
+        return nn.BCEWithLogitsLoss(pos_weight=weights)
+    return nn.CrossEntropyLoss(weight=weights)
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, images: torch.Tensor, runtime: Runtime, tta: bool = False) -> np.ndarray:
+    """Logits in fp32 for uint8 (N, C, H, W) images, in batches; with `tta` the logits of the image and its mirror
+    image are averaged (for multi-class, averaging logits ranks as averaging log-probabilities up to a constant)."""
+    model.eval()
+    outputs = []
+    for start in range(0, len(images), PREDICT_BATCH):
+        batch = images[start : start + PREDICT_BATCH].to(runtime.device, non_blocking=True)
+        with torch.autocast(runtime.device.type, dtype=runtime.amp_dtype, enabled=runtime.amp_dtype is not None):
+            logits = model(batch).float()
+            if tta:
+                logits = (logits + model(batch.flip(-1)).float()) / 2
+        outputs.append(logits.cpu())
+    return torch.cat(outputs).numpy()
+
+
+def new_classifier(config: Config, data: ImageSet) -> tuple[ImageClassifier, dict]:
+    model_config = config.model
+    arch = architecture(model_config.name, data.channels, len(data.classes),
+                        use_cifar_stem(model_config.cifar_stem, model_config.name, data.size),
+                        model_config.channels_last)
+    return build_classifier(arch, build_augment(config.augment)), arch
+
+
+def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifier, dict, FitResult]:
+    """Train from scratch; the returned model holds the weights of the epoch with the best validation AUC."""
+    runtime, settings = job.runtime, config.train
+    torch.manual_seed(config.runtime.seed)
+    model, arch = new_classifier(config, data)
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    milestones = sorted({max(1, round(fraction * settings.epochs)) for fraction in settings.milestones})
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, settings.gamma)
+    train_images, train_labels = channels_first(data.images["train"]), label_tensor(data.labels["train"], data.task)
+    weights = sample_weights(data) if settings.imbalance == "sampler" else None
+    if fits_in_memory(data, runtime, config.data.in_memory):
+        batches = TensorBatches(train_images.to(runtime.device), train_labels.to(runtime.device),
+                                batch_size=settings.batch_size, seed=config.runtime.seed, rank=runtime.rank,
+                                world_size=runtime.world_size, weights=weights)
+    else:
+        batches = make_loader(UInt8Images(train_images, train_labels), settings.batch_size, runtime,
+                              num_workers=settings.workers, seed=config.runtime.seed, weights=weights)
+    log.info("training %s on %d images (%s)", arch["name"], len(train_images),
+             "in memory" if isinstance(batches, TensorBatches) else f"DataLoader, {settings.workers} workers")
+    val_images = channels_first(data.images["val"]).to(runtime.device)
+    val_labels = data.labels["val"]
+
+    def validate(network: nn.Module) -> dict[str, float]:
+        return {"val/auc": auc(val_labels, predict_logits(network, val_images, runtime), data.task)}
+
+    trainer = Trainer(model, optimizer, loss_function(data, settings.imbalance, runtime.device), runtime,
+                      TrainSettings(max_epochs=settings.epochs, monitor="val/auc", mode="max",
+                                    patience=settings.patience or settings.epochs + 1, grad_clip=settings.grad_clip,
+                                    checkpoint_every=settings.checkpoint_every),
+                      scheduler=scheduler, checkpoint_dir=job.checkpoint_dir / arch["name"],
+                      log_metrics=job.tracker.log_metrics, name=arch["name"])
+    result = trainer.fit(batches, validate, resume=job.resume)
+    return trainer.module.eval(), arch, result
