@@ -11,10 +11,13 @@ import logging
 import math
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.metadata import version
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import mlflow
@@ -118,6 +121,28 @@ class Tracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         if self.active:
             mlflow.log_text(text, artifact_file)
+
+    def log_pyfunc(self, entry: Path, bundle: dict, *, example, signature, packages: list[str],
+                   code: list[ModuleType], metadata: dict | None = None) -> None:
+        """Log `model` from code (MLflow's models-from-code): the `entry` script, the `code` packages and `common`,
+        and `bundle` saved with torch as the artifact `bundle`; nothing is pickled but tensors and plain data."""
+        if not self.active:
+            return
+        import torch
+
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "bundle.pt"
+            torch.save(bundle, path)
+            mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(entry),
+                artifacts={"bundle": str(path)},
+                signature=signature,
+                input_example=example,
+                metadata=metadata,
+                code_paths=[str(Path(package.__file__).parent) for package in (*code, sys.modules["common"])],
+                pip_requirements=[f"{name}=={version(name)}" for name in packages],
+            )
 
 
 @contextmanager

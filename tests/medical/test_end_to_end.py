@@ -34,7 +34,7 @@ def test_summary_has_the_clinical_metrics_and_the_network_learned(smoke):
 
 
 def test_run_has_plots_and_a_model_that_predicts_probabilities(smoke):
-    folder, env, summary, _ = smoke
+    _, env, _, _ = smoke
     uri = env["MLFLOW_TRACKING_URI"]
     (run,) = runs("medical", uri)
     assert run.info.status == "FINISHED"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
-from importlib.metadata import version
 from pathlib import Path
 
 import mlflow
@@ -14,7 +12,6 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-import common
 import usecases
 from usecases.finance.features import HISTORY_DAYS, add_features
 from usecases.finance.models import VolatilityMLP, ensemble_forecast
@@ -36,7 +33,7 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
     """
 
     def load_context(self, context) -> None:
-        self._load(torch.load(context.artifacts["forecaster"], map_location="cpu", weights_only=False))
+        self._load(torch.load(context.artifacts["bundle"], map_location="cpu", weights_only=False))
 
     def _load(self, bundle: dict) -> None:
         self.members = []
@@ -107,16 +104,6 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
     probe._load(bundle)
     example = input_example(panel, latest["exogenous"])
     signature = infer_signature(example, probe.predict(None, example))
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "forecaster.pt"
-        torch.save(bundle, path)
-        mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
-            artifacts={"forecaster": str(path)},
-            signature=signature,
-            input_example=example,
-            code_paths=[str(Path(common.__file__).parent), str(Path(usecases.__file__).parent)],
-            pip_requirements=[f"{name}=={version(name)}" for name in ("torch", "numpy", "pandas", "mlflow")],
-        )
+    job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
+                           packages=["torch", "numpy", "pandas", "mlflow"], code=[usecases])
     job.tracker.set_tags({"model_trained_until": latest["trained_until"]})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,8 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
     if not runtime.is_main:
         return {}
     images = {split: channels_first(data.images[split]) for split in ("val", "test")}
-    logits = {split: predict_logits(model, images[split], runtime, tta=evaluation.tta) for split in images}
+    as_served = replace(runtime, amp_dtype=None)  # scored in fp32, as the logged model predicts
+    logits = {split: predict_logits(model, images[split], as_served, tta=evaluation.tta) for split in images}
     metrics, details = evaluate_model(logits["val"], data.labels["val"], logits["test"], data.labels["test"],
                                       data.task, data.classes, evaluation, config.runtime.seed)
     metrics.update(best_epoch=result.best_epoch + 1, epochs_run=result.epochs_run, train_seconds=train_seconds)

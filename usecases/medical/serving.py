@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
-from importlib.metadata import version
 from pathlib import Path
 
 import mlflow
@@ -14,7 +12,6 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-import common
 import usecases
 from usecases.medical.models import build_classifier
 
@@ -31,7 +28,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     """
 
     def load_context(self, context) -> None:
-        self._load(torch.load(context.artifacts["classifier"], map_location="cpu", weights_only=False))
+        self._load(torch.load(context.artifacts["bundle"], map_location="cpu", weights_only=False))
 
     def _load(self, bundle: dict) -> None:
         self.network = build_classifier(bundle["architecture"]).eval()
@@ -74,17 +71,6 @@ def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job
     if example.shape[-1] == 1:
         example = example[..., 0]
     signature = infer_signature(example, probe.predict(None, example))
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "classifier.pt"
-        torch.save(bundle, path)
-        mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
-            artifacts={"classifier": str(path)},
-            signature=signature,
-            input_example=example,
-            metadata=metadata,
-            code_paths=[str(Path(common.__file__).parent), str(Path(usecases.__file__).parent)],
-            pip_requirements=[f"{name}=={version(name)}"
-                              for name in ("torch", "torchvision", "numpy", "pandas", "mlflow")],
-        )
+    job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
+                           packages=["torch", "torchvision", "numpy", "pandas", "mlflow"], code=[usecases],
+                           metadata=metadata)

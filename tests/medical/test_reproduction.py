@@ -1,0 +1,48 @@
+"""The `default` preset on the real BreastMNIST copy: the issue's acceptance run (about 5 minutes on 2 cores)."""
+
+import json
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+
+from tests.cli_helpers import private_env, runs, usecases
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "medmnist" / "breastmnist.npz"
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SHARED.is_file(), reason="the shared BreastMNIST copy is absent")]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    env = private_env(tmp_path_factory.mktemp("default"))
+    path = tmp_path_factory.mktemp("summary") / "s.json"
+    result = usecases("run", "medical", "--preset", "default", "--data", str(SHARED), "--summary", str(path),
+                      timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(path.read_text()), env["MLFLOW_TRACKING_URI"]
+
+
+def test_resnet18_reaches_the_published_auc_within_noise(finished):
+    summary, _ = finished
+    resnet, logreg = summary["models"]["resnet18"], summary["models"]["logreg"]
+    assert resnet["auc"] >= 0.88  # published ResNet-18 (28 px): 0.901
+    assert resnet["auc"] > logreg["auc"]
+    assert resnet["auc_ci_low"] < resnet["auc"] < resnet["auc_ci_high"]
+    assert resnet["sensitivity_at_threshold"] >= 0.8 and 0 < resnet["specificity_at_threshold"] <= 1
+
+
+def test_the_logged_model_predicts_the_real_test_images(finished):
+    summary, uri = finished
+    (run,) = runs("medical", uri)
+    assert run.info.status == "FINISHED"
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    test = np.load(SHARED)
+    probabilities = model.predict(test["test_images"])
+    assert list(probabilities.columns) == ["malignant", "normal, benign"]
+    from sklearn.metrics import roc_auc_score
+
+    auc = roc_auc_score(test["test_labels"].reshape(-1), probabilities["normal, benign"])
+    assert auc == pytest.approx(summary["models"]["resnet18"]["auc"], abs=1e-6)

@@ -1,0 +1,64 @@
+"""The two data paths, the imbalance options and test-time augmentation."""
+
+import numpy as np
+import pytest
+import torch
+
+from common.job import Job
+from common.runtime import Runtime
+from common.tracking import Tracker
+from usecases.medical.config import Config
+from usecases.medical.data import synthetic_images
+from usecases.medical.train import class_weights, fit_network, predict_logits, sample_weights
+
+CPU = Runtime(torch.device("cpu"), None)
+
+
+def tiny_config(**train) -> Config:
+    config = Config.model_validate({
+        "data": {"source": "synthetic", "synthetic": {"size": 16, "train": 96, "val": 32, "test": 32}},
+        "train": {"epochs": 2, "batch_size": 32, **train},
+    })
+    return config
+
+
+@pytest.fixture(scope="module")
+def data():
+    imbalanced = synthetic_images(tiny_config().data.synthetic)
+    keep = np.flatnonzero((imbalanced.labels["train"] == 1) | (np.arange(96) % 3 == 0))
+    imbalanced.images["train"], imbalanced.labels["train"] = (imbalanced.images["train"][keep],
+                                                              imbalanced.labels["train"][keep])
+    return imbalanced
+
+
+def test_inverse_frequency_weights(data):
+    counts = data.counts("train")
+    weights = class_weights(data)
+    assert torch.allclose(weights * torch.tensor(counts, dtype=torch.float32), torch.full((2,), counts.sum() / 2))
+    per_image = sample_weights(data)
+    assert per_image[data.labels["train"] == 0].sum().item() == pytest.approx(1.0)
+    assert per_image[data.labels["train"] == 1].sum().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("in_memory", "imbalance"), [(True, "sampler"), (False, "sampler"), (False, "class_weights")])
+def test_both_data_paths_train_with_either_imbalance_option(tmp_path, data, in_memory, imbalance):
+    config = tiny_config(imbalance=imbalance, workers=0)
+    config.data.in_memory = in_memory
+    model, arch, result = fit_network(config, data, Job(CPU, Tracker(active=False), tmp_path))
+    assert arch["cifar_stem"] and result.epochs_run == 2
+    assert all(np.isfinite(row["train/loss"]) and 0 <= row["val/auc"] <= 1 for row in result.history)
+    assert not model.training
+
+
+def test_tta_averages_an_image_and_its_mirror(data):
+    class LeftBright(torch.nn.Module):
+        def forward(self, images):
+            left = images[..., : images.shape[-1] // 2].float().mean(dim=(1, 2, 3))
+            return torch.stack([left, -left], dim=1)
+
+    images = torch.zeros(2, 1, 4, 4, dtype=torch.uint8)
+    images[0, ..., :2] = 200
+    plain = predict_logits(LeftBright(), images, CPU)
+    averaged = predict_logits(LeftBright(), images, CPU, tta=True)
+    assert plain[0, 0] == pytest.approx(200) and averaged[0, 0] == pytest.approx(100)
+    assert averaged[1, 0] == pytest.approx(0)
