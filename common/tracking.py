@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,11 @@ def file_sha256(*paths: Path) -> str:
     return digest.hexdigest()
 
 
+def metric_name(key: str) -> str:
+    """A name MLflow accepts (letters, digits, `_ - . : /` and spaces): `ndcg@10` is logged as `ndcg_at_10`."""
+    return re.sub(r"[^\w\-. :/]", "_", key.replace("@", "_at_"))
+
+
 class Tracker:
     """Logging calls that write on the main rank and do nothing elsewhere."""
 
@@ -102,7 +108,8 @@ class Tracker:
         self.run_id = run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        finite = {key: float(value) for key, value in metrics.items() if value is not None and math.isfinite(value)}
+        finite = {metric_name(key): float(value) for key, value in metrics.items()
+                  if value is not None and math.isfinite(value)}
         if self.active and finite:
             mlflow.log_metrics(finite, step=step)
 

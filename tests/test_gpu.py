@@ -30,3 +30,18 @@ def test_finance_smoke_on_the_gpu(tmp_path):
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["device"] == "cuda"
     assert summary["models"]["neural"]["qlike_parkinson"] > 0
+
+
+def test_medical_smoke_on_the_gpu_holds_the_data_there(tmp_path):
+    result = usecases("run", "medical", "--preset", "smoke", "--device", "cuda", "--summary", str(tmp_path / "s.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(in memory)" in result.stderr
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["device"] == "cuda" and summary["models"]["resnet18"]["auc"] > 0.9
+
+
+def test_medical_dataloader_path_on_the_gpu(tmp_path):
+    result = usecases("run", "medical", "--preset", "smoke", "--device", "cuda", "--set", "data.in_memory=false",
+                      "--set", "train.workers=2", "--summary", str(tmp_path / "s.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DataLoader, 2 workers" in result.stderr

@@ -12,6 +12,7 @@ from common.errors import UserError
 USECASES = {
     "finance": "usecases.finance",
     "medical": "usecases.medical",
+    "recsys": "usecases.recsys",
 }
 
 

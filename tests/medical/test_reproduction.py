@@ -11,7 +11,8 @@ from tests.cli_helpers import private_env, runs, usecases
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "medmnist" / "breastmnist.npz"
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SHARED.is_file(), reason="the shared BreastMNIST copy is absent")]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not SHARED.is_file(), reason="the shared BreastMNIST copy is absent")]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ class Files(ConfigModel):
 
     path_column: str = "path"
     label_column: str = "label"
-    patient_column: str | None = Field("patient_id", description="split by this column; null: every image its own patient")
+    patient_column: str | None = Field("patient_id",
+                                       description="split by this column; null: every image its own patient")
     split_column: str | None = Field("split", description="use the manifest's own train/val/test split when present")
     image_size: int = Field(28, ge=8, description="images are resized to this square size")
     channels: Literal[1, 3] = 1

@@ -1,0 +1,65 @@
+"""The smoke preset end to end, as a user runs it: every model in the summary, the served model answering."""
+
+import json
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+
+from common.config import load_config
+from tests.cli_helpers import private_env, runs, usecases
+from usecases.recsys import PRESETS_DIR, Config
+from usecases.recsys.data import load_interactions
+
+REQUIRED = {"recall@10", "ndcg@10", "hit@10", "mrr@10", "precision@10", "coverage@10"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("recsys-smoke")
+    env = private_env(folder)
+    result = usecases("run", "recsys", "--preset", "smoke", "--summary", str(folder / "s.json"), env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return env["MLFLOW_TRACKING_URI"], json.loads((folder / "s.json").read_text())
+
+
+def test_every_model_is_scored_and_learns_more_than_random(smoke):
+    _, summary = smoke
+    models = summary["models"]
+    assert {"pop", "itemknn", "ease", "bpr", "lightgcn"} <= set(models)
+    for name, metrics in models.items():
+        assert REQUIRED <= set(metrics), name
+        assert metrics["ndcg@10"] > 0.05, name  # random ranking of ~1000 items scores about 0.01
+    assert max(metrics["ndcg@10"] for metrics in models.values()) > models["pop"]["ndcg@10"]
+
+
+def test_served_model_recommends_unseen_items_and_popular_ones_to_strangers(smoke):
+    uri, summary = smoke
+    (run,) = runs("recsys", uri)
+    assert run.info.status == "FINISHED"
+    served = run.data.tags["served_model"]
+    assert summary["models"][served]["latency_p50_ms"] > 0 and summary["models"][served]["batch_users_per_s"] > 0
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    data = load_interactions(load_config(Config, PRESETS_DIR, "smoke"), None)
+    user_code = 5
+    user = data.user_ids[user_code]
+    answer = model.predict(pd.DataFrame({"user_id": [user], "k": [10]}))
+    assert len(answer) == 10 and list(answer["rank"]) == list(range(1, 11))
+    trained_on = set(data.item_ids[data.train.loc[data.train["user"] == user_code, "item"]])
+    assert not trained_on & set(answer["item_id"])
+    stranger = model.predict(pd.DataFrame({"user_id": [-12345], "k": [5]}))
+    popularity = np.bincount(data.train["item"], minlength=data.n_items)
+    assert list(stranger["score"]) == sorted(popularity, reverse=True)[:5]  # the five most popular, ties aside
+    assert (popularity[np.searchsorted(data.item_ids[1:], stranger["item_id"]) + 1] == stranger["score"]).all()
+
+
+def test_a_log_without_its_user_column_is_one_line(tmp_path):
+    log = tmp_path / "clicks.csv"
+    pd.DataFrame({"customer": [1, 2], "item_id": [3, 4], "timestamp": [10, 20]}).to_csv(log, index=False)
+    result = usecases("run", "recsys", "--preset", "smoke", "--data", str(log))
+    assert result.returncode == 2
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and "missing column 'user_id'" in error and "clicks.csv" in error
+    assert "Traceback" not in result.stderr and runs("recsys") == []

@@ -1,0 +1,58 @@
+"""The served forms answer like the models, leave seen items out, and send strangers the popular items."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import torch
+from mlflow.exceptions import MlflowException
+
+from usecases.recsys.serving import Recommender, RecommenderModel, latency
+
+
+def bundle(kind="factors"):
+    history = sp.csr_matrix(np.array([[0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 1, 0]], dtype=np.float32))
+    base = {"history": history, "seen": history, "popularity": np.array([0, 5, 9, 1, 3], dtype=np.float32),
+            "user_ids": np.array([-1, 100, 200]), "item_ids": np.array([-1, 11, 12, 13, 14]),
+            "titles": np.array(["", "a", "b", "c", "d"], dtype=object), "k": 2, "latency_users": 5}
+    if kind == "factors":
+        return {**base, "kind": kind, "users": torch.tensor([[0.0], [1.0], [-1.0]]),
+                "items": torch.tensor([[0.0], [4.0], [3.0], [2.0], [1.0]])}
+    if kind == "item_item":
+        return {**base, "kind": kind, "similarity": sp.csr_matrix(np.eye(5, k=1, dtype=np.float32))}
+    return {**base, "kind": kind}
+
+
+def served(kind):
+    model = RecommenderModel()
+    model._load(bundle(kind))
+    return model
+
+
+def test_factors_rank_unseen_items_and_strangers_get_popular_ones():
+    answer = served("factors").predict(None, pd.DataFrame({"user_id": [100, 999]}))
+    mine = answer[answer["user_id"] == 100]
+    assert list(mine["item_id"]) == [12, 13] and list(mine["title"]) == ["b", "c"]  # 11 was seen
+    assert list(answer[answer["user_id"] == 999]["item_id"]) == [12, 11]
+
+
+def test_item_item_scores_the_history_through_the_similarity():
+    scores = Recommender(bundle("item_item")).score(torch.tensor([2]))
+    assert scores[0].tolist() == [0, 0, 0, 1, 1]  # items 2 and 3 point to 3 and 4
+
+
+def test_popularity_form_and_k_from_the_input():
+    answer = served("popularity").predict(None, pd.DataFrame({"user_id": [200], "k": [3]}))
+    assert list(answer["item_id"]) == [11, 14]  # only two items are left unseen: no padding rows
+
+
+@pytest.mark.parametrize(("frame", "match"), [(pd.DataFrame({"user": [1]}), "missing column 'user_id'"),
+                                              (pd.DataFrame({"user_id": [100], "k": [0]}), "k must be between")])
+def test_bad_requests_are_named(frame, match):
+    with pytest.raises(MlflowException, match=match):
+        served("factors").predict(None, frame)
+
+
+def test_latency_figures():
+    figures = latency(served("factors"), np.array([100, 200]), single=5)
+    assert 0 < figures["latency_p50_ms"] <= figures["latency_p95_ms"] and figures["batch_users_per_s"] > 0

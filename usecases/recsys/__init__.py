@@ -1,0 +1,28 @@
+"""Top-K recommendation: MovieLens or any interaction log, full-ranking evaluation, the best model served."""
+
+from pathlib import Path
+
+from usecases.recsys.config import Config
+
+DESCRIPTION = "top-K recommendation (MovieLens or your log): pop, ItemKNN, EASE, ALS, BPR, LightGCN, full ranking"
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def summary_columns(config: Config) -> list[str]:
+    """The metrics printed at the end of a run; summary.json holds them all."""
+    return ["recall@10", "ndcg@10", "hit@10", "mrr@10", "precision@10", "coverage@10", "fit_seconds"]
+
+
+def load_data(config, path):
+    from usecases.recsys.pipeline import load_data
+
+    return load_data(config, path)
+
+
+def run(config, data, job):
+    from usecases.recsys.pipeline import run
+
+    return run(config, data, job)
+
+
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "load_data", "run", "summary_columns"]

@@ -1,0 +1,165 @@
+"""The simple baselines that learned recommenders must beat (Dacrema et al., RecSys 2019, found that most neural
+models do not): popularity, item k-NN, EASE and ALS, each fitted in closed form or a few sweeps from the binary
+training matrix and scoring every item for a batch of users on the device, as `evaluate.Scorer` asks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from common.errors import UserError
+from usecases.recsys import config as cfg
+from usecases.recsys.evaluate import rows_as_dense
+
+DENSE_SIMILARITY_BYTES = 1 << 30
+SIMILARITY_BLOCK_VALUES = 1 << 26
+EASE_MAX_ITEMS = 50_000
+COSINE_EPSILON = 1e-6  # RecBole's, keeps items without interactions from dividing by zero
+
+
+class ModelUnavailable(UserError):
+    """An optional model whose package is missing: the pipeline logs the message and skips the model."""
+
+
+class Popularity:
+    """Every user gets the same list, the most interacted-with items first."""
+
+    def __init__(self, train: sp.csr_matrix, device: torch.device):
+        counts = np.bincount(train.tocsr().indices, minlength=train.shape[1])
+        self.counts = torch.from_numpy(counts.astype(np.float32)).to(device)
+
+    def score(self, users: torch.Tensor) -> torch.Tensor:
+        return self.counts.expand(len(users), -1)
+
+
+class ItemKNN:
+    """Item-based k-NN as RecBole's ItemKNN: cosine with shrinkage, sim(i, j) = x_i·x_j / (|x_i| |x_j| + shrink),
+    where x_i is item i's column of users; each item j keeps its `neighbours` most similar items i, stored as
+    `similarity[i, j]`, and score(u, j) = sum_i x_ui similarity[i, j].
+
+    Similarities are computed a block of items at a time, so the full items x items product is never held. On a GPU
+    the pruned matrix is kept dense when it fits in DENSE_SIMILARITY_BYTES; otherwise it stays a scipy CSR matrix,
+    whose sparse product skips the zeros that a dense one would multiply on the CPU.
+    """
+
+    def __init__(self, train: sp.csr_matrix, config: cfg.ItemKNN, device: torch.device):
+        self.train = train.tocsr()
+        self.device = device
+        n_items = train.shape[1]
+        item_users = self.train.T.tocsr()
+        norms = torch.from_numpy(np.sqrt(np.diff(item_users.indptr)).astype(np.float32)).to(device)
+        keep = min(config.neighbours, n_items)
+        block = max(1, SIMILARITY_BLOCK_VALUES // n_items)
+        targets, neighbours, values = [], [], []
+        for first in range(0, n_items, block):
+            items = torch.arange(first, min(first + block, n_items), device=device)
+            overlap = torch.from_numpy((item_users[first:first + block] @ self.train).toarray()).to(device)
+            similarity = overlap / (norms[items, None] * norms[None, :] + config.shrink + COSINE_EPSILON)
+            similarity[torch.arange(len(items), device=device), items] = 0.0
+            top_values, top_items = torch.topk(similarity, keep, dim=1)
+            positive = top_values > 0
+            targets.append(items[:, None].expand(-1, keep)[positive])
+            neighbours.append(top_items[positive])
+            values.append(top_values[positive])
+        neighbour, target, value = torch.cat(neighbours), torch.cat(targets), torch.cat(values)
+        if device.type == "cuda" and n_items**2 * 4 <= DENSE_SIMILARITY_BYTES:
+            self.similarity = torch.zeros(n_items, n_items, device=device).index_put_((neighbour, target), value)
+        else:
+            self.similarity = sp.csr_matrix((value.cpu().numpy(), (neighbour.cpu().numpy(), target.cpu().numpy())),
+                                            shape=(n_items, n_items))
+
+    def score(self, users: torch.Tensor) -> torch.Tensor:
+        return _history_times(self.train, users, self.similarity, self.device)
+
+    def similarity_matrix(self) -> sp.csr_matrix:
+        """W with score(u) = x_u W, on the CPU, for serving without torch on a GPU."""
+        if isinstance(self.similarity, torch.Tensor):
+            return sp.csr_matrix(self.similarity.cpu().numpy())
+        return self.similarity
+
+
+class EASE:
+    """Steck's EASE (WWW 2019): the item-item weights B minimising |X - XB|² + λ|B|² with diag(B) = 0 have the
+    closed form P = (XᵀX + λI)⁻¹, B = -P / diag(P) column-wise, diag(B) = 0; score(u) = x_u B.
+
+    The inverse is taken in float64 on the CPU, for numerical safety, and in float32 on a GPU, where float64 is slow
+    on most cards and λ keeps the system well enough conditioned. On 2 CPU cores 10k items take about a minute."""
+
+    def __init__(self, train: sp.csr_matrix, config: cfg.EASE, device: torch.device):
+        n_items = train.shape[1]
+        if n_items > EASE_MAX_ITEMS:
+            raise UserError(f"ease needs an items×items matrix: {n_items:,} items is too many; drop it from models or "
+                            "raise min_item_interactions")
+        self.train = train.tocsr()
+        self.device = device
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
+        gram = torch.from_numpy((self.train.T @ self.train).toarray()).to(device, dtype)
+        gram.diagonal().add_(config.l2)
+        identity = torch.eye(n_items, dtype=dtype, device=device)
+        precision = torch.cholesky_solve(identity, torch.linalg.cholesky(gram))  # faster than cholesky_inverse
+        del gram, identity
+        weights = precision / -precision.diagonal()[None, :]
+        weights.diagonal().zero_()
+        self.weights = weights.float()
+
+    def score(self, users: torch.Tensor) -> torch.Tensor:
+        return _history_times(self.train, users, self.weights, self.device)
+
+    def similarity_matrix(self, neighbours: int) -> sp.csr_matrix:
+        """B pruned to the `neighbours` largest weights of each item's column, on the CPU, for serving: the dense B
+        of 10k items would be 400 MB in every logged model."""
+        keep = min(neighbours, self.weights.shape[0])
+        values, sources = torch.topk(self.weights, keep, dim=0)
+        targets = torch.arange(self.weights.shape[1], device=self.weights.device).expand(keep, -1)
+        return sp.csr_matrix((values.cpu().numpy().ravel(), (sources.cpu().numpy().ravel(),
+                                                              targets.cpu().numpy().ravel())),
+                             shape=self.weights.shape)
+
+
+def als_available() -> bool:
+    return importlib.util.find_spec("implicit") is not None
+
+
+class ALS:
+    """Implicit-feedback matrix factorisation (Hu, Koren and Volinsky 2008) by the `implicit` package, on the GPU
+    when implicit was built with CUDA. Confidence is alpha·x on an interaction and 1 elsewhere (implicit's
+    convention; the paper has 1 + alpha·x). score(u) = p_u · Q."""
+
+    def __init__(self, train: sp.csr_matrix, config: cfg.ALS, device: torch.device, seed: int = 0):
+        if not als_available():
+            raise ModelUnavailable("als: the implicit package is not installed (pip install implicit)")
+        import implicit.gpu
+        from implicit.als import AlternatingLeastSquares
+        from threadpoolctl import threadpool_limits
+
+        use_gpu = device.type == "cuda" and implicit.gpu.HAS_CUDA
+        with threadpool_limits(1, "blas"):  # implicit parallelises itself; threaded BLAS inside it only contends
+            model = AlternatingLeastSquares(factors=config.factors, regularization=config.regularization,
+                                            alpha=config.alpha, iterations=config.iterations, use_gpu=use_gpu,
+                                            random_state=seed)
+            model.fit(sp.csr_matrix(train, dtype=np.float32), show_progress=False)
+        if use_gpu:
+            model = model.to_cpu()
+        self.user_factors = torch.from_numpy(np.asarray(model.user_factors)).to(device)
+        self.item_factors = torch.from_numpy(np.asarray(model.item_factors)).to(device)
+
+    def score(self, users: torch.Tensor) -> torch.Tensor:
+        return self.user_factors[users] @ self.item_factors.T
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.user_factors, self.item_factors
+
+
+def _history_times(train: sp.csr_matrix, users: torch.Tensor, weights: torch.Tensor | sp.csr_matrix,
+                   device: torch.device) -> torch.Tensor:
+    """x_u W for a batch of users: a dense product on the GPU; on the CPU scipy's sparse one, which skips the zeros
+    of the histories (and of W when it is sparse), several times faster than a dense product there."""
+    if device.type == "cuda" and isinstance(weights, torch.Tensor):
+        return rows_as_dense(train, users, device) @ weights
+    operand = weights.numpy() if isinstance(weights, torch.Tensor) else weights
+    product = train[users.cpu().numpy()] @ operand
+    return torch.from_numpy(product.toarray() if sp.issparse(product) else product).to(device)

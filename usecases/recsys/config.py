@@ -1,0 +1,111 @@
+"""The recommendation config schema; presets in presets/*.yaml set a subset of these keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from common.config import ConfigModel, RuntimeConfig
+
+ModelName = Literal["pop", "itemknn", "ease", "als", "bpr", "lightgcn"]
+
+
+class Columns(ConfigModel):
+    """Column names in a user's interaction log (CSV or Parquet)."""
+
+    user: str = "user_id"
+    item: str = "item_id"
+    rating: str | None = Field("rating", description="optional; null when the log has none")
+    timestamp: str | None = Field("timestamp", description="optional (needed by the temporal split); Unix seconds "
+                                                           "or anything pandas parses as a date")
+    title: str | None = Field(None, description="an optional item title column, shown by the served model")
+
+
+class MovieLens(ConfigModel):
+    version: Literal["ml-100k", "ml-1m", "ml-latest-small", "ml-25m"] = "ml-latest-small"
+    cache_dir: Path | None = Field(None, description="default: $MOVIELENS_CACHE or ~/.cache/gpu-usecases/movielens")
+    download: bool = True
+
+
+class Synthetic(ConfigModel):
+    """Users and items with latent factors; power-law item popularity; timestamps. Learnable by construction."""
+
+    users: int = Field(600, ge=10)
+    items: int = Field(1000, ge=10)
+    interactions_per_user: int = Field(40, ge=5)
+    factors: int = Field(8, ge=1)
+    popularity_exponent: float = Field(1.0, ge=0, description="Zipf exponent of item popularity")
+    seed: int = 0
+
+
+class Data(ConfigModel):
+    source: Literal["movielens", "file", "synthetic"] = "movielens"
+    movielens: MovieLens = MovieLens()
+    columns: Columns = Columns()
+    synthetic: Synthetic = Synthetic()
+    rating_threshold: float | None = Field(None, description="keep interactions rated at least this as positives; "
+                                                             "null keeps every rating")
+    min_user_interactions: int = Field(0, ge=0, description="k-core filtering of users (0: off)")
+    min_item_interactions: int = Field(0, ge=0, description="k-core filtering of items (0: off)")
+
+
+class Evaluation(ConfigModel):
+    ks: list[int] = Field([10, 20], min_length=1)
+    batch_users: int = Field(2048, ge=1, description="users ranked at once on the device")
+
+
+class ItemKNN(ConfigModel):
+    neighbours: int = Field(100, ge=1)
+    shrink: float = Field(10.0, ge=0)
+
+
+class EASE(ConfigModel):
+    l2: float = Field(500.0, gt=0)
+
+
+class ALS(ConfigModel):
+    factors: int = Field(64, ge=1)
+    iterations: int = Field(15, ge=1)
+    regularization: float = Field(0.05, ge=0)
+    alpha: float = Field(2.0, gt=0)
+
+
+class Learned(ConfigModel):
+    """A learned model's embedding size, optimiser and early stopping."""
+
+    dim: int = Field(64, ge=1)
+    epochs: int = Field(200, ge=1)
+    batch_size: int = Field(2048, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="L2 on the embeddings of each batch")
+    patience: int = Field(20, ge=1, description="epochs without a better validation NDCG@10 before stopping")
+    checkpoint_every: int = Field(10, ge=1)
+
+
+class LightGCNConfig(Learned):
+    layers: int = Field(3, ge=1)
+    weight_decay: float = Field(1e-4, ge=0, description="L2 on the embeddings of each batch")
+
+
+class Serving(ConfigModel):
+    k: int = Field(10, ge=1)
+    item_neighbours: int = Field(200, ge=1, description="an item-item model is served with this many neighbours "
+                                                        "per item (EASE's dense matrix would not fit in a model)")
+    latency_users: int = Field(200, ge=1, description="single-user requests timed for p50 and p95")
+
+
+class Config(ConfigModel):
+    data: Data = Data()
+    split: Literal["temporal", "random", "leave_last_out"] = "temporal"
+    split_ratios: list[float] = Field([0.8, 0.1, 0.1], min_length=3, max_length=3)
+    models: list[ModelName] = ["pop", "itemknn", "ease", "als", "bpr", "lightgcn"]
+    evaluation: Evaluation = Evaluation()
+    itemknn: ItemKNN = ItemKNN()
+    ease: EASE = EASE()
+    als: ALS = ALS()
+    bpr: Learned = Learned()
+    lightgcn: LightGCNConfig = LightGCNConfig()
+    serving: Serving = Serving()
+    runtime: RuntimeConfig = RuntimeConfig()

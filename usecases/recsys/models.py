@@ -1,0 +1,140 @@
+"""The learned models: BPR matrix factorisation and LightGCN, trained with the BPR loss on sampled negatives.
+
+Both score a user against every item with one matrix product of embeddings, which is what makes full ranking
+of all items cheap on a GPU.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INIT_STD = 0.1
+
+
+class NegativeSampler:
+    """Uniform negatives over the real items (codes from 1), resampled where they hit a training positive.
+
+    Positives are looked up as sorted `user * n_items + item` keys with `torch.searchsorted`, on the device.
+    """
+
+    def __init__(self, train: sp.csr_matrix, device: torch.device, retries: int = 3):
+        coo = train.tocoo()
+        keys = np.sort(coo.row.astype(np.int64) * train.shape[1] + coo.col)
+        self.keys = torch.from_numpy(keys).to(device)
+        self.n_items = train.shape[1]
+        self.retries = retries
+
+    def _is_positive(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        keys = users * self.n_items + items
+        found = torch.searchsorted(self.keys, keys).clamp(max=len(self.keys) - 1)
+        return self.keys[found] == keys
+
+    def __call__(self, users: torch.Tensor) -> torch.Tensor:
+        negatives = torch.randint(1, self.n_items, users.shape, device=users.device)
+        for _ in range(self.retries):
+            hit = self._is_positive(users, negatives)
+            if not hit.any():
+                break
+            negatives = torch.where(hit, torch.randint(1, self.n_items, users.shape, device=users.device), negatives)
+        return negatives
+
+
+class PairwiseRanker(nn.Module, ABC):
+    """Takes (users, positive items) and returns per row the BPR margin and the squared norm of the row's
+    embeddings, so the common loop's `loss_fn(output, target)` can form the regularised BPR loss."""
+
+    def __init__(self, sampler: NegativeSampler):
+        super().__init__()
+        self.sampler = sampler
+
+    @abstractmethod
+    def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The user and item tables that scores come from."""
+
+    @abstractmethod
+    def ego(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trainable rows behind a batch, for the L2 penalty."""
+
+    def forward(self, users: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+        negatives = self.sampler(users)
+        user_table, item_table = self.embeddings()
+        user, positive, negative = user_table[users], item_table[positives], item_table[negatives]
+        margin = (user * positive).sum(-1) - (user * negative).sum(-1)
+        ego_user, ego_items = self.ego(users, torch.stack([positives, negatives]))
+        squared_norm = ego_user.pow(2).sum(-1) + ego_items.pow(2).sum(-1).sum(0)
+        return torch.stack([margin, squared_norm], dim=1)
+
+    @torch.no_grad()
+    def score(self, users: torch.Tensor) -> torch.Tensor:
+        user_table, item_table = self.embeddings()
+        return user_table[users].float() @ item_table.float().T
+
+
+class BPR(PairwiseRanker):
+    """Matrix factorisation trained with Bayesian personalised ranking (Rendle et al. 2009)."""
+
+    def __init__(self, n_users: int, n_items: int, dim: int, sampler: NegativeSampler):
+        super().__init__(sampler)
+        self.users = nn.Embedding(n_users, dim)
+        self.items = nn.Embedding(n_items, dim)
+        nn.init.normal_(self.users.weight, std=INIT_STD)
+        nn.init.normal_(self.items.weight, std=INIT_STD)
+
+    def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.users.weight, self.items.weight
+
+    def ego(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.users(users), self.items(items)
+
+
+def normalised_adjacency(train: sp.csr_matrix) -> torch.Tensor:
+    """D^-1/2 A D^-1/2 of the user-item bipartite graph, as a sparse (users + items) square tensor."""
+    n_users, n_items = train.shape
+    adjacency = sp.bmat([[None, train], [train.T, None]], format="csr").astype(np.float32)
+    degree = np.asarray(adjacency.sum(axis=1)).ravel()
+    inverse_sqrt = np.divide(1.0, np.sqrt(degree), out=np.zeros_like(degree), where=degree > 0)
+    normalised = (sp.diags(inverse_sqrt) @ adjacency @ sp.diags(inverse_sqrt)).tocoo()
+    indices = torch.from_numpy(np.vstack([normalised.row, normalised.col]).astype(np.int64))
+    return torch.sparse_coo_tensor(indices, torch.from_numpy(normalised.data), (n_users + n_items,) * 2,
+                                   check_invariants=True).coalesce()
+
+
+class LightGCN(PairwiseRanker):
+    """LightGCN (He et al. 2020): embeddings smoothed over the interaction graph, the layers averaged."""
+
+    def __init__(self, train: sp.csr_matrix, dim: int, layers: int, sampler: NegativeSampler,
+                 device: torch.device):
+        super().__init__(sampler)
+        self.n_users = train.shape[0]
+        self.layers = layers
+        self.ego_embeddings = nn.Embedding(train.shape[0] + train.shape[1], dim)
+        nn.init.normal_(self.ego_embeddings.weight, std=INIT_STD)
+        self.register_buffer("adjacency", normalised_adjacency(train).to(device), persistent=False)
+
+    def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.ego_embeddings.weight
+        total = layer
+        with torch.autocast(layer.device.type, enabled=False):
+            for _ in range(self.layers):
+                layer = torch.sparse.mm(self.adjacency, layer.float())
+                total = total + layer
+        final = total / (self.layers + 1)
+        return final[: self.n_users], final[self.n_users :]
+
+    def ego(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ego_embeddings(users), self.ego_embeddings(items + self.n_users)
+
+
+def bpr_loss(weight_decay: float):
+    """-log sigmoid(margin), plus `weight_decay` times the rows' squared embedding norms (per row, as RecBole)."""
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return -F.logsigmoid(output[:, 0]).mean() + weight_decay * output[:, 1].mean()
+
+    return loss

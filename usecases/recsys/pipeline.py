@@ -1,0 +1,94 @@
+"""The recsys job: every model fitted on the same training split, ranked against every item on the same test
+users, the best one (by validation NDCG@10) served and timed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common.job import Job
+from usecases.recsys.baselines import ALS, EASE, ItemKNN, Popularity, als_available
+from usecases.recsys.config import Config
+from usecases.recsys.data import Interactions, load_interactions
+from usecases.recsys.evaluate import full_ranking
+from usecases.recsys.models import PairwiseRanker
+from usecases.recsys.serving import Recommender, log_recommender
+from usecases.recsys.train import fit_ranker, seconds_per_epoch
+
+log = logging.getLogger(__name__)
+
+
+def load_data(config: Config, path: Path | None) -> tuple[Interactions, dict[str, str]]:
+    """Everything that can be wrong with the data is found here, before an MLflow run is started."""
+    data = load_interactions(config, path)
+    sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
+    return data, {"data_source": data.source, "data_sha256": data.sha256, "data_users": data.n_users - 1,
+                  "data_items": data.n_items - 1, **{f"data_{split}_interactions": n for split, n in sizes.items()}}
+
+
+def fit_model(name: str, data: Interactions, config: Config, job: Job):
+    """The fitted scorer and what its fit measured (seconds; per epoch for the learned models)."""
+    train, device = data.matrix("train"), job.runtime.device
+    started = time.perf_counter()
+    if name in ("bpr", "lightgcn"):
+        model, result = fit_ranker(name, train, data.matrix("val"), config, job)
+        return model, {"fit_seconds": time.perf_counter() - started, "best_epoch": result.best_epoch + 1,
+                       "seconds_per_epoch": seconds_per_epoch(result, train.nnz)}
+    scorer = {"pop": lambda: Popularity(train, device),
+              "itemknn": lambda: ItemKNN(train, config.itemknn, device),
+              "ease": lambda: EASE(train, config.ease, device),
+              "als": lambda: ALS(train, config.als, device)}[name]()
+    return scorer, {"fit_seconds": time.perf_counter() - started}
+
+
+def run(config: Config, data: Interactions, job: Job) -> dict[str, dict[str, float]]:
+    runtime = job.runtime
+    train, val, test = data.matrix("train"), data.matrix("val"), data.matrix("test")
+    seen_before_test = (train + val).sign().tocsr()
+    models, scorers, validation = {}, {}, {}
+    for name in config.models:
+        if name == "als" and not als_available():
+            log.warning("als: the implicit package is not installed (pip install implicit); skipped")
+            continue
+        scorer, fitted = fit_model(name, data, config, job)
+        if not runtime.is_main:
+            continue
+        validation[name] = full_ranking(scorer, val, train, [10], runtime.device,
+                                        config.evaluation.batch_users)["ndcg@10"]
+        metrics = full_ranking(scorer, test, seen_before_test, config.evaluation.ks, runtime.device,
+                               config.evaluation.batch_users)
+        models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name]}
+        scorers[name] = scorer
+        log.info("%s: test NDCG@10 %.4f, recall@10 %.4f", name, metrics["ndcg@10"], metrics["recall@10"])
+    if not runtime.is_main or not models:
+        return models
+    best = max(validation, key=validation.get)
+    job.tracker.set_tags({"served_model": best})
+    bundle = serving_bundle(best, scorers[best], data, config)
+    served = full_ranking(Recommender(bundle), test, seen_before_test, [10], runtime.device,
+                          config.evaluation.batch_users)
+    models[best].update(log_recommender(bundle, best, job), **{"served_ndcg@10": served["ndcg@10"]})
+    return models
+
+
+def serving_bundle(name: str, scorer, data: Interactions, config: Config) -> dict:
+    train = data.matrix("train")
+    seen = (train + data.matrix("val") + data.matrix("test")).sign().tocsr()
+    bundle = {"history": train, "seen": seen, "popularity": np.asarray(train.sum(axis=0)).ravel(),
+              "user_ids": data.user_ids, "item_ids": data.item_ids, "titles": data.titles,
+              "k": config.serving.k, "latency_users": config.serving.latency_users}
+    if isinstance(scorer, PairwiseRanker):
+        users, items = scorer.embeddings()
+        return {**bundle, "kind": "factors", "users": users.detach().float().cpu(),
+                "items": items.detach().float().cpu()}
+    if isinstance(scorer, ALS):
+        users, items = scorer.factors()
+        return {**bundle, "kind": "factors", "users": users.cpu(), "items": items.cpu()}
+    if isinstance(scorer, ItemKNN):
+        return {**bundle, "kind": "item_item", "similarity": scorer.similarity_matrix()}
+    if isinstance(scorer, EASE):
+        return {**bundle, "kind": "item_item", "similarity": scorer.similarity_matrix(config.serving.item_neighbours)}
+    return {**bundle, "kind": "popularity"}

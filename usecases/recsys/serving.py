@@ -1,0 +1,132 @@
+"""The best model as an MLflow pyfunc: user ids (and K) in, their top-K unseen items with scores out.
+
+Every model is served in one of three forms that need no training code: user and item factors (bpr, lightgcn,
+als), an item-item similarity applied to the user's history (itemknn, ease), or popularity alone (pop).
+Unknown users get the most popular items.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+import usecases
+from usecases.recsys.data import UNKNOWN
+
+MAX_K = 1000
+LATENCY_BATCH = 1000
+
+
+class Recommender:
+    """Scores every item for known user codes, from one of the three served forms."""
+
+    def __init__(self, bundle: dict):
+        self.kind = bundle["kind"]
+        self.users, self.items = bundle.get("users"), bundle.get("items")
+        self.similarity: sp.csr_matrix | None = bundle.get("similarity")
+        self.history: sp.csr_matrix = bundle["history"]
+        self.seen: sp.csr_matrix = bundle["seen"]
+        self.popularity = torch.as_tensor(bundle["popularity"], dtype=torch.float32)
+
+    def score(self, users: torch.Tensor) -> torch.Tensor:
+        codes = users.cpu().numpy()
+        if self.kind == "factors":
+            scores = self.users[users.cpu()] @ self.items.T
+        elif self.kind == "item_item":
+            scores = torch.from_numpy(np.asarray((self.history[codes] @ self.similarity).todense(), np.float32))
+        else:
+            scores = self.popularity.expand(len(codes), -1).clone()
+        unknown = torch.from_numpy(codes == UNKNOWN)
+        scores[unknown] = self.popularity
+        return scores.to(users.device)
+
+    def top_k(self, users: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Item codes and scores, best first, the user's seen items and the unknown item left out."""
+        scores = self.score(torch.from_numpy(users))
+        seen = self.seen[users].tocoo()
+        scores[torch.from_numpy(seen.row.astype(np.int64)), torch.from_numpy(seen.col.astype(np.int64))] = -np.inf
+        scores[:, UNKNOWN] = -np.inf
+        best = torch.topk(scores, min(k, scores.shape[1] - 1), dim=1)
+        return best.indices.numpy(), best.values.numpy()
+
+
+def _bad_input(message: str) -> MlflowException:
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+
+
+class RecommenderModel(mlflow.pyfunc.PythonModel):
+    """Input: a column `user_id` (raw ids as in the training log) and optionally `k` (default 10, the first row's
+    value counts). Output: one row per user and rank with `user_id`, `rank`, `item_id`, `score`, and `title` when
+    the data had titles."""
+
+    def load_context(self, context) -> None:
+        self._load(torch.load(context.artifacts["bundle"], map_location="cpu", weights_only=False))
+
+    def _load(self, bundle: dict) -> None:
+        self.recommender = Recommender(bundle)
+        self.user_codes = {str(raw): code for code, raw in enumerate(bundle["user_ids"]) if code != UNKNOWN}
+        self.item_ids, self.titles, self.default_k = bundle["item_ids"], bundle["titles"], bundle["k"]
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        frame = pd.DataFrame(model_input)
+        if "user_id" not in frame.columns:
+            raise _bad_input(f"input is missing column 'user_id' (got {', '.join(map(str, frame.columns))})")
+        k = int(frame["k"].iloc[0]) if "k" in frame.columns and len(frame) else self.default_k
+        if not 1 <= k <= MAX_K:
+            raise _bad_input(f"k must be between 1 and {MAX_K}, got {k}")
+        raw = frame["user_id"].to_numpy()
+        codes = np.array([self.user_codes.get(str(user), UNKNOWN) for user in raw], dtype=np.int64)
+        items, scores = self.recommender.top_k(codes, k)
+        result = pd.DataFrame({
+            "user_id": np.repeat(raw, items.shape[1]),
+            "rank": np.tile(np.arange(1, items.shape[1] + 1), len(raw)),
+            "item_id": self.item_ids[items.ravel()],
+            "score": scores.ravel().astype(np.float64),
+        })
+        if self.titles is not None:
+            result["title"] = self.titles[items.ravel()]
+        return result[np.isfinite(result["score"].to_numpy())].reset_index(drop=True)  # fewer unseen items than k
+
+
+def latency(model: RecommenderModel, users: np.ndarray, single: int) -> dict[str, float]:
+    """p50 and p95 of one-user requests, and users per second in batches, through the pyfunc's own predict."""
+    rng = np.random.default_rng(0)
+    timings = []
+    for user in rng.choice(users, size=single):
+        started = time.perf_counter()
+        model.predict(None, pd.DataFrame({"user_id": [user]}))
+        timings.append(time.perf_counter() - started)
+    batch = rng.choice(users, size=LATENCY_BATCH)
+    started = time.perf_counter()
+    model.predict(None, pd.DataFrame({"user_id": batch}))
+    batch_seconds = time.perf_counter() - started
+    return {"latency_p50_ms": float(np.percentile(timings, 50) * 1000),
+            "latency_p95_ms": float(np.percentile(timings, 95) * 1000),
+            "batch_users_per_s": LATENCY_BATCH / batch_seconds}
+
+
+def log_recommender(bundle: dict, model_name: str, job) -> dict[str, float]:
+    """Log the served form of the best model as `model`, and return its latency figures."""
+    served = RecommenderModel()
+    served._load(bundle)
+    known = np.asarray(bundle["user_ids"][1:])
+    figures = latency(served, known, bundle["latency_users"])
+    if job.tracker.active:
+        example = pd.DataFrame({"user_id": known[:2], "k": [bundle["k"]] * 2})
+        with warnings.catch_warnings():  # ids are never missing: MLflow's advice on integer columns does not apply
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+            signature = infer_signature(example, served.predict(None, example))
+        job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example,
+                               signature=signature, packages=["torch", "numpy", "pandas", "scipy", "mlflow"],
+                               code=[usecases], metadata={"model": model_name, "kind": bundle["kind"]})
+    return figures

@@ -1,0 +1,70 @@
+"""Training the learned models through the common loop: (user, positive item) pairs sliced from tensors on the
+device, negatives sampled there per batch, early stopping on validation NDCG@10 by full ranking."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from common.job import Job
+from common.training import FitResult, TensorBatches, Trainer, TrainSettings
+from usecases.recsys.config import Config
+from usecases.recsys.evaluate import full_ranking
+from usecases.recsys.models import BPR, LightGCN, NegativeSampler, PairwiseRanker, bpr_loss
+
+log = logging.getLogger(__name__)
+
+MONITOR = "val/ndcg@10"
+
+
+def build_ranker(name: str, train: sp.csr_matrix, config: Config, device: torch.device) -> PairwiseRanker:
+    sampler = NegativeSampler(train, device)
+    if name == "bpr":
+        return BPR(train.shape[0], train.shape[1], config.bpr.dim, sampler)
+    return LightGCN(train, config.lightgcn.dim, config.lightgcn.layers, sampler, device)
+
+
+def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Config,
+               job: Job) -> tuple[PairwiseRanker, FitResult]:
+    """Train from scratch; the returned model holds the weights of the epoch with the best validation NDCG@10."""
+    runtime, settings = job.runtime, getattr(config, name)
+    torch.manual_seed(config.runtime.seed)
+    model = build_ranker(name, train, config, runtime.device)
+    coo = train.tocoo()
+    users = torch.from_numpy(coo.row.astype(np.int64)).to(runtime.device)
+    items = torch.from_numpy(coo.col.astype(np.int64)).to(runtime.device)
+    batches = TensorBatches(users, items, torch.zeros_like(users), batch_size=settings.batch_size,
+                            seed=config.runtime.seed, rank=runtime.rank, world_size=runtime.world_size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+
+    def validate(network: PairwiseRanker) -> dict[str, float]:
+        metrics = full_ranking(network, val, train, [10], runtime.device, config.evaluation.batch_users)
+        return {f"val/{name}/ndcg@10": metrics["ndcg@10"], MONITOR: metrics["ndcg@10"]}
+
+    trainer = Trainer(model, optimizer, bpr_loss(settings.weight_decay), runtime,
+                      TrainSettings(max_epochs=settings.epochs, monitor=MONITOR, mode="max",
+                                    patience=settings.patience, checkpoint_every=settings.checkpoint_every),
+                      checkpoint_dir=job.checkpoint_dir / name, log_metrics=_prefixed(job, name), name=name)
+    result = trainer.fit(batches, validate, resume=job.resume)
+    log.info("%s: best val NDCG@10 %.4f at epoch %d of %d", name, result.best_metric, result.best_epoch + 1,
+             result.epochs_run)
+    return trainer.module.eval(), result
+
+
+def _prefixed(job: Job, name: str):
+    """Each model's training curves under its own name (`bpr/train/loss`), in the one run."""
+
+    def log_metrics(metrics: dict[str, float], step: int) -> None:
+        job.tracker.log_metrics({key if key.startswith(f"val/{name}") else f"{name}/{key}": value
+                                 for key, value in metrics.items() if key != MONITOR}, step)
+
+    return log_metrics
+
+
+def seconds_per_epoch(result: FitResult, interactions: int) -> float:
+    """Training time per epoch from the loop's own throughput (validation excluded)."""
+    rates = [row["throughput/samples_per_s"] for row in result.history]
+    return float(np.mean([interactions / rate for rate in rates]))
