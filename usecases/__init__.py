@@ -1,7 +1,8 @@
-"""The use cases, imported by name only when run so the CLI can set up cuDF before pandas loads.
+"""The use cases, imported by name only when run, so the CLI can set up cuDF before pandas loads.
 
 Each use case package provides `DESCRIPTION`, `PRESETS_DIR`, `Config`, `load_data(config, path)` and
-`run(config, data, job)`, and optionally `summary_columns(config)` for the printed table; adding one means adding its folder and a line here.
+`run(config, data, job)`, and optionally `summary_columns(config)` for the printed table and
+`benchmark(config, data, job)` for `usecases bench`; adding one means adding its folder and a line here.
 """
 
 import importlib

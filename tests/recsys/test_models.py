@@ -21,7 +21,7 @@ def test_negatives_are_real_items_and_almost_never_positives():
     negatives = sampler(users)
     assert negatives.min() >= 1 and negatives.max() < 40
     positive = train.toarray()[users.numpy(), negatives.numpy()] > 0
-    assert positive.mean() < 0.01  # ~20% before the retries, 0.2^4 after three
+    assert positive.mean() < 0.06  # ~20% before the retry, 0.2^2 after it
 
 
 def test_normalised_adjacency_is_symmetric_with_the_degree_scaling():
@@ -34,11 +34,10 @@ def test_normalised_adjacency_is_symmetric_with_the_degree_scaling():
     assert adjacency[user, 50 + item].item() == pytest.approx(expected)
 
 
-def test_bpr_loss_falls_as_the_margin_grows():
-    loss = bpr_loss(weight_decay=0.0)
-    small, large = torch.tensor([[0.1, 1.0]]), torch.tensor([[5.0, 1.0]])
-    assert loss(large, None) < loss(small, None)
-    assert bpr_loss(weight_decay=0.5)(small, None) == pytest.approx(loss(small, None) + 0.5)
+def test_bpr_loss_falls_as_the_margin_grows_and_adds_the_penalty():
+    small, large = torch.tensor([[0.1, 0.0]]), torch.tensor([[5.0, 0.0]])
+    assert bpr_loss(large, None) < bpr_loss(small, None)
+    assert bpr_loss(torch.tensor([[0.1, 0.5]]), None) == pytest.approx(bpr_loss(small, None) + 0.5)
 
 
 @pytest.mark.parametrize("model_name", ["bpr", "lightgcn"])
@@ -46,8 +45,8 @@ def test_forward_gives_margin_and_norm_and_scores_every_item(model_name):
     train = random_matrix()
     sampler = NegativeSampler(train, torch.device("cpu"))
     torch.manual_seed(0)
-    model = (BPR(50, 40, 8, sampler) if model_name == "bpr"
-             else LightGCN(train, 8, 2, sampler, torch.device("cpu")))
+    model = (BPR(50, 40, 8, sampler, weight_decay=1e-3) if model_name == "bpr"
+             else LightGCN(train, 8, 2, sampler, torch.device("cpu"), weight_decay=1e-3))
     output = model(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]))
     assert output.shape == (3, 2) and (output[:, 1] > 0).all()
     assert model.score(torch.tensor([1, 2])).shape == (2, 40)

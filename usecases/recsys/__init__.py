@@ -25,4 +25,10 @@ def run(config, data, job):
     return run(config, data, job)
 
 
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "load_data", "run", "summary_columns"]
+def benchmark(config, data, job):
+    from usecases.recsys.benchmark import benchmark
+
+    return benchmark(config, data, job)
+
+
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "benchmark", "load_data", "run", "summary_columns"]

@@ -91,9 +91,13 @@ class LightGCNConfig(Learned):
 
 class Serving(ConfigModel):
     k: int = Field(10, ge=1)
-    item_neighbours: int = Field(200, ge=1, description="an item-item model is served with this many neighbours "
+    item_neighbours: int = Field(500, ge=1, description="an item-item model is served with this many neighbours "
                                                         "per item (EASE's dense matrix would not fit in a model)")
     latency_users: int = Field(200, ge=1, description="single-user requests timed for p50 and p95")
+
+
+class Benchmark(ConfigModel):
+    epochs: int = Field(5, ge=2, description="BPR epochs per loop; the first is a warm-up and not counted")
 
 
 class Config(ConfigModel):
@@ -108,4 +112,5 @@ class Config(ConfigModel):
     bpr: Learned = Learned()
     lightgcn: LightGCNConfig = LightGCNConfig()
     serving: Serving = Serving()
+    benchmark: Benchmark = Benchmark()
     runtime: RuntimeConfig = RuntimeConfig()

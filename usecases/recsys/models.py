@@ -23,7 +23,7 @@ class NegativeSampler:
     Positives are looked up as sorted `user * n_items + item` keys with `torch.searchsorted`, on the device.
     """
 
-    def __init__(self, train: sp.csr_matrix, device: torch.device, retries: int = 3):
+    def __init__(self, train: sp.csr_matrix, device: torch.device, retries: int = 1):
         coo = train.tocoo()
         keys = np.sort(coo.row.astype(np.int64) * train.shape[1] + coo.col)
         self.keys = torch.from_numpy(keys).to(device)
@@ -46,29 +46,35 @@ class NegativeSampler:
 
 
 class PairwiseRanker(nn.Module, ABC):
-    """Takes (users, positive items) and returns per row the BPR margin and the squared norm of the row's
-    embeddings, so the common loop's `loss_fn(output, target)` can form the regularised BPR loss."""
+    """Takes (users, positive items) and returns per row the BPR margin against a sampled negative and the L2
+    penalty of the row's embeddings, so that the common loop's `loss_fn(output, target)` is `bpr_loss`."""
 
-    def __init__(self, sampler: NegativeSampler):
+    def __init__(self, sampler: NegativeSampler, weight_decay: float):
         super().__init__()
         self.sampler = sampler
+        self.weight_decay = weight_decay
 
     @abstractmethod
     def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The user and item tables that scores come from."""
 
     @abstractmethod
+    def rows(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scoring embeddings of a batch's users and items."""
+
+    @abstractmethod
     def ego(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The trainable rows behind a batch, for the L2 penalty."""
 
     def forward(self, users: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
-        negatives = self.sampler(users)
-        user_table, item_table = self.embeddings()
-        user, positive, negative = user_table[users], item_table[positives], item_table[negatives]
-        margin = (user * positive).sum(-1) - (user * negative).sum(-1)
-        ego_user, ego_items = self.ego(users, torch.stack([positives, negatives]))
-        squared_norm = ego_user.pow(2).sum(-1) + ego_items.pow(2).sum(-1).sum(0)
-        return torch.stack([margin, squared_norm], dim=1)
+        pair = torch.stack([positives, self.sampler(users)])
+        user, items = self.rows(users, pair)
+        margin = (user * items[0]).sum(-1) - (user * items[1]).sum(-1)
+        if self.weight_decay == 0:
+            return torch.stack([margin, torch.zeros_like(margin)], dim=1)
+        ego_user, ego_items = self.ego(users, pair)
+        penalty = self.weight_decay * (ego_user.pow(2).sum(-1) + ego_items.pow(2).sum(-1).sum(0))
+        return torch.stack([margin, penalty], dim=1)
 
     @torch.no_grad()
     def score(self, users: torch.Tensor) -> torch.Tensor:
@@ -79,8 +85,8 @@ class PairwiseRanker(nn.Module, ABC):
 class BPR(PairwiseRanker):
     """Matrix factorisation trained with Bayesian personalised ranking (Rendle et al. 2009)."""
 
-    def __init__(self, n_users: int, n_items: int, dim: int, sampler: NegativeSampler):
-        super().__init__(sampler)
+    def __init__(self, n_users: int, n_items: int, dim: int, sampler: NegativeSampler, weight_decay: float = 0.0):
+        super().__init__(sampler, weight_decay)
         self.users = nn.Embedding(n_users, dim)
         self.items = nn.Embedding(n_items, dim)
         nn.init.normal_(self.users.weight, std=INIT_STD)
@@ -89,8 +95,10 @@ class BPR(PairwiseRanker):
     def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.users.weight, self.items.weight
 
-    def ego(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.users(users), self.items(items)
+
+    ego = rows
 
 
 def normalised_adjacency(train: sp.csr_matrix) -> torch.Tensor:
@@ -109,8 +117,8 @@ class LightGCN(PairwiseRanker):
     """LightGCN (He et al. 2020): embeddings smoothed over the interaction graph, the layers averaged."""
 
     def __init__(self, train: sp.csr_matrix, dim: int, layers: int, sampler: NegativeSampler,
-                 device: torch.device):
-        super().__init__(sampler)
+                 device: torch.device, weight_decay: float = 0.0):
+        super().__init__(sampler, weight_decay)
         self.n_users = train.shape[0]
         self.layers = layers
         self.ego_embeddings = nn.Embedding(train.shape[0] + train.shape[1], dim)
@@ -127,14 +135,14 @@ class LightGCN(PairwiseRanker):
         final = total / (self.layers + 1)
         return final[: self.n_users], final[self.n_users :]
 
+    def rows(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        user_table, item_table = self.embeddings()
+        return user_table[users], item_table[items]
+
     def ego(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ego_embeddings(users), self.ego_embeddings(items + self.n_users)
 
 
-def bpr_loss(weight_decay: float):
-    """-log sigmoid(margin), plus `weight_decay` times the rows' squared embedding norms (per row, as RecBole)."""
-
-    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return -F.logsigmoid(output[:, 0]).mean() + weight_decay * output[:, 1].mean()
-
-    return loss
+def bpr_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """-log sigmoid(margin) plus the rows' L2 penalty (per row, as RecBole), averaged over the batch."""
+    return -F.logsigmoid(output[:, 0]).mean() + output[:, 1].mean()

@@ -36,7 +36,7 @@ def fit_model(name: str, data: Interactions, config: Config, job: Job):
     if name in ("bpr", "lightgcn"):
         model, result = fit_ranker(name, train, data.matrix("val"), config, job)
         return model, {"fit_seconds": time.perf_counter() - started, "best_epoch": result.best_epoch + 1,
-                       "seconds_per_epoch": seconds_per_epoch(result, train.nnz)}
+                       "seconds_per_epoch": seconds_per_epoch(result.history, train.nnz)}
     scorer = {"pop": lambda: Popularity(train, device),
               "itemknn": lambda: ItemKNN(train, config.itemknn, device),
               "ease": lambda: EASE(train, config.ease, device),

@@ -22,6 +22,7 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 import usecases
 from usecases.recsys.data import UNKNOWN
+from usecases.recsys.evaluate import top_k
 
 MAX_K = 1000
 LATENCY_BATCH = 1000
@@ -52,12 +53,9 @@ class Recommender:
 
     def top_k(self, users: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Item codes and scores, best first, the user's seen items and the unknown item left out."""
-        scores = self.score(torch.from_numpy(users))
-        seen = self.seen[users].tocoo()
-        scores[torch.from_numpy(seen.row.astype(np.int64)), torch.from_numpy(seen.col.astype(np.int64))] = -np.inf
-        scores[:, UNKNOWN] = -np.inf
-        best = torch.topk(scores, min(k, scores.shape[1] - 1), dim=1)
-        return best.indices.numpy(), best.values.numpy()
+        items, scores = top_k(self, torch.from_numpy(users), self.seen, min(k, self.seen.shape[1] - 1),
+                              torch.device("cpu"))
+        return items.numpy(), scores.numpy()
 
 
 def _bad_input(message: str) -> MlflowException:

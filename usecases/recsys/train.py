@@ -23,8 +23,9 @@ MONITOR = "val/ndcg@10"
 def build_ranker(name: str, train: sp.csr_matrix, config: Config, device: torch.device) -> PairwiseRanker:
     sampler = NegativeSampler(train, device)
     if name == "bpr":
-        return BPR(train.shape[0], train.shape[1], config.bpr.dim, sampler)
-    return LightGCN(train, config.lightgcn.dim, config.lightgcn.layers, sampler, device)
+        return BPR(train.shape[0], train.shape[1], config.bpr.dim, sampler, config.bpr.weight_decay)
+    return LightGCN(train, config.lightgcn.dim, config.lightgcn.layers, sampler, device,
+                    config.lightgcn.weight_decay)
 
 
 def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Config,
@@ -44,7 +45,7 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
         metrics = full_ranking(network, val, train, [10], runtime.device, config.evaluation.batch_users)
         return {f"val/{name}/ndcg@10": metrics["ndcg@10"], MONITOR: metrics["ndcg@10"]}
 
-    trainer = Trainer(model, optimizer, bpr_loss(settings.weight_decay), runtime,
+    trainer = Trainer(model, optimizer, bpr_loss, runtime,
                       TrainSettings(max_epochs=settings.epochs, monitor=MONITOR, mode="max",
                                     patience=settings.patience, checkpoint_every=settings.checkpoint_every),
                       checkpoint_dir=job.checkpoint_dir / name, log_metrics=_prefixed(job, name), name=name)
@@ -64,7 +65,7 @@ def _prefixed(job: Job, name: str):
     return log_metrics
 
 
-def seconds_per_epoch(result: FitResult, interactions: int) -> float:
+def seconds_per_epoch(history: list[dict[str, float]], interactions: int) -> float:
     """Training time per epoch from the loop's own throughput (validation excluded)."""
-    rates = [row["throughput/samples_per_s"] for row in result.history]
+    rates = [row["throughput/samples_per_s"] for row in history]
     return float(np.mean([interactions / rate for rate in rates]))
