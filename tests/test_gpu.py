@@ -45,3 +45,10 @@ def test_medical_dataloader_path_on_the_gpu(tmp_path):
                       "--set", "train.workers=2", "--summary", str(tmp_path / "s.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "DataLoader, 2 workers" in result.stderr
+
+
+def test_recsys_smoke_on_the_gpu(tmp_path):
+    result = usecases("run", "recsys", "--preset", "smoke", "--device", "cuda", "--summary", str(tmp_path / "s.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["device"] == "cuda" and summary["models"]["lightgcn"]["ndcg@10"] > 0.05

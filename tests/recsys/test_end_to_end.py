@@ -63,3 +63,15 @@ def test_a_log_without_its_user_column_is_one_line(tmp_path):
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("error: ") and "missing column 'user_id'" in error and "clicks.csv" in error
     assert "Traceback" not in result.stderr and runs("recsys") == []
+
+
+def test_bench_reports_epoch_and_ranking_speed_against_the_plain_loop_and_implicit(tmp_path):
+    summary = tmp_path / "bench.json"
+    result = usecases("bench", "recsys", "--preset", "smoke", "--set", "benchmark.epochs=2", "--summary", str(summary))
+    assert result.returncode == 0, result.stderr[-3000:]
+    models = json.loads(summary.read_text())["models"]
+    ours, plain = models["pipeline"], models["plain_loop"]
+    assert ours["seconds_per_epoch"] > 0 and plain["seconds_per_epoch"] > 0
+    assert ours["epoch_speedup"] == pytest.approx(plain["seconds_per_epoch"] / ours["seconds_per_epoch"])
+    assert ours["ranking_users_per_s"] > 0 and models["implicit"]["ranking_users_per_s"] > 0
+    assert [run.info.status for run in runs("recsys-benchmark")] == ["FINISHED"]

@@ -1,0 +1,47 @@
+"""The `default` preset on the real MovieLens latest-small copy with RecBole's random split: the issue's
+acceptance run (about 3 to 4 minutes on 2 cores)."""
+
+import json
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+
+from common.config import load_config
+from tests.cli_helpers import private_env, runs, usecases
+from usecases.recsys import PRESETS_DIR, Config
+from usecases.recsys.data import load_interactions
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens" / "ml-latest-small"
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not SHARED.is_dir(), reason="the shared MovieLens copy is absent")]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    env = private_env(tmp_path_factory.mktemp("default"))
+    path = tmp_path_factory.mktemp("summary") / "s.json"
+    result = usecases("run", "recsys", "--preset", "default", "--data", str(SHARED), "--set", "split=random",
+                      "--summary", str(path), timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(path.read_text()), env["MLFLOW_TRACKING_URI"]
+
+
+def test_bpr_and_the_best_model_reach_the_published_range(finished):
+    models = finished[0]["models"]
+    assert models["bpr"]["ndcg@10"] >= 0.16
+    assert max(metrics["ndcg@10"] for metrics in models.values()) >= 0.22
+
+
+def test_the_served_model_recommends_ten_unseen_movies(finished):
+    _, uri = finished
+    (run,) = runs("recsys", uri)
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    data = load_interactions(load_config(Config, PRESETS_DIR, "default", ["split=random"]), SHARED)
+    answer = model.predict(pd.DataFrame({"user_id": [1], "k": [10]}))
+    code = int(list(data.user_ids).index(1))
+    watched = set(data.item_ids[data.train.loc[data.train["user"] == code, "item"]])
+    assert len(answer) == 10 and not watched & set(answer["item_id"]) and answer["title"].str.len().min() > 0
