@@ -136,11 +136,11 @@ def interrupted_state(params_change=None, data_sha256=None):
     from pathlib import Path
 
     from common.config import flatten, load_config
-    from usecases import load_usecase
+    from usecases import finance
+    from usecases.finance.pipeline import load_data
 
-    finance = load_usecase("finance")
     config = load_config(finance.Config, finance.PRESETS_DIR, "smoke")
-    _, data_tags = finance.load_data(config, None)
+    _, data_tags = load_data(config, None)
     params = {**flatten(config), **(params_change or {})}
     folder = Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke"
     folder.mkdir(parents=True)

@@ -1,8 +1,9 @@
 """The use cases, imported by name only when run, so the CLI can set up cuDF before pandas loads.
 
-Each use case package provides `DESCRIPTION`, `PRESETS_DIR`, `Config`, `load_data(config, path)` and
-`run(config, data, job)`, and optionally `summary_columns(config)` for the printed table and
-`benchmark(config, data, job)` for `usecases bench`; adding one means adding its folder and a line here.
+Each use case package provides `DESCRIPTION`, `PRESETS_DIR`, `Config` and optionally `summary_columns(config)` for
+the printed table; its `pipeline` module provides `load_data(config, path)` and `run(config, data, job)`, and an
+optional `benchmark` module `benchmark(config, data, job)` for `usecases bench`. Adding one means adding its
+folder and a line here.
 """
 
 import importlib

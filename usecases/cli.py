@@ -6,6 +6,8 @@ Only the standard library and torch are imported before `use_gpu_frames`, so cud
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -91,12 +93,12 @@ def _checkpoint_root(usecase: str, preset: str) -> Path:
 
 
 def _job_entry(module, name: str, bench: bool):
-    """The use case's `run`, or its `benchmark` for `usecases bench`."""
+    """The use case's `pipeline.run`, or its `benchmark.benchmark` for `usecases bench`."""
     if not bench:
-        return module.run
-    if not hasattr(module, "benchmark"):
+        return importlib.import_module(f"{module.__name__}.pipeline").run
+    if importlib.util.find_spec(f"{module.__name__}.benchmark") is None:
         raise UserError(f"use case '{name}' has no benchmark")
-    return module.benchmark
+    return importlib.import_module(f"{module.__name__}.benchmark").benchmark
 
 
 def _resume_run_id(state_file: Path, params: dict, data_tags: dict, preset: str) -> str:
@@ -141,7 +143,7 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
             logging.getLogger(logger).setLevel(logging.WARNING)
     try:
         seed_everything(config.runtime.seed, config.runtime.deterministic)
-        loaded, data_tags = module.load_data(config, data)
+        loaded, data_tags = importlib.import_module(f"{module.__name__}.pipeline").load_data(config, data)
         experiment = f"{name}-benchmark" if bench else name
         checkpoint_dir = _checkpoint_root(experiment, preset)
         state_file = checkpoint_dir / "run.json"

@@ -14,16 +14,4 @@ def summary_columns(config: Config) -> list[str]:
             "var1_breach_rate", "kupiec_p", "dm_t_vs_har"]
 
 
-def load_data(config, path):
-    from usecases.finance.pipeline import load_data
-
-    return load_data(config, path)
-
-
-def run(config, data, job):
-    from usecases.finance.pipeline import run
-
-    return run(config, data, job)
-
-
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "load_data", "run", "summary_columns"]
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "summary_columns"]

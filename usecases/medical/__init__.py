@@ -14,22 +14,4 @@ def summary_columns(config: Config) -> list[str]:
             "specificity_at_threshold"]
 
 
-def load_data(config, path):
-    from usecases.medical.pipeline import load_data
-
-    return load_data(config, path)
-
-
-def run(config, data, job):
-    from usecases.medical.pipeline import run
-
-    return run(config, data, job)
-
-
-def benchmark(config, data, job):
-    from usecases.medical.benchmark import benchmark
-
-    return benchmark(config, data, job)
-
-
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "benchmark", "load_data", "run", "summary_columns"]
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "summary_columns"]

@@ -13,22 +13,4 @@ def summary_columns(config: Config) -> list[str]:
     return ["recall@10", "ndcg@10", "hit@10", "mrr@10", "precision@10", "coverage@10", "fit_seconds"]
 
 
-def load_data(config, path):
-    from usecases.recsys.pipeline import load_data
-
-    return load_data(config, path)
-
-
-def run(config, data, job):
-    from usecases.recsys.pipeline import run
-
-    return run(config, data, job)
-
-
-def benchmark(config, data, job):
-    from usecases.recsys.benchmark import benchmark
-
-    return benchmark(config, data, job)
-
-
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "benchmark", "load_data", "run", "summary_columns"]
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "summary_columns"]
