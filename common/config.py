@@ -31,6 +31,13 @@ class RuntimeConfig(ConfigModel):
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; null keeps torch's")
 
 
+class TrackingConfig(ConfigModel):
+    """What the run cannot detect about its machine, as tags: so runs compare by instance type and by cost."""
+
+    instance_type: str | None = Field(None, description="e.g. g5.xlarge; a tag for `usecases compare`")
+    price_per_hour: float | None = Field(None, ge=0, description="the machine's price per hour, for the run's cost")
+
+
 def available_presets(presets_dir: Path) -> list[str]:
     return sorted(path.stem for path in presets_dir.glob("*.yaml"))
 

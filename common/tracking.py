@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
@@ -24,6 +25,7 @@ from typing import Any
 import mlflow
 
 from common.config import flatten
+from common.errors import UserError
 from common.interrupt import Terminated
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,19 @@ def tracking_uri() -> str:
     if uri == default_tracking_uri():
         local_store().mkdir(parents=True, exist_ok=True)
     return uri
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, before any training, when a tracking server cannot be reached (MLflow itself would retry
+    for minutes, and only when the run starts)."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+            response.read()
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(f"MLFLOW_TRACKING_URI {uri}: the tracking server cannot be reached ({reason})") from None
 
 
 def experiment_name(usecase: str) -> str:
@@ -106,6 +121,8 @@ class Tracker:
     def __init__(self, active: bool, run_id: str | None = None):
         self.active = active
         self.run_id = run_id
+        self.model_uri: str | None = None
+        self.served_model: str | None = None
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         finite = {metric_name(key): float(value) for key, value in metrics.items()
@@ -130,17 +147,20 @@ class Tracker:
             mlflow.log_text(text, artifact_file)
 
     def log_pyfunc(self, entry: Path, bundle: dict, *, example, signature, packages: list[str],
-                   code: list[ModuleType], metadata: dict | None = None) -> None:
+                   code: list[ModuleType], served_model: str, metadata: dict | None = None) -> None:
         """Log `model` from code (MLflow's models-from-code): the `entry` script, the `code` packages and `common`,
-        and `bundle` saved with torch as the artifact `bundle`; nothing is pickled but tensors and plain data."""
+        and `bundle` saved with torch as the artifact `bundle`; nothing is pickled but tensors and plain data.
+
+        `served_model` names the summary's model that this is, whose primary metric the registry compares."""
         if not self.active:
             return
+        self.served_model = served_model
         import torch
 
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "bundle.pt"
             torch.save(bundle, path)
-            mlflow.pyfunc.log_model(
+            info = mlflow.pyfunc.log_model(
                 name="model",
                 python_model=str(entry),
                 artifacts={"bundle": str(path)},
@@ -150,6 +170,7 @@ class Tracker:
                 code_paths=[str(Path(package.__file__).parent) for package in (*code, sys.modules["common"])],
                 pip_requirements=[f"{name}=={version(name)}" for name in packages],
             )
+        self.model_uri = info.model_uri
 
 
 @contextmanager
@@ -227,3 +248,68 @@ def write_summary(
         write_json_atomic(summary, path)
     print(format_table(models, columns), flush=True)
     return summary
+
+
+def registered_name(usecase: str) -> str:
+    return f"{EXPERIMENT_PREFIX}-{usecase}"
+
+
+def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, value: float,
+                      data_sha256: str) -> str:
+    """Register the run's model as a new version of `gpu-usecases-<usecase>`, aliased `champion` when it beats the
+    current champion's `metric` on the same data (or there is none), else `challenger`; the decision and both
+    values go to the run. Returns the alias given."""
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    name = registered_name(usecase)
+    version = mlflow.register_model(tracker.model_uri, name).version
+    for key, tag in (("primary_metric", metric), ("primary_value", value), ("data_sha256", data_sha256),
+                     ("run_id", tracker.run_id)):
+        client.set_model_version_tag(name, version, key, str(tag))
+    try:
+        champion = client.get_model_version_by_alias(name, "champion")
+    except MlflowException:
+        champion = None
+    champion_value = float(champion.tags.get("primary_value", "nan")) if champion else math.nan
+    comparable = champion is not None and champion.tags.get("data_sha256") == data_sha256
+    better = value < champion_value if mode == "min" else value > champion_value
+    alias = "champion" if champion is None or (comparable and better) else "challenger"
+    client.set_registered_model_alias(name, alias, version)
+    tracker.set_tags({"registry_model": name, "registry_version": version, "registry_alias": alias,
+                      "registry_champion_version": champion.version if champion else "none",
+                      "registry_champion_same_data": comparable})
+    tracker.log_metrics({f"registry/new_{metric}": value, f"registry/champion_{metric}": champion_value})
+    log.info("registry: %s version %s is the %s (%s %.4f; champion before: %s)", name, version, alias, metric, value,
+             f"{champion_value:.4f}" if champion else "none")
+    return alias
+
+
+def compare_runs(usecase: str, metric: str, mode: str):
+    """The FINISHED runs of a use case grouped by hardware (GPU name, else CPU model), instance type and precision:
+    runs, best primary metric, mean throughput, wall time and cost, best group first."""
+    import pandas as pd
+
+    mlflow.set_tracking_uri(tracking_uri())
+    runs = mlflow.search_runs(experiment_names=[experiment_name(usecase)], filter_string="status = 'FINISHED'")
+    if runs.empty:
+        raise UserError(f"no finished runs of '{usecase}' in {tracking_uri()} (run `usecases run {usecase}` first)")
+
+    def column(name: str) -> pd.Series:
+        return runs[name] if name in runs else pd.Series([None] * len(runs), index=runs.index)
+
+    gpu = column("tags.gpu_name")
+    frame = pd.DataFrame({
+        "hardware": gpu.where(gpu.notna() & (gpu != "none"), column("tags.cpu_model")).fillna("unknown"),
+        "instance_type": column("tags.instance_type").fillna("-"),
+        "precision": column("tags.precision").fillna("-"),
+        "primary": pd.to_numeric(column(f"metrics.{metric_name('primary/' + metric)}"), errors="coerce"),
+        "throughput": pd.to_numeric(column("metrics.throughput/samples_per_s"), errors="coerce"),
+        "wall_s": pd.to_numeric(column("metrics.time/total_s"), errors="coerce"),
+        "cost": pd.to_numeric(column("metrics.cost"), errors="coerce"),
+    })
+    best = "min" if mode == "min" else "max"
+    table = frame.groupby(["hardware", "instance_type", "precision"], dropna=False).agg(
+        runs=("primary", "size"), **{metric: ("primary", best)}, samples_per_s=("throughput", "mean"),
+        wall_s=("wall_s", "mean"), cost=("cost", "mean")).reset_index()
+    return table.sort_values(metric, ascending=mode == "min", na_position="last").reset_index(drop=True)

@@ -1,4 +1,4 @@
-"""`usecases`: list, run, bench, demo and ui. Exit 0 on success, 2 on a user error, 1 on an internal failure.
+"""`usecases`: list, run, bench, demo, ui, server, serve and compare. Exit 0 on success, 2 on a user error, 1 on an internal failure.
 
 Only the standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
 """
@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -57,6 +58,29 @@ def _parser() -> argparse.ArgumentParser:
     ui = commands.add_parser("ui", help="open the MLflow UI on the local store",
                              description="Start the MLflow UI on the tracking store, on 127.0.0.1 only.")
     ui.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (default: 5000)")
+
+    serve = commands.add_parser("serve", help="serve a use case's champion model over REST",
+                                description="Serve the registered champion of a use case (or any model URI) with "
+                                            "`mlflow models serve --env-manager local`; POST JSON to /invocations.")
+    serve.add_argument("name", help="use case (see `usecases list`)")
+    serve.add_argument("--model-uri", help="default: models:/gpu-usecases-NAME@champion")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=5001, help="port (default: 5001)")
+
+    compare = commands.add_parser("compare", help="compare a use case's runs by hardware",
+                                  description="The finished runs of a use case grouped by hardware, instance type "
+                                              "and precision, with the primary metric, throughput, wall time and "
+                                              "cost (when --set tracking.price_per_hour was given), best first.")
+    compare.add_argument("name", help="use case (see `usecases list`)")
+    compare.add_argument("--format", default="table", choices=["table", "markdown", "csv"], dest="output_format")
+
+    server = commands.add_parser("server", help="start an MLflow tracking server on the local store, for a team",
+                                 description="Serve the local store (mlflow/mlflow.db, artifacts in "
+                                             "mlflow/artifacts/) to other processes and machines: runs, the "
+                                             "registry, artifacts and the UI.")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    server.add_argument("--port", type=int, default=5000, help="port (default: 5000)")
     return parser
 
 
@@ -122,14 +146,16 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
     """One tracked run; with `bench`, the use case's benchmark in the `<name>-benchmark` experiment."""
     from common.runtime import use_gpu_frames
 
+    started = time.perf_counter()
     backend = use_gpu_frames(frames)
 
     from common.config import flatten, load_config
     from common.job import Job
     from common.runtime import hardware_info, make_runtime, seed_everything, shutdown
-    from common.tracking import tracked_run, write_json_atomic, write_summary
+    from common.tracking import check_reachable, tracked_run, tracking_uri, write_json_atomic, write_summary
     from usecases import load_usecase
 
+    check_reachable(tracking_uri())
     module = load_usecase(name)
     entry = _job_entry(module, name, bench)
     config = load_config(module.Config, module.PRESETS_DIR, preset, overrides)
@@ -156,7 +182,8 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
 
             dist.barrier()
         tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
-                "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags}
+                "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
+                **{key: value for key, value in config.tracking.model_dump().items() if value is not None}}
         with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
                          run_name=f"{experiment}-{preset}") as tracker:
             if runtime.is_main:
@@ -167,10 +194,33 @@ def run_usecase(name: str, preset: str, overrides: list[str], device: str, frame
                 return {}
             columns = module.summary_columns(config) if hasattr(module, "summary_columns") and not bench else None
             result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary, columns)
+            _log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
+            if not bench:
+                _register(tracker, name, module.PRIMARY_METRIC, models, data_tags["data_sha256"])
         shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
         return result
     finally:
         shutdown(runtime)
+
+
+def _log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float) -> None:
+    metrics = {"time/total_s": seconds}
+    if price_per_hour is not None:
+        metrics["cost"] = price_per_hour * seconds / 3600
+    tracker.log_metrics(metrics)
+
+
+def _register(tracker, name: str, primary: tuple[str, str], models: dict, data_sha256: str) -> None:
+    """Log the served model's primary metric and register the model as champion or challenger."""
+    from common.tracking import register_champion
+
+    metric, mode = primary
+    if tracker.model_uri is None or tracker.served_model not in models:
+        return
+    value = models[tracker.served_model][metric]
+    tracker.set_tags({"primary_metric": metric, "primary_model": tracker.served_model})
+    tracker.log_metrics({f"primary/{metric}": value})
+    register_champion(tracker, name, metric, mode, value, data_sha256)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -197,6 +247,64 @@ def _ui(port: int) -> int:
                               "--host", "127.0.0.1", "--port", str(port)])
 
 
+def _serve(name: str, model_uri: str | None, host: str, port: int) -> int:
+    """Replace this process with MLflow's scoring server for the use case's champion (or `model_uri`)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from common.tracking import check_reachable, registered_name, tracking_uri
+    from usecases import load_usecase
+
+    load_usecase(name)
+    uri = tracking_uri()
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    if model_uri is None:
+        try:
+            mlflow.MlflowClient().get_model_version_by_alias(registered_name(name), "champion")
+        except MlflowException:
+            raise UserError(f"no champion of '{name}' in {uri} yet (run `usecases run {name}` first, "
+                            f"or pass --model-uri)") from None
+        model_uri = f"models:/{registered_name(name)}@champion"
+    print(f"Serving {model_uri} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
+    os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
+                               "local", "--host", host, "--port", str(port)],
+              {**os.environ, "MLFLOW_TRACKING_URI": uri,  # MLflow starts `uvicorn` by name: this venv's first
+               "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
+
+
+def _compare(name: str, output_format: str) -> int:
+    from common.tracking import compare_runs
+    from usecases import load_usecase
+
+    metric, mode = load_usecase(name).PRIMARY_METRIC
+    table = compare_runs(name, metric, mode)
+    if output_format == "csv":
+        print(table.to_csv(index=False), end="")
+    elif output_format == "markdown":
+        cells = [[str(value) if isinstance(value, str) else f"{value:.4g}" for value in row]
+                 for row in table.itertuples(index=False)]
+        print("| " + " | ".join(table.columns) + " |")
+        print("|" + " --- |" * len(table.columns))
+        print("\n".join("| " + " | ".join(row) + " |" for row in cells))
+    else:
+        print(table.to_string(index=False, float_format=lambda value: f"{value:.4g}"))
+    return EXIT_OK
+
+
+def _server(host: str, port: int) -> int:
+    """Replace this process with `mlflow server`, so that Ctrl-C and SIGTERM reach it directly."""
+    from common.tracking import default_tracking_uri, local_store
+
+    artifacts = local_store() / "artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    print(f"MLflow tracking server on http://{host}:{port} (store: {default_tracking_uri()}, artifacts: {artifacts})\n"
+          f"Track into it from any shell with: export MLFLOW_TRACKING_URI=http://{host}:{port}", flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", default_tracking_uri(),
+                              "--artifacts-destination", str(artifacts), "--serve-artifacts", "--host", host,
+                              "--port", str(port)])
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if not sys.stderr.isatty():
@@ -210,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
             return _list()
         if args.command == "ui":
             return _ui(args.port)
+        if args.command == "server":
+            return _server(args.host, args.port)
+        if args.command == "serve":
+            return _serve(args.name, args.model_uri, args.host, args.port)
+        if args.command == "compare":
+            return _compare(args.name, args.output_format)
         if args.command == "demo":
             return _demo(args)
         run_usecase(args.name, args.preset, args.overrides, args.device, args.frames, args.data, args.summary,

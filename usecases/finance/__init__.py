@@ -6,6 +6,7 @@ from usecases.finance.config import Config
 
 DESCRIPTION = "volatility and VaR forecasting (S&P 500, NASDAQ or your OHLC file) vs EWMA, GARCH, GJR-t, HAR"
 PRESETS_DIR = Path(__file__).parent / "presets"
+PRIMARY_METRIC = ("qlike_parkinson", "min")  # of the served model; the registry picks its champion by it
 
 
 def summary_columns(config: Config) -> list[str]:
@@ -14,4 +15,4 @@ def summary_columns(config: Config) -> list[str]:
             "var1_breach_rate", "kupiec_p", "dm_t_vs_har"]
 
 
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "summary_columns"]
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "PRIMARY_METRIC", "summary_columns"]

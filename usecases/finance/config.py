@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config import ConfigModel, RuntimeConfig
+from common.config import ConfigModel, RuntimeConfig, TrackingConfig
 
 
 class Columns(ConfigModel):
@@ -86,3 +86,4 @@ class Config(ConfigModel):
     neural: Neural = Neural()
     train: Train = Train()
     runtime: RuntimeConfig = RuntimeConfig()
+    tracking: TrackingConfig = TrackingConfig()

@@ -105,5 +105,5 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
     example = input_example(panel, latest["exogenous"])
     signature = infer_signature(example, probe.predict(None, example))
     job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
-                           packages=["torch", "numpy", "pandas", "mlflow"], code=[usecases])
+                           packages=["torch", "numpy", "pandas", "mlflow"], code=[usecases], served_model="neural")
     job.tracker.set_tags({"model_trained_until": latest["trained_until"]})

@@ -6,6 +6,7 @@ from usecases.medical.config import Config
 
 DESCRIPTION = "medical image classification (MedMNIST, image folders, DICOM): ResNet-18 vs logistic regression"
 PRESETS_DIR = Path(__file__).parent / "presets"
+PRIMARY_METRIC = ("auc", "max")  # of the served model; the registry picks its champion by it
 
 
 def summary_columns(config: Config) -> list[str]:
@@ -14,4 +15,4 @@ def summary_columns(config: Config) -> list[str]:
             "specificity_at_threshold"]
 
 
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "summary_columns"]
+__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "PRIMARY_METRIC", "summary_columns"]

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config import ConfigModel, RuntimeConfig
+from common.config import ConfigModel, RuntimeConfig, TrackingConfig
 
 
 class MedMNIST(ConfigModel):
@@ -113,3 +113,4 @@ class Config(ConfigModel):
     baselines: Baselines = Baselines()
     benchmark: Benchmark = Benchmark()
     runtime: RuntimeConfig = RuntimeConfig()
+    tracking: TrackingConfig = TrackingConfig()

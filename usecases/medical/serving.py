@@ -73,4 +73,4 @@ def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job
     signature = infer_signature(example, probe.predict(None, example))
     job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
                            packages=["torch", "torchvision", "numpy", "pandas", "mlflow"], code=[usecases],
-                           metadata=metadata)
+                           served_model=arch["name"], metadata=metadata)

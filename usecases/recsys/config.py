@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config import ConfigModel, RuntimeConfig
+from common.config import ConfigModel, RuntimeConfig, TrackingConfig
 
 ModelName = Literal["pop", "itemknn", "ease", "als", "bpr", "lightgcn"]
 
@@ -114,3 +114,4 @@ class Config(ConfigModel):
     serving: Serving = Serving()
     benchmark: Benchmark = Benchmark()
     runtime: RuntimeConfig = RuntimeConfig()
+    tracking: TrackingConfig = TrackingConfig()

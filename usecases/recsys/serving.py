@@ -126,5 +126,6 @@ def log_recommender(bundle: dict, model_name: str, job) -> dict[str, float]:
             signature = infer_signature(example, served.predict(None, example))
         job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example,
                                signature=signature, packages=["torch", "numpy", "pandas", "scipy", "mlflow"],
-                               code=[usecases], metadata={"model": model_name, "kind": bundle["kind"]})
+                               code=[usecases], served_model=model_name,
+                               metadata={"model": model_name, "kind": bundle["kind"]})
     return figures

@@ -1,0 +1,150 @@
+"""MLflow as the team's workbench: a tracking server that takes parallel runs, the registry's champion, REST
+serving of it, the comparison by hardware, and a quick failure when the server is down."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import mlflow
+import pytest
+from arch.data import sp500
+
+from tests.cli_helpers import runs, usecases
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_up(url: str, process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except (OSError, urllib.error.HTTPError):
+            time.sleep(1)
+    raise TimeoutError(url)
+
+
+def stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("server")
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+         "--artifacts-destination", str(folder / "artifacts"), "--serve-artifacts", "--host", "127.0.0.1",
+         "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(f"{uri}/health", process)
+        yield uri, {**os.environ, "MLFLOW_TRACKING_URI": uri, "USECASES_CHECKPOINT_DIR": str(folder / "ck")}
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def four_runs(server):
+    """Four smoke runs started at once, each with its own checkpoint folder (as four machines would have)."""
+    uri, env = server
+
+    def one(index: int):
+        return usecases("run", "finance", "--preset", "smoke", "--set", "tracking.instance_type=test-box",
+                        "--set", "tracking.price_per_hour=2.5",
+                        env={**env, "USECASES_CHECKPOINT_DIR": f"{env['USECASES_CHECKPOINT_DIR']}{index}"})
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    return uri, env
+
+
+@pytest.mark.timeout(600)
+def test_four_parallel_runs_all_land_finished(four_runs):
+    uri, _ = four_runs
+    finished = runs("finance", uri)
+    assert len(finished) == 4 and {run.info.status for run in finished} == {"FINISHED"}
+    for run in finished:
+        assert run.data.metrics["time/total_s"] > 0 and run.data.metrics["cost"] > 0
+        assert run.data.tags["instance_type"] == "test-box"
+
+
+def test_one_champion_and_challengers_on_the_same_data(four_runs):
+    uri, _ = four_runs
+    client = mlflow.MlflowClient(uri)
+    versions = client.search_model_versions("name = 'gpu-usecases-finance'")
+    assert len(versions) == 4
+    aliases = sorted(run.data.tags["registry_alias"] for run in runs("finance", uri))
+    assert aliases.count("champion") == 1 and aliases.count("challenger") == 3  # equal metrics: the first wins
+    champion = client.get_model_version_by_alias("gpu-usecases-finance", "champion")
+    assert champion.tags["primary_metric"] == "qlike_parkinson" and float(champion.tags["primary_value"]) > 0
+
+
+def test_compare_groups_the_runs_by_hardware(four_runs):
+    _, env = four_runs
+    result = usecases("compare", "finance", "--format", "csv", env=env)
+    assert result.returncode == 0, result.stderr
+    header, row = result.stdout.strip().splitlines()
+    assert header.split(",")[:5] == ["hardware", "instance_type", "precision", "runs", "qlike_parkinson"]
+    assert ",test-box,fp32,4," in row
+
+
+def test_serve_the_champion_and_refuse_bad_input_with_400(four_runs):
+    _, env = four_runs
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "usecases", "serve", "finance", "--port", str(port)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(f"{url}/ping", process)
+        days = sp500.load().tail(70).reset_index()
+        rows = [{"date": str(day.date()), "ticker": "SPX", "high": high, "low": low, "close": close}
+                for day, high, low, close in zip(days["Date"], days["High"], days["Low"], days["Close"])]
+        status, answer = post(f"{url}/invocations", {"dataframe_records": rows})
+        assert status == 200 and answer["predictions"][0]["variance"] > 0
+        for bad in ({"dataframe_records": rows[:5]}, {"dataframe_records": [{"x": 1}]}, {"something": 1}):
+            status, answer = post(f"{url}/invocations", bad)
+            assert status == 400 and answer["message"]
+    finally:
+        stop(process)
+
+
+def post(url: str, payload: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_an_unreachable_server_fails_fast_with_one_line():
+    uri = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = usecases("run", "finance", "--preset", "smoke", env={**os.environ, "MLFLOW_TRACKING_URI": uri})
+    assert time.monotonic() - started < 10
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: MLFLOW_TRACKING_URI {uri}: the tracking server cannot be reached " \
+                                    f"([Errno 111] Connection refused)"
+
+
+def test_serve_without_a_champion_says_so():
+    result = usecases("serve", "medical")
+    assert result.returncode == 2 and "no champion of 'medical'" in result.stderr
