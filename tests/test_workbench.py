@@ -65,7 +65,8 @@ def four_runs(server):
 
     def one(index: int):
         return usecases("run", "finance", "--preset", "smoke", "--set", "tracking.instance_type=test-box",
-                        "--set", "tracking.price_per_hour=2.5",
+                        "--set", "tracking.price_per_hour=2.5", "--set", "data.synthetic.tickers=1",
+                        "--set", "train.epochs=3", "--set", "baselines.models=[ewma,har]",
                         env={**env, "USECASES_CHECKPOINT_DIR": f"{env['USECASES_CHECKPOINT_DIR']}{index}"})
 
     with ThreadPoolExecutor(4) as pool:

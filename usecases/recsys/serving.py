@@ -17,8 +17,9 @@ import pandas as pd
 import scipy.sparse as sp
 import torch
 from mlflow.exceptions import MlflowException
-from mlflow.models import infer_signature
+from mlflow.models import ModelSignature, infer_signature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.types import ColSpec, Schema
 
 import usecases
 from usecases.recsys.data import UNKNOWN
@@ -123,7 +124,9 @@ def log_recommender(bundle: dict, model_name: str, job) -> dict[str, float]:
         example = pd.DataFrame({"user_id": known[:2], "k": [bundle["k"]] * 2})
         with warnings.catch_warnings():  # ids are never missing: MLflow's advice on integer columns does not apply
             warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
-            signature = infer_signature(example, served.predict(None, example))
+            inferred = infer_signature(example, served.predict(None, example))
+        optional_k = Schema([ColSpec(spec.type, spec.name, required=spec.name != "k") for spec in inferred.inputs.inputs])
+        signature = ModelSignature(optional_k, inferred.outputs)
         job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example,
                                signature=signature, packages=["torch", "numpy", "pandas", "scipy", "mlflow"],
                                code=[usecases], served_model=model_name,
