@@ -173,6 +173,21 @@ class Tracker:
         self.model_uri = info.model_uri
 
 
+def check_project_run(usecase: str, experiment_id: str, resuming: bool) -> None:
+    """Under `mlflow run`, MLFLOW_RUN_ID names the run MLflow created, and `mlflow.start_run()` continues it whatever
+    experiment it is in: it has to be the use case's, else the run would land in `Default`."""
+    env_run_id = os.environ.get("MLFLOW_RUN_ID")
+    if not env_run_id:
+        return
+    if resuming:
+        raise UserError("--resume cannot be used under `mlflow run` (MLFLOW_RUN_ID is set)")
+    env_experiment = mlflow.get_run(env_run_id).info.experiment_id
+    if env_experiment != experiment_id:
+        name = experiment_name(usecase)
+        raise UserError(f"MLFLOW_RUN_ID {env_run_id} is a run of experiment {env_experiment}, not of {name}: "
+                        f"start `mlflow run` with --experiment-name {name}")
+
+
 @contextmanager
 def tracked_run(
     usecase: str,
@@ -188,6 +203,7 @@ def tracked_run(
         yield Tracker(active=False)
         return
     experiment_id = ensure_experiment(usecase)
+    check_project_run(usecase, experiment_id, resuming=run_id is not None)
     mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
     run = mlflow.start_run(
         run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=run_name, log_system_metrics=True
