@@ -88,7 +88,13 @@ def ensure_experiment(usecase: str) -> str:
     if uri.startswith("sqlite:///"):
         database = Path(uri.removeprefix("sqlite:///"))
         artifact_location = (database.parent / "artifacts" / name).as_uri()
-    return mlflow.create_experiment(name, artifact_location=artifact_location)
+    try:
+        return mlflow.create_experiment(name, artifact_location=artifact_location)
+    except mlflow.exceptions.MlflowException:  # another run created it in the meantime
+        experiment = mlflow.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
 
 
 def git_commit() -> str:

@@ -4,6 +4,8 @@ Playwright drives the system's Chromium (`.ci/run` installs it with apt where it
 without any Chromium the test skips and says why. The screenshot of the compare page goes to $TEST_ARTIFACTS_DIR
 (`.ci/run` sets it), else to the test's tmp_path; its path is printed either way."""
 
+import contextlib
+import math
 import os
 import shutil
 import signal
@@ -23,6 +25,13 @@ USECASE = "finance"
 EXPERIMENT = f"gpu-usecases-{USECASE}"
 PRIMARY = f"primary/{finance.PRIMARY_METRIC[0]}"  # what the CLI logs as the served model's primary metric
 UI_TIMEOUT_MS = 60_000  # the SPA polls forever, so every wait is for `load` plus a selector, never `networkidle`
+# The compare page lists metric names and values in two virtualized grids, a row's cells sharing its `top`.
+METRIC_ROW_VALUES = """name => {
+    const row = name.closest('[style*="top"]');
+    const grids = [...document.querySelectorAll('.ReactVirtualized__Grid__innerScrollContainer')];
+    const values = grids[grids.indexOf(row.parentElement) + 1];
+    return [...values.children].filter(cell => cell.style.top === row.style.top).map(cell => cell.innerText.trim());
+}"""
 NO_CHROMIUM = "no Chromium: install it with apt-get install chromium, or run playwright install chromium"
 
 
@@ -31,10 +40,8 @@ def chromium_executable(playwright) -> str:
     candidates = [os.environ.get("CHROMIUM")] + [shutil.which(name) for name in
                                                  ("chromium", "chromium-browser", "google-chrome",
                                                   "google-chrome-stable")]
-    try:
-        candidates.append(playwright.chromium.executable_path)  # there after `playwright install chromium`
-    except Exception:  # noqa: BLE001 - Playwright's own browser is optional: a system one will do
-        pass
+    with contextlib.suppress(Exception):  # Playwright's own browser, there after `playwright install chromium`
+        candidates.append(playwright.chromium.executable_path)
     for path in candidates:
         if path and os.access(path, os.X_OK) and not _snap_launcher(path):
             return path
@@ -53,11 +60,107 @@ def _snap_launcher(path: str) -> bool:
 @pytest.fixture
 def browser():
     """A headless Chromium under Playwright, started before anything slow so that a missing one skips at once."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')")
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="playwright is not installed (pip install -e '.[dev]')")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_executable(playwright))
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the MLflow server exited with {server.returncode}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the MLflow server at {url} was not healthy after {seconds:.0f} s")
+
+
+@pytest.fixture
+def tracking_server(tmp_path):
+    """A private `mlflow server` like `usecases server` starts, on a free port, with its own store in tmp_path.
+    One worker and no job runner keep it quick to start on 2 cores."""
+    port = free_port()
+    store = tmp_path / "server"
+    store.mkdir()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server",
+                               "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+                               "--artifacts-destination", str(store / "artifacts"), "--serve-artifacts",
+                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              # the UI needs no job runner: without it the server is one process, not a dozen
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, server)
+        yield url
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        log.close()
+
+
+def save_artifact(source: Path) -> Path:
+    folder = os.environ.get("TEST_ARTIFACTS_DIR")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        source = Path(shutil.copy2(source, Path(folder) / source.name))
+    print(f"\nscreenshot: {source}")
+    return source
+
+
+@pytest.mark.timeout(300)
+def test_compare_two_smoke_runs_in_the_mlflow_ui(browser, tracking_server, tmp_path):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_server, "USECASES_CHECKPOINT_DIR": str(tmp_path / "ck")}
+    for _ in range(2):
+        result = usecases("run", USECASE, "--preset", "smoke", env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_server)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 2 and all(run.info.status == "FINISHED" and PRIMARY in run.data.metrics for run in runs)
+    run_ids = {run.info.run_id for run in runs}
+    run_names = sorted(run.info.run_name for run in runs)  # the CLI names both `finance-smoke`
+
     page = browser.new_page(viewport={"width": 1600, "height": 1000})
     page.set_default_timeout(UI_TIMEOUT_MS)
+    try:
+        compare_in_the_ui(page, tracking_server, experiment.experiment_id, run_ids, run_names,
+                          [run.data.metrics[PRIMARY] for run in runs], tmp_path / "browser-compare.png")
+    except Exception:
+        page.screenshot(path=str(tmp_path / "browser-failure.png"))  # where the UI stood when it went wrong
+        save_artifact(tmp_path / "browser-failure.png")
+        raise
+
+
+def compare_in_the_ui(page, url, experiment_id, run_ids, run_names, logged, screenshot):
+    """Select both runs in the experiment's runs table, open Compare, screenshot it and check what it shows."""
     # The experiment's training runs (its bare URL opens the GenAI overview in MLflow 3).
-    page.goto(f"{tracking_server}/#/experiments/{experiment.experiment_id}/runs", wait_until="load")
+    page.goto(f"{url}/#/experiments/{experiment_id}/runs", wait_until="load")
     page.get_by_text(run_names[0], exact=True).first.wait_for()
     # AG Grid renders hidden duplicate checkboxes per row: only the visible ones are the row selectors.
     boxes = page.locator('[role="row"] input[type="checkbox"]:visible:not([aria-label="Select all runs"])')
@@ -70,14 +173,20 @@ def browser():
     metric = page.locator("a[title='Plot chart']", has_text=PRIMARY).first
     metric.wait_for()
 
-    screenshot = tmp_path / "browser-compare.png"
-    page.screenshot(path=str(screenshot), full_page=True)
+    # Fold the plots and the (equal) parameters so that one screen shows run ids, names and the metric.
+    for section in ("Visualizations", "Parameters"):
+        page.get_by_role("button", name=section, exact=True).click()
+    metric.scroll_into_view_if_needed()
+    page.screenshot(path=str(screenshot))  # the page scrolls inside <main>: a full_page shot would be no taller
     save_artifact(screenshot)
 
     ids_row = page.locator("tr", has=page.get_by_text("Run ID:", exact=True))
     assert set(ids_row.locator("a").all_inner_texts()) == run_ids
     names_row = page.locator("tr", has=page.get_by_text("Run Name:", exact=True))
     assert sorted(text.strip() for text in names_row.locator("td").all_inner_texts()) == run_names
-    assert metric.inner_text().strip() == PRIMARY
-    # The metric's chart link covers both runs: each has a value in the compare table.
+    assert metric.is_visible() and metric.inner_text().strip() == PRIMARY
+    # The metric's chart link covers both runs, and its row shows each run's value (rounded for display).
     assert all(run_id in metric.get_attribute("href") for run_id in run_ids)
+    shown = metric.evaluate(METRIC_ROW_VALUES)
+    assert len(shown) == 2 and all(math.isclose(float(text), value, rel_tol=5e-3, abs_tol=5e-4)
+                                   for text, value in zip(sorted(shown, key=float), sorted(logged))), (shown, logged)
