@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -149,3 +150,27 @@ def test_an_unreachable_server_fails_fast_with_one_line():
 def test_serve_without_a_champion_says_so():
     result = usecases("serve", "medical")
     assert result.returncode == 2 and "no champion of 'medical'" in result.stderr
+
+
+def test_usecases_server_serves_the_local_store_and_prints_the_uri(tmp_path, monkeypatch):
+    """`usecases server` on a copy of the project layout, so the real mlflow/ folder stays untouched."""
+    import shutil
+
+    import usecases
+
+    clone = tmp_path / "clone"
+    (clone / "mlflow").mkdir(parents=True)
+    shutil.copy(Path(usecases.__file__).parents[1] / "pyproject.toml", clone / "pyproject.toml")
+    port = free_port()
+    script = (f"import common.tracking as t; from pathlib import Path; t.project_root = lambda: Path({str(clone)!r}); "
+              f"from usecases.cli import main; main(['server', '--port', '{port}'])")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               stderr=subprocess.DEVNULL, start_new_session=True,
+                               env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    try:
+        assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{port}" in process.stdout.readline() + \
+            process.stdout.readline()
+        wait_until_up(f"http://127.0.0.1:{port}/health", process)
+        assert (clone / "mlflow" / "mlflow.db").is_file() and (clone / "mlflow" / "artifacts").is_dir()
+    finally:
+        stop(process)
