@@ -55,11 +55,15 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
     return trainer.module.eval(), result
 
 
+SHARED_KEYS = ("throughput/", "time/")  # the keys every use case logs alike, for comparing runs across hardware
+
+
 def _prefixed(job: Job, name: str):
-    """Each model's training curves under its own name (`bpr/train/loss`), in the one run."""
+    """Each model's training curves under its own name (`bpr/train/loss`), in the one run; throughput and time keep
+    the names all use cases share."""
 
     def log_metrics(metrics: dict[str, float], step: int) -> None:
-        job.tracker.log_metrics({key if key.startswith(f"val/{name}") else f"{name}/{key}": value
+        job.tracker.log_metrics({key if key.startswith((f"val/{name}", *SHARED_KEYS)) else f"{name}/{key}": value
                                  for key, value in metrics.items() if key != MONITOR}, step)
 
     return log_metrics
