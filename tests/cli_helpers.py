@@ -1,8 +1,16 @@
 """Running the CLI as a user does: a separate process, with a private MLflow store and checkpoint folder."""
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import mlflow
 
@@ -25,3 +33,52 @@ def runs(usecase="finance", uri=None):
     if experiment is None:
         return []
     return mlflow.MlflowClient().search_runs([experiment.experiment_id])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_up(url: str, process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except (OSError, urllib.error.HTTPError):
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {seconds:.0f} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the whole process group (servers start workers), SIGKILL if it lingers."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def mlflow_server(folder: Path) -> Iterator[str]:
+    """A private `mlflow server` as `usecases server` starts it, with its store in `folder`; one worker and no job
+    runner keep it quick to start on 2 cores. Yields its URL."""
+    port = free_port()
+    with (folder / "server.log").open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+             "--artifacts-destination", str(folder / "artifacts"), "--serve-artifacts", "--host", "127.0.0.1",
+             "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_up(f"{url}/health", process)
+            yield url
+        finally:
+            stop(process)

@@ -8,17 +8,11 @@ import contextlib
 import math
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import usecases
+from tests.cli_helpers import mlflow_server, usecases
 from usecases import finance
 
 USECASE = "finance"
@@ -70,55 +64,12 @@ def browser():
             browser.close()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_healthy(url: str, server: subprocess.Popen, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the MLflow server exited with {server.returncode}"
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the MLflow server at {url} was not healthy after {seconds:.0f} s")
-
-
 @pytest.fixture
 def tracking_server(tmp_path):
-    """A private `mlflow server` like `usecases server` starts, on a free port, with its own store in tmp_path.
-    One worker and no job runner keep it quick to start on 2 cores."""
-    port = free_port()
-    store = tmp_path / "server"
-    store.mkdir()
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server",
-                               "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-                               "--artifacts-destination", str(store / "artifacts"), "--serve-artifacts",
-                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              # the UI needs no job runner: without it the server is one process, not a dozen
-                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, server)
+    folder = tmp_path / "server"
+    folder.mkdir()
+    with mlflow_server(folder) as url:
         yield url
-    finally:
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        log.close()
 
 
 def save_artifact(source: Path) -> Path:

@@ -3,8 +3,6 @@ serving of it, the comparison by hardware, and a quick failure when the server i
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,46 +15,14 @@ import mlflow
 import pytest
 from arch.data import sp500
 
-from tests.cli_helpers import runs, usecases
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until_up(url: str, process: subprocess.Popen, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the server exited with {process.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except (OSError, urllib.error.HTTPError):
-            time.sleep(1)
-    raise TimeoutError(url)
-
-
-def stop(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
-    process.wait(timeout=30)
+from tests.cli_helpers import free_port, mlflow_server, runs, stop, usecases, wait_until_up
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("server")
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
-         "--artifacts-destination", str(folder / "artifacts"), "--serve-artifacts", "--host", "127.0.0.1",
-         "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(f"{uri}/health", process)
+    with mlflow_server(folder) as uri:
         yield uri, {**os.environ, "MLFLOW_TRACKING_URI": uri, "USECASES_CHECKPOINT_DIR": str(folder / "ck")}
-    finally:
-        stop(process)
 
 
 @pytest.fixture(scope="module")
