@@ -73,15 +73,12 @@ def load_images(config: Data, path: Path | None, seed: int) -> ImageSet:
     if path is not None:
         from usecases.medical.files import load_files
 
-        data = load_medmnist_file(path) if path.suffix == ".npz" else load_files(path, config.files, seed)
-    elif config.source == "files":
+        return load_medmnist_file(path) if path.suffix == ".npz" else load_files(path, config.files, seed)
+    if config.source == "files":
         raise UserError("data.source=files needs --data PATH (a CSV manifest or a folder of class folders)")
-    elif config.source == "synthetic":
-        data = synthetic_images(config.synthetic)
-    else:
-        data = load_medmnist_file(medmnist_path(config.medmnist))
-    check_classes(data, data.source)
-    return data
+    if config.source == "synthetic":
+        return synthetic_images(config.synthetic)
+    return load_medmnist_file(medmnist_path(config.medmnist))
 
 
 def medmnist_cache(config: MedMNIST) -> Path:
@@ -176,7 +173,9 @@ def load_medmnist_file(path: Path) -> ImageSet:
                 raise UserError(f"{path}: {split}_labels must be class indices 0..{len(classes) - 1}")
         else:
             labels[split] = labels[split].reshape(len(labels[split]), -1).astype(np.int64)
-    return ImageSet(images, labels, task, classes, f"medmnist:{path.name}", file_sha256(path))
+    data = ImageSet(images, labels, task, classes, f"medmnist:{path.name}", file_sha256(path))
+    check_classes(data, str(path))
+    return data
 
 
 SHAPES = ("disc", "square", "cross", "ring", "horizontal_bars", "vertical_bars")

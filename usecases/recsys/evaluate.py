@@ -29,8 +29,8 @@ import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
+from usecases.recsys.data import UNKNOWN
 
-UNKNOWN_ITEM = 0
 METRICS = ("hit", "recall", "precision", "mrr", "ndcg", "coverage")
 
 
@@ -64,7 +64,7 @@ def top_k(scorer: Scorer, users: torch.Tensor, exclude: sp.csr_matrix, k: int,
     picked = exclude[users.cpu().numpy()]
     per_user = np.diff(picked.indptr)
     rows = np.concatenate([np.arange(len(per_user)), np.repeat(np.arange(len(per_user)), per_user)])
-    items = np.concatenate([np.full(len(per_user), UNKNOWN_ITEM), picked.indices])
+    items = np.concatenate([np.full(len(per_user), UNKNOWN), picked.indices])
     masked = scores.index_put((torch.from_numpy(rows).to(device), torch.from_numpy(items.astype(np.int64)).to(device)),
                               torch.tensor(-torch.inf, device=device))
     best_scores, best_items = torch.topk(masked, min(k, masked.shape[1]), dim=1)

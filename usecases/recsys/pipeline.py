@@ -20,6 +20,8 @@ from usecases.recsys.train import fit_ranker, seconds_per_epoch
 
 log = logging.getLogger(__name__)
 
+LEARNED = ("bpr", "lightgcn")
+
 
 def load_data(config: Config, path: Path | None) -> tuple[Interactions, dict[str, str]]:
     """Everything that can be wrong with the data is found here, before an MLflow run is started."""
@@ -33,7 +35,7 @@ def fit_model(name: str, data: Interactions, config: Config, job: Job):
     """The fitted scorer and what its fit measured (seconds; per epoch for the learned models)."""
     train, device = data.matrix("train"), job.runtime.device
     started = time.perf_counter()
-    if name in ("bpr", "lightgcn"):
+    if name in LEARNED:
         model, result = fit_ranker(name, train, data.matrix("val"), config, job)
         return model, {"fit_seconds": time.perf_counter() - started, "best_epoch": result.best_epoch + 1,
                        "seconds_per_epoch": seconds_per_epoch(result.history, train.nnz)}
@@ -53,6 +55,8 @@ def run(config: Config, data: Interactions, job: Job) -> dict[str, dict[str, flo
         if name == "als" and not als_available():
             log.warning("als: the implicit package is not installed (pip install implicit); skipped")
             continue
+        if name not in LEARNED and not runtime.is_main:
+            continue  # under DDP only the learned models need every rank
         scorer, fitted = fit_model(name, data, config, job)
         if not runtime.is_main:
             continue
@@ -67,14 +71,14 @@ def run(config: Config, data: Interactions, job: Job) -> dict[str, dict[str, flo
         return models
     best = max(validation, key=validation.get)
     job.tracker.set_tags({"served_model": best})
-    bundle = serving_bundle(best, scorers[best], data, config)
+    bundle = serving_bundle(scorers[best], data, config)
     served = full_ranking(Recommender(bundle), test, seen_before_test, [10], runtime.device,
                           config.evaluation.batch_users)
     models[best].update(log_recommender(bundle, best, job), **{"served_ndcg@10": served["ndcg@10"]})
     return models
 
 
-def serving_bundle(name: str, scorer, data: Interactions, config: Config) -> dict:
+def serving_bundle(scorer, data: Interactions, config: Config) -> dict:
     train = data.matrix("train")
     seen = (train + data.matrix("val") + data.matrix("test")).sign().tocsr()
     bundle = {"history": train, "seen": seen, "popularity": np.asarray(train.sum(axis=0)).ravel(),
