@@ -27,8 +27,22 @@ class RuntimeConfig(ConfigModel):
 
     seed: int = 0
     deterministic: bool = True
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Literal["auto", "auto-gpu", "fp32", "bf16", "fp16"] = Field(
+        "auto-gpu", description="auto: mixed precision wherever the device computes it natively (a GPU; a CPU with "
+                                "AVX512-BF16 or AMX), else fp32; auto-gpu: mixed precision on a GPU, fp32 on any CPU")
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; null keeps torch's")
+
+
+class TrainConfig(ConfigModel):
+    """What the common training loop reads; a use case's `train` section extends it with its own keys."""
+
+    epochs: int = Field(100, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    patience: int | None = Field(None, ge=1, description="stop after this many epochs without a better validation "
+                                                          "metric; null trains every epoch")
+    grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm to this; null: no clipping")
+    checkpoint_every: int = Field(1, ge=1, description="epochs between checkpoints, for --resume")
 
 
 class TrackingConfig(ConfigModel):

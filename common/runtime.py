@@ -11,6 +11,8 @@ import os
 import platform
 import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -23,7 +25,7 @@ from common.errors import UserError
 log = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
+PRECISION_CHOICES = ("auto", "auto-gpu", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -64,23 +66,34 @@ def cpu_has_native_bf16() -> bool:
 
 
 def select_amp_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
-    """Mixed precision on GPU by default (bf16 where the GPU has it); on CPU only when asked, as bf16, and only
-    where the CPU computes BF16 natively."""
+    """The autocast dtype, or None for fp32.
+
+    `auto` takes mixed precision wherever the device computes it natively: bf16 on a GPU that has it (else fp16),
+    bf16 on a CPU with AVX512-BF16 or AMX, fp32 on other CPUs (emulated BF16 is slower than fp32). `auto-gpu` is
+    the same on a GPU and fp32 on every CPU. An explicit `bf16` on a CPU without it runs fp32 too, and
+    `precision_notice` says so.
+    """
     if precision not in PRECISION_CHOICES:
         raise UserError(f"precision: expected one of {', '.join(PRECISION_CHOICES)}, got '{precision}'")
-    if precision == "fp32" or (precision == "auto" and device.type == "cpu"):
+    if precision == "fp32":
         return None
     if device.type == "cpu":
         if precision == "fp16":
             raise UserError("precision fp16: only on CUDA; on CPU use bf16 or fp32")
-        if not cpu_has_native_bf16():
-            log.warning("precision bf16: this CPU has no native BF16 (AVX512-BF16 or AMX), so it would run slower "
-                        "than fp32; running fp32")
+        if precision == "auto-gpu" or not cpu_has_native_bf16():
             return None
         return torch.bfloat16
-    if precision == "fp16" or (precision == "auto" and not torch.cuda.is_bf16_supported()):
+    if precision == "fp16" or (precision in ("auto", "auto-gpu") and not torch.cuda.is_bf16_supported()):
         return torch.float16
     return torch.bfloat16
+
+
+def precision_notice(device: torch.device, precision: str) -> str | None:
+    """One line for a precision that was asked for explicitly and not given; printed once the input is checked."""
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        return ("precision bf16: this CPU has no native BF16 (AVX512-BF16 or AMX), so it would run slower than fp32; "
+                "running fp32")
+    return None
 
 
 def distributed_env() -> tuple[int, int, int]:
@@ -145,6 +158,32 @@ def use_gpu_frames(frames: str = "auto") -> str:
 
     cudf.pandas.install()
     return "cudf.pandas"
+
+
+@contextmanager
+def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
+    """Undo what a run sets process-wide (torch threads, deterministic algorithms, cuDNN flags, RNG states,
+    environment variables, the levels of `loggers`), so the next run in the same process starts as this one did."""
+    threads = torch.get_num_threads()
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    environment = dict(os.environ)
+    levels = {name: logging.getLogger(name).level for name in loggers}
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        for name in set(os.environ) - set(environment):
+            del os.environ[name]
+        os.environ.update(environment)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def seed_everything(seed: int, deterministic: bool = True) -> None:

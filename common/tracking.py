@@ -5,12 +5,11 @@ A run always ends FINISHED, FAILED or KILLED (never RUNNING), and only rank 0 of
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import mlflow
@@ -27,17 +25,15 @@ import mlflow
 from common.config import flatten
 from common.errors import UserError
 from common.interrupt import Terminated
+from common.paths import project_root, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 EXPERIMENT_PREFIX = "gpu-usecases"
+# Without a kind, MLflow 3's UI opens an experiment on its GenAI pages (traces, tokens); these are model training.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+DESCRIPTION_TAG = "mlflow.note.content"
 SYSTEM_METRICS_INTERVAL_S = 5  # MLflow's 10 s default misses the short smoke runs entirely
-
-
-def project_root() -> Path:
-    """The clone's root when installed in editable mode, else the working directory."""
-    root = Path(__file__).resolve().parents[1]
-    return root if (root / "pyproject.toml").is_file() else Path.cwd()
 
 
 def local_store() -> Path:
@@ -72,8 +68,8 @@ def experiment_name(usecase: str) -> str:
     return f"{EXPERIMENT_PREFIX}-{usecase}"
 
 
-def ensure_experiment(usecase: str) -> str:
-    """The use case's experiment id.
+def ensure_experiment(usecase: str, description: str | None = None) -> str:
+    """The use case's experiment id, tagged as model training and described (the UI's description panel).
 
     With a SQLite store, artifacts go to `artifacts/` beside the database file (mlflow/artifacts/ for the
     default store) rather than MLflow's fallback `./mlruns` in whatever folder the run started from.
@@ -81,20 +77,24 @@ def ensure_experiment(usecase: str) -> str:
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
     name = experiment_name(usecase)
+    tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, **({DESCRIPTION_TAG: description} if description else {})}
     experiment = mlflow.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    artifact_location = None
-    if uri.startswith("sqlite:///"):
-        database = Path(uri.removeprefix("sqlite:///"))
-        artifact_location = (database.parent / "artifacts" / name).as_uri()
-    try:
-        return mlflow.create_experiment(name, artifact_location=artifact_location)
-    except mlflow.exceptions.MlflowException:  # another run created it in the meantime
-        experiment = mlflow.get_experiment_by_name(name)
-        if experiment is None:
-            raise
-        return experiment.experiment_id
+    if experiment is None:
+        artifact_location = None
+        if uri.startswith("sqlite:///"):
+            database = Path(uri.removeprefix("sqlite:///"))
+            artifact_location = (database.parent / "artifacts" / name).as_uri()
+        try:
+            return mlflow.create_experiment(name, artifact_location=artifact_location, tags=tags)
+        except mlflow.exceptions.MlflowException:  # another run created it in the meantime
+            experiment = mlflow.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    client = mlflow.MlflowClient()
+    for key, value in tags.items():  # experiments made before these tags existed get them too
+        if experiment.tags.get(key) != value:
+            client.set_experiment_tag(experiment.experiment_id, key, value)
+    return experiment.experiment_id
 
 
 def git_commit() -> str:
@@ -105,15 +105,6 @@ def git_commit() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 else "unknown"
-
-
-def file_sha256(*paths: Path) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def metric_name(key: str) -> str:
@@ -153,9 +144,10 @@ class Tracker:
             mlflow.log_text(text, artifact_file)
 
     def log_pyfunc(self, entry: Path, bundle: dict, *, example, signature, packages: list[str],
-                   code: list[ModuleType], served_model: str, metadata: dict | None = None) -> None:
-        """Log `model` from code (MLflow's models-from-code): the `entry` script, the `code` packages and `common`,
-        and `bundle` saved with torch as the artifact `bundle`; nothing is pickled but tensors and plain data.
+                   package: str, served_model: str, metadata: dict | None = None) -> None:
+        """Log `model` from code (MLflow's models-from-code): the `entry` script, the use case's `package` (and no
+        other use case) and `common`, and `bundle` saved with torch as the artifact `bundle`; nothing is pickled
+        but tensors and plain data.
 
         `served_model` names the summary's model that this is, whose primary metric the registry compares."""
         if not self.active:
@@ -166,6 +158,7 @@ class Tracker:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "bundle.pt"
             torch.save(bundle, path)
+            code = _stage_package(package, Path(folder) / "code")
             info = mlflow.pyfunc.log_model(
                 name="model",
                 python_model=str(entry),
@@ -173,10 +166,46 @@ class Tracker:
                 signature=signature,
                 input_example=example,
                 metadata=metadata,
-                code_paths=[str(Path(package.__file__).parent) for package in (*code, sys.modules["common"])],
+                code_paths=[str(code), str(Path(sys.modules["common"].__file__).parent)],
                 pip_requirements=[f"{name}=={version(name)}" for name in packages],
             )
         self.model_uri = info.model_uri
+
+
+def _stage_package(package: str, folder: Path) -> Path:
+    """The top-level package of `package` holding only `package` itself, so that a model of one use case does not
+    carry the code of the others: `usecases/__init__.py` (empty) and `usecases/NAME/`, for `usecases.NAME`."""
+    parts = package.split(".")
+    top = folder / parts[0]
+    target = folder.joinpath(*parts)
+    for level in range(1, len(parts)):
+        (folder.joinpath(*parts[:level])).mkdir(parents=True, exist_ok=True)
+        (folder.joinpath(*parts[:level]) / "__init__.py").write_text("")
+    shutil.copytree(Path(sys.modules[package].__file__).parent, target,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return top
+
+
+def log_dataset(tags: dict[str, Any], context: str = "training") -> None:
+    """The run's data as an MLflow dataset input (the runs table's Dataset column and lineage): its source (a file
+    or folder, else the use case's own description such as `arch:sp500`), digest and schema.
+
+    Reads the data tags every use case's `load_data` returns: `data_source`, `data_sha256`, and optionally
+    `data_path` and `data_schema` (`name:type` pairs separated by commas, MLflow's column types)."""
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types import ColSpec, Schema
+
+    path = tags.get("data_path")
+    source = (resolve_dataset_source(Path(path).resolve().as_uri()) if path
+              else CodeDatasetSource({"source": str(tags["data_source"])}))
+    schema = None
+    if tags.get("data_schema"):
+        schema = Schema([ColSpec(kind, name) for name, kind in
+                         (pair.split(":") for pair in str(tags["data_schema"]).split(","))])
+    dataset = MetaDataset(source, name=str(tags["data_source"]), digest=str(tags["data_sha256"])[:12], schema=schema)
+    mlflow.log_input(dataset, context=context)
 
 
 def check_project_run(usecase: str, experiment_id: str, resuming: bool) -> None:
@@ -203,12 +232,13 @@ def tracked_run(
     is_main: bool = True,
     run_id: str | None = None,
     run_name: str | None = None,
+    description: str | None = None,
 ) -> Iterator[Tracker]:
     """One MLflow run around a job; `run_id` reopens an earlier run, as `--resume` does."""
     if not is_main:
         yield Tracker(active=False)
         return
-    experiment_id = ensure_experiment(usecase)
+    experiment_id = ensure_experiment(usecase, description)
     check_project_run(usecase, experiment_id, resuming=run_id is not None)
     mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
     run = mlflow.start_run(
@@ -220,6 +250,8 @@ def tracked_run(
             tracker.set_tags({"usecase": usecase, "git_commit": git_commit(), **tags})
             mlflow.log_params(flatten(config))
             tracker.log_dict(config.model_dump(mode="json"), "config.json")
+            if "data_sha256" in tags and "data_source" in tags:
+                log_dataset(tags)
         else:
             tracker.set_tags({"resumed": "true", **tags})
         yield tracker
@@ -243,13 +275,6 @@ def format_table(models: dict[str, dict[str, float]], columns: list[str] | None 
         cells = "".join(f"  {metrics.get(column, float('nan')):>16.4f}" for column in columns)
         lines.append(name.ljust(width) + cells)
     return "\n".join(lines)
-
-
-def write_json_atomic(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        json.dump(data, handle, indent=2, allow_nan=True)
-    os.replace(handle.name, path)
 
 
 def write_summary(

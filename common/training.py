@@ -1,7 +1,8 @@
 """The training loop every torch model goes through.
 
-Mixed precision, gradient clipping, early stopping on a named validation metric with the best weights kept,
-atomic checkpoints and resume, throughput and data-wait share, and DDP when started by torchrun.
+A use case gives it a step function (model, batch) -> loss; the loop does the rest: mixed precision, gradient
+clipping, early stopping on a named validation metric with the best weights kept, atomic checkpoints and resume,
+throughput and data-wait share, a progress line, and DDP when started by torchrun.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, WeightedRandomSampler
 from tqdm.auto import tqdm
 
+from common.config import TrainConfig
 from common.errors import UserError
 from common.interrupt import Terminated, stop_point, stop_requested
 from common.runtime import Runtime
@@ -30,6 +32,19 @@ from common.runtime import Runtime
 log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "last.pt"
+PROGRESS_EVERY_S = 30  # off a terminal (CI, a log file, `usecases demo`), a progress line at most this often
+
+Step = Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+
+
+def supervised(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Step:
+    """The usual step: the last tensor of a batch is the target, the others are the model's inputs."""
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        *inputs, target = batch
+        return loss_fn(model(*inputs).float(), target)
+
+    return step
 
 
 class TensorBatches:
@@ -134,16 +149,6 @@ def save_atomic(state: dict, path: Path) -> None:
 
 
 @dataclass
-class TrainSettings:
-    max_epochs: int
-    monitor: str
-    mode: str = "min"
-    patience: int = 10
-    grad_clip: float | None = None
-    checkpoint_every: int = 1
-
-
-@dataclass
 class FitResult:
     best_metric: float
     best_epoch: int
@@ -153,22 +158,27 @@ class FitResult:
 
 
 class Trainer:
+    """`settings` gives epochs, patience, gradient clipping and the checkpoint interval; `monitor` names the
+    validation metric that picks the best epoch, `mode` whether lower (min) or higher (max) is better."""
+
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[..., torch.Tensor],
+        step: Step,
         runtime: Runtime,
-        settings: TrainSettings,
+        settings: TrainConfig,
         *,
+        monitor: str,
+        mode: str = "min",
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         checkpoint_dir: Path | None = None,
         log_metrics: Callable[[dict[str, float], int], None] | None = None,
         step_offset: int = 0,
         name: str = "train",
     ):
-        if settings.mode not in ("min", "max"):
-            raise ValueError(f"mode must be min or max, got {settings.mode}")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be min or max, got {mode}")
         self.runtime = runtime
         self.model = model.to(runtime.device)
         self.module = self.model
@@ -176,8 +186,10 @@ class Trainer:
             device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.model, device_ids=device_ids)
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.step = step
         self.settings = settings
+        self.monitor = monitor
+        self.mode = mode
         self.scheduler = scheduler
         self.checkpoint_path = checkpoint_dir / CHECKPOINT_NAME if checkpoint_dir else None
         self.log_metrics = log_metrics or (lambda metrics, step: None)
@@ -189,7 +201,7 @@ class Trainer:
     def _improved(self, value: float, best: float) -> bool:
         if math.isnan(value):
             return False
-        return value < best if self.settings.mode == "min" else value > best
+        return value < best if self.mode == "min" else value > best
 
     def _state(self, epoch: int, best: float, best_epoch: int, best_state: dict, bad_epochs: int,
                history: list, finished: bool) -> dict:
@@ -228,10 +240,9 @@ class Trainer:
             except StopIteration:
                 break
             wait += time.perf_counter() - fetch
-            *inputs, target = (tensor.to(device, non_blocking=True) for tensor in batch)
+            batch = tuple(tensor.to(device, non_blocking=True) for tensor in batch)
             with torch.autocast(device.type, dtype=self.runtime.amp_dtype, enabled=self.runtime.amp_dtype is not None):
-                output = self.model(*inputs)
-            loss = self.loss_fn(output.float(), target)
+                loss = self.step(self.model, batch).float()
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
             if self.settings.grad_clip:
@@ -239,8 +250,8 @@ class Trainer:
                 nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            total_loss += loss.detach() * len(target)  # summed on the device: no sync per step
-            samples += len(target)
+            total_loss += loss.detach() * len(batch[0])  # summed on the device: no sync per step
+            samples += len(batch[0])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
@@ -256,13 +267,13 @@ class Trainer:
 
         `validate(model)` returns metrics named as logged (for example `val/qlike`), one of them `monitor`.
         """
-        settings = self.settings
-        best = math.inf if settings.mode == "min" else -math.inf
+        settings, monitor = self.settings, self.monitor
+        best = math.inf if self.mode == "min" else -math.inf
         best_epoch, bad_epochs, start_epoch, history = -1, 0, 0, []
         best_state = copy.deepcopy(self.module.state_dict())
         resumed_from = None
         if resume and self.checkpoint_path is not None and self.checkpoint_path.is_file():
-            state = torch.load(self.checkpoint_path, map_location=self.runtime.device, weights_only=False)
+            state = torch.load(self.checkpoint_path, map_location=self.runtime.device, weights_only=True)
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler and state["scheduler"]:
@@ -278,8 +289,10 @@ class Trainer:
             log.info("%s: resumed from the checkpoint after epoch %d", self.name, state["epoch"] + 1)
 
         epoch = start_epoch - 1
-        progress = tqdm(range(start_epoch, settings.max_epochs), desc=self.name, leave=False,
-                        disable=not sys.stderr.isatty() or not self.runtime.is_main)
+        on_terminal = sys.stderr.isatty()
+        progress = tqdm(range(start_epoch, settings.epochs), desc=self.name, leave=False,
+                        disable=not on_terminal or not self.runtime.is_main)
+        last_line = time.perf_counter()
         for epoch in progress:
             stop_if_any_rank_asked(self.runtime)
             if hasattr(batches, "set_epoch"):
@@ -294,9 +307,9 @@ class Trainer:
             if self.scheduler is not None:
                 self.scheduler.step()
             metrics = all_reduce_mean(metrics, self.runtime)
-            if settings.monitor not in metrics:
-                raise KeyError(f"validate() returned no '{settings.monitor}' (got {sorted(metrics)})")
-            value = metrics[settings.monitor]
+            if monitor not in metrics:
+                raise KeyError(f"validate() returned no '{monitor}' (got {sorted(metrics)})")
+            value = metrics[monitor]
             if self._improved(value, best):
                 best, best_epoch, bad_epochs = value, epoch, 0
                 best_state = copy.deepcopy(self.module.state_dict())
@@ -304,8 +317,12 @@ class Trainer:
                 bad_epochs += 1
             history.append({"epoch": epoch, **metrics})
             self.log_metrics(metrics, self.step_offset + epoch)
-            progress.set_postfix({settings.monitor: f"{value:.4f}", "best": f"{best:.4f}"})
-            stop = bad_epochs >= settings.patience
+            progress.set_postfix({monitor: f"{value:.4f}", "best": f"{best:.4f}"})
+            if not on_terminal and self.runtime.is_main and time.perf_counter() - last_line >= PROGRESS_EVERY_S:
+                log.info("%s: epoch %d/%d, %s %.4f (best %.4f at epoch %d)", self.name, epoch + 1, settings.epochs,
+                         monitor, value, best, best_epoch + 1)
+                last_line = time.perf_counter()
+            stop = settings.patience is not None and bad_epochs >= settings.patience
             if (epoch + 1) % settings.checkpoint_every == 0 and not stop:
                 self._save(self._state(epoch, best, best_epoch, best_state, bad_epochs, history, False))
             if stop:

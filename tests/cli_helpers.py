@@ -27,7 +27,7 @@ def usecases(*args, timeout=300, env=None):
                           timeout=timeout, env=env)
 
 
-def runs(usecase="finance", uri=None):
+def runs(usecase, uri=None):
     mlflow.set_tracking_uri(uri or os.environ["MLFLOW_TRACKING_URI"])
     experiment = mlflow.get_experiment_by_name(f"gpu-usecases-{usecase}")
     if experiment is None:

@@ -17,7 +17,7 @@ from usecases import finance
 
 USECASE = "finance"
 EXPERIMENT = f"gpu-usecases-{USECASE}"
-PRIMARY = f"primary/{finance.PRIMARY_METRIC[0]}"  # what the CLI logs as the served model's primary metric
+PRIMARY = f"primary/{finance.USECASE.primary_metric[0]}"  # what the CLI logs as the served model's primary metric
 UI_TIMEOUT_MS = 60_000  # the SPA polls forever, so every wait is for `load` plus a selector, never `networkidle`
 # The compare page lists metric names and values in two virtualized grids, a row's cells sharing its `top`.
 METRIC_ROW_VALUES = """name => {

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 import torch
 
+from common import runner
 from common.errors import DataUnavailable
 from tests.cli_helpers import runs, usecases
 from usecases import cli
@@ -86,7 +87,7 @@ def test_user_errors_leave_no_run_behind():
     user_error("run", "finance", "--preset", "smoke", "--set", "train.epoch=3")
     assert "days before the test window" in user_error("run", "finance", "--preset", "smoke",
                                                        "--set", "evaluation.test_fraction=0.9")
-    assert [run.info.status for run in runs()] == []
+    assert [run.info.status for run in runs("finance")] == []
 
 
 def test_ui_serves_the_store_on_loopback_only(tmp_path):
@@ -114,12 +115,12 @@ def test_ui_serves_the_store_on_loopback_only(tmp_path):
 def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatch):
     calls = []
 
-    def fake_run(name, preset, overrides, device, frames):
+    def fake_run(usecase, preset, overrides, device, frames):
         calls.append(overrides)
         if not overrides:
             raise DataUnavailable("no copy of the data set here")
 
-    monkeypatch.setattr(cli, "run_usecase", fake_run)
+    monkeypatch.setattr(runner, "run_usecase", fake_run)
     monkeypatch.setattr(cli, "stop_on_signals", lambda: None)
     assert cli.main(["demo", "--device", "cpu"]) == 0
     assert calls[:2] == [[], ["data.source=synthetic"]]
@@ -139,7 +140,7 @@ def interrupted_state(params_change=None, data_sha256=None):
     from usecases import finance
     from usecases.finance.pipeline import load_data
 
-    config = load_config(finance.Config, finance.PRESETS_DIR, "smoke")
+    config = load_config(finance.Config, finance.USECASE.presets_dir, "smoke")
     _, data_tags = load_data(config, None)
     params = {**flatten(config), **(params_change or {})}
     folder = Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke"
@@ -157,3 +158,8 @@ def test_resume_refuses_a_changed_config():
 def test_resume_refuses_changed_data():
     interrupted_state(data_sha256="f" * 64)
     assert "the data (synthetic:seed=7" in user_error("run", "finance", "--preset", "smoke", "--resume")
+
+
+def test_a_use_case_without_a_benchmark_says_so():
+    result = usecases("bench", "finance", "--preset", "smoke")
+    assert result.returncode == 2 and "use case 'finance' has no benchmark" in result.stderr

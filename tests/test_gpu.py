@@ -29,7 +29,9 @@ def test_finance_smoke_on_the_gpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["device"] == "cuda"
-    assert summary["models"]["neural"]["qlike_parkinson"] > 0
+    models = summary["models"]
+    # the network learned: on the GJR-GARCH panel it forecasts at least about as well as EWMA (CPU: the same check)
+    assert models["neural"]["qlike_parkinson"] < 1.2 * models["ewma"]["qlike_parkinson"]
 
 
 def test_medical_smoke_on_the_gpu_holds_the_data_there(tmp_path):

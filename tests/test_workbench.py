@@ -49,7 +49,8 @@ def test_four_parallel_runs_all_land_finished(four_runs):
     finished = runs("finance", uri)
     assert len(finished) == 4 and {run.info.status for run in finished} == {"FINISHED"}
     for run in finished:
-        assert run.data.metrics["time/total_s"] > 0 and run.data.metrics["cost"] > 0
+        seconds = run.data.metrics["time/total_s"]
+        assert run.data.metrics["cost"] == pytest.approx(2.5 * seconds / 3600)  # --set tracking.price_per_hour=2.5
         assert run.data.tags["instance_type"] == "test-box"
 
 
@@ -61,7 +62,12 @@ def test_one_champion_and_challengers_on_the_same_data(four_runs):
     aliases = [run.data.tags["registry_alias"] for run in runs("finance", uri)]
     assert set(aliases) <= {"champion", "challenger"} and "challenger" in aliases  # equal metrics: the first wins
     champion = client.get_model_version_by_alias("gpu-usecases-finance", "champion")
-    assert champion.tags["primary_metric"] == "qlike_parkinson" and float(champion.tags["primary_value"]) > 0
+    assert champion.tags["primary_metric"] == "qlike_parkinson"
+    champion_run = client.get_run(champion.tags["run_id"])
+    assert float(champion.tags["primary_value"]) == pytest.approx(
+        champion_run.data.metrics["primary/qlike_parkinson"])
+    assert float(champion.tags["primary_value"]) == pytest.approx(
+        champion_run.data.metrics["test/neural/qlike_parkinson"])
 
 
 def test_compare_groups_the_runs_by_hardware(four_runs):

@@ -1,4 +1,5 @@
-"""`usecases`: list, run, bench, demo, ui, server, serve and compare. Exit 0 on success, 2 on a user error, 1 on an internal failure.
+"""`usecases`: list, run, bench, demo, new, export, ui, server, serve and compare: argument parsing and printing;
+the work is in common/ (runner, scaffold, tracking). Exit 0 on success, 2 on a user error, 1 on an internal failure.
 
 Only the standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
 """
@@ -6,18 +7,13 @@ Only the standard library and torch are imported before `use_gpu_frames`, so cud
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import json
 import logging
 import os
-import shutil
 import sys
-import time
 import traceback
 from pathlib import Path
 
-from common.errors import DataUnavailable, UserError
+from common.errors import UserError
 from common.interrupt import Terminated, stop_on_signals
 
 EXIT_OK, EXIT_FAILURE, EXIT_USER_ERROR = 0, 1, 2
@@ -74,6 +70,20 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("name", help="use case (see `usecases list`)")
     compare.add_argument("--format", default="table", choices=["table", "markdown", "csv"], dest="output_format")
 
+    new = commands.add_parser("new", help="start a use case of your own from an existing one",
+                              description="Copy a use case into usecases/NAME (package, imports, presets, README, "
+                                          "experiment and model names renamed) and its tests into tests/NAME.")
+    new.add_argument("name", help="the new use case's name: a Python identifier, e.g. derm")
+    new.add_argument("--from", dest="source", required=True, help="the use case to start from (see `usecases list`)")
+
+    export = commands.add_parser("export", help="write one use case as a standalone project",
+                                 description="Write DIR as a project of its own: common/, the one use case and its "
+                                             "tests, a pyproject.toml with only what they need, Makefile, CI, README "
+                                             "and the source commit it came from.")
+    export.add_argument("name", help="use case (see `usecases list`)")
+    export.add_argument("folder", type=Path, metavar="DIR", help="where to write it (must be empty or absent)")
+    export.add_argument("--force", action="store_true", help="write into a non-empty DIR, replacing what is there")
+
     server = commands.add_parser("server", help="start an MLflow tracking server on the local store, for a team",
                                  description="Serve the local store (mlflow/mlflow.db, artifacts in "
                                              "mlflow/artifacts/) to other processes and machines: runs, the "
@@ -99,141 +109,59 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="DataFrame backend: auto uses cuDF through cudf.pandas on a GPU; pandas forces the CPU")
 
 
+def _found() -> dict:
+    """Every use case: the packages in this folder and those that installed distributions register."""
+    import usecases
+    from common.usecase import discover
+
+    return discover(usecases.__name__, Path(usecases.__file__).parent)
+
+
+def _usecase(name: str):
+    from common.usecase import resolve
+
+    return resolve(name, _found())
+
+
 def _list() -> int:
     from common.config import available_presets
-    from usecases import USECASES, load_usecase
 
-    for name in USECASES:
-        module = load_usecase(name)
-        print(f"{name:10} {module.DESCRIPTION}  [presets: {', '.join(available_presets(module.PRESETS_DIR))}]")
+    for name, entry in _found().items():
+        if entry.usecase is None:
+            print(f"{name:10} cannot be loaded ({entry.origin}): {entry.error}")
+            continue
+        presets = ", ".join(available_presets(entry.usecase.presets_dir))
+        print(f"{name:10} {entry.usecase.description}  [presets: {presets}]  ({entry.origin})")
     return EXIT_OK
 
 
-def _checkpoint_root(usecase: str, preset: str) -> Path:
-    from common.tracking import project_root
-
-    base = Path(os.environ.get("USECASES_CHECKPOINT_DIR", project_root() / "checkpoints"))
-    return base / usecase / preset
-
-
-def _job_entry(module, name: str, bench: bool):
-    """The use case's `pipeline.run`, or its `benchmark.benchmark` for `usecases bench`."""
-    if not bench:
-        return importlib.import_module(f"{module.__name__}.pipeline").run
-    if importlib.util.find_spec(f"{module.__name__}.benchmark") is None:
-        raise UserError(f"use case '{name}' has no benchmark")
-    return importlib.import_module(f"{module.__name__}.benchmark").benchmark
-
-
-def _resume_run_id(state_file: Path, params: dict, data_tags: dict, preset: str) -> str:
-    """The interrupted run to continue, if it ran on the same config and the same data."""
-    if not state_file.is_file():
-        raise UserError(f"--resume: no interrupted run of preset '{preset}' to resume ({state_file} is missing)")
-    state = json.loads(state_file.read_text())
-    for key in sorted(set(params) | set(state["params"])):
-        if params.get(key) != state["params"].get(key):
-            raise UserError(f"--resume: config key '{key}' is {params.get(key)!r} now but was "
-                            f"{state['params'].get(key)!r} in the interrupted run")
-    if state["data"].get("data_sha256") != data_tags.get("data_sha256"):
-        raise UserError(f"--resume: the data ({data_tags.get('data_source')}) differs from the interrupted run's "
-                        f"({state['data'].get('data_source')}, another SHA-256)")
-    return state["run_id"]
-
-
-def run_usecase(name: str, preset: str, overrides: list[str], device: str, frames: str,
-                data: Path | None = None, summary: Path | None = None, resume: bool = False,
-                bench: bool = False) -> dict:
-    """One tracked run; with `bench`, the use case's benchmark in the `<name>-benchmark` experiment."""
-    from common.runtime import use_gpu_frames
-
-    started = time.perf_counter()
-    backend = use_gpu_frames(frames)
-
-    from common.config import flatten, load_config
-    from common.job import Job
-    from common.runtime import hardware_info, make_runtime, seed_everything, shutdown
-    from common.tracking import check_reachable, tracked_run, tracking_uri, write_json_atomic, write_summary
-    from usecases import load_usecase
-
-    check_reachable(tracking_uri())
-    module = load_usecase(name)
-    entry = _job_entry(module, name, bench)
-    config = load_config(module.Config, module.PRESETS_DIR, preset, overrides)
-    if data is not None and not data.exists():
-        raise UserError(f"--data {data}: no such file or folder")
-    if summary is not None and not (summary.parent.is_dir() and os.access(summary.parent, os.W_OK)):
-        raise UserError(f"--summary {summary}: cannot write there (no such folder, or no permission)")
-    runtime = make_runtime(device, config.runtime.precision, config.runtime.cpu_threads)
-    if not runtime.is_main:
-        for logger in ("usecases", "common"):
-            logging.getLogger(logger).setLevel(logging.WARNING)
-    try:
-        seed_everything(config.runtime.seed, config.runtime.deterministic)
-        loaded, data_tags = importlib.import_module(f"{module.__name__}.pipeline").load_data(config, data)
-        experiment = f"{name}-benchmark" if bench else name
-        checkpoint_dir = _checkpoint_root(experiment, preset)
-        state_file = checkpoint_dir / "run.json"
-        params = flatten(config)
-        run_id = _resume_run_id(state_file, params, data_tags, preset) if resume else None
-        if not resume and runtime.is_main and checkpoint_dir.exists():
-            shutil.rmtree(checkpoint_dir)
-        if runtime.distributed:
-            import torch.distributed as dist
-
-            dist.barrier()
-        tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
-                "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
-                **{key: value for key, value in config.tracking.model_dump().items() if value is not None}}
-        with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
-                         run_name=f"{experiment}-{preset}") as tracker:
-            if runtime.is_main:
-                write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags}, state_file)
-            job = Job(runtime, tracker, checkpoint_dir, resume)
-            models = entry(config, loaded, job)
-            if not runtime.is_main:
-                return {}
-            columns = module.summary_columns(config) if hasattr(module, "summary_columns") and not bench else None
-            result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary, columns)
-            _log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
-            if not bench:
-                _register(tracker, name, module.PRIMARY_METRIC, models, data_tags["data_sha256"])
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
-        return result
-    finally:
-        shutdown(runtime)
-
-
-def _log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float) -> None:
-    metrics = {"time/total_s": seconds}
-    if price_per_hour is not None:
-        metrics["cost"] = price_per_hour * seconds / 3600
-    tracker.log_metrics(metrics)
-
-
-def _register(tracker, name: str, primary: tuple[str, str], models: dict, data_sha256: str) -> None:
-    """Log the served model's primary metric and register the model as champion or challenger."""
-    from common.tracking import register_champion
-
-    metric, mode = primary
-    if tracker.model_uri is None or tracker.served_model not in models:
-        return
-    value = models[tracker.served_model][metric]
-    tracker.set_tags({"primary_metric": metric, "primary_model": tracker.served_model})
-    tracker.log_metrics({f"primary/{metric}": value})
-    register_champion(tracker, name, metric, mode, value, data_sha256)
-
-
 def _demo(args: argparse.Namespace) -> int:
-    from usecases import USECASES
+    from common.runner import run_demo
 
-    for name in USECASES:
-        print(f"== {name}", flush=True)
-        try:
-            run_usecase(name, "default", [], args.device, args.frames)
-        except DataUnavailable as exc:
-            print(f"{name}: {exc}; running on synthetic data instead", flush=True)
-            run_usecase(name, "default", ["data.source=synthetic"], args.device, args.frames)
+    found = _found()
+    for name, entry in found.items():
+        if entry.usecase is None:
+            print(f"{name}: skipped, it cannot be loaded ({entry.origin}): {entry.error}", flush=True)
+    run_demo([entry.usecase for entry in found.values() if entry.usecase is not None], args.device, args.frames)
     print("Done. Browse the runs with `usecases ui` (from the clone: make ui), then open http://127.0.0.1:5000")
+    return EXIT_OK
+
+
+def _new(name: str, source: str) -> int:
+    from common.scaffold import new_usecase
+
+    created = new_usecase(_usecase(source), name, set(_found()))
+    print(f"created {', '.join(str(path) for path in created)}\n"
+          f"try it: usecases run {name} --preset smoke && python -m pytest tests/{name}")
+    return EXIT_OK
+
+
+def _export(name: str, folder: Path, force: bool) -> int:
+    from common.scaffold import export_usecase
+
+    others = [entry.usecase for other, entry in _found().items() if other != name and entry.usecase is not None]
+    export_usecase(_usecase(name), others, folder, force)
+    print(f"exported {name} to {folder}\nthere: make demo (runs it), make test (its tests)")
     return EXIT_OK
 
 
@@ -253,9 +181,8 @@ def _serve(name: str, model_uri: str | None, host: str, port: int) -> int:
     from mlflow.exceptions import MlflowException
 
     from common.tracking import check_reachable, registered_name, tracking_uri
-    from usecases import load_usecase
 
-    load_usecase(name)
+    _usecase(name)
     uri = tracking_uri()
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
@@ -275,9 +202,8 @@ def _serve(name: str, model_uri: str | None, host: str, port: int) -> int:
 
 def _compare(name: str, output_format: str) -> int:
     from common.tracking import compare_runs
-    from usecases import load_usecase
 
-    metric, mode = load_usecase(name).PRIMARY_METRIC
+    metric, mode = _usecase(name).primary_metric
     table = compare_runs(name, metric, mode)
     if output_format == "csv":
         print(table.to_csv(index=False), end="")
@@ -326,8 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args.name, args.output_format)
         if args.command == "demo":
             return _demo(args)
-        run_usecase(args.name, args.preset, args.overrides, args.device, args.frames, args.data, args.summary,
-                    getattr(args, "resume", False), bench=args.command == "bench")
+        if args.command == "new":
+            return _new(args.name, args.source)
+        if args.command == "export":
+            return _export(args.name, args.folder, args.force)
+        from common.runner import run_usecase
+
+        run_usecase(_usecase(args.name), args.preset, args.overrides, args.device, args.frames, args.data,
+                    args.summary, getattr(args, "resume", False), bench=args.command == "bench")
         return EXIT_OK
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,7 +16,8 @@ from torch import nn
 
 from common.interrupt import Terminated, stop_on_signals
 from common.runtime import make_runtime, shutdown
-from common.training import TensorBatches, Trainer, TrainSettings
+from common.config import TrainConfig
+from common.training import TensorBatches, Trainer, supervised
 
 
 def main(outdir: Path, signal_rank: int | None = None) -> None:
@@ -42,8 +43,8 @@ def main(outdir: Path, signal_rank: int | None = None) -> None:
     initial = {key: value.clone() for key, value in model.state_dict().items()}
     loss_start = mse(model)
     batches = TensorBatches(x, y, batch_size=16, seed=0, rank=runtime.rank, world_size=runtime.world_size)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), nn.functional.mse_loss,
-                      runtime, TrainSettings(max_epochs=4, monitor="val/mse"))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                      supervised(nn.functional.mse_loss), runtime, TrainConfig(epochs=4), monitor="val/mse")
     outcome = {"world_size": runtime.world_size, "backend": dist.get_backend(), "initial": initial,
                "loss_start": loss_start}
     try:

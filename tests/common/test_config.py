@@ -149,7 +149,7 @@ def test_malformed_yaml_override_is_a_user_error(presets):
 def test_flatten_model_as_dotted_json_values(presets):
     flat = flatten(load(presets, "train.limit=null"))
     assert flat["train.epochs"] == 2 and flat["train.sizes"] == [8] and flat["train.limit"] is None
-    assert flat["runtime.precision"] == "auto" and flat["name"] == "demo"
+    assert flat["runtime.precision"] == "auto-gpu" and flat["name"] == "demo"
     runtime_keys = {f"runtime.{key}" for key in RuntimeConfig.model_fields}
     assert set(flat) == {
         "name", "train.epochs", "train.lr", "train.amp", "train.sizes", "train.limit", "data.path", *runtime_keys,

@@ -10,7 +10,8 @@ from torch import nn
 from common import interrupt
 from common.interrupt import Terminated, stop_on_signals, stop_point
 from common.runtime import Runtime
-from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, TrainSettings
+from common.config import TrainConfig
+from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, supervised
 
 
 @pytest.fixture(autouse=True)
@@ -61,8 +62,8 @@ def test_training_stops_after_the_checkpoint_of_the_epoch_in_which_the_signal_ca
 
     epochs = []
     model = nn.Linear(1, 1)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
-                      Runtime(torch.device("cpu"), None), TrainSettings(max_epochs=10, monitor="val/mse"),
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), supervised(nn.functional.mse_loss),
+                      Runtime(torch.device("cpu"), None), TrainConfig(epochs=10), monitor="val/mse",
                       checkpoint_dir=tmp_path)
     with pytest.raises(Terminated):
         trainer.fit(data, validate)

@@ -18,6 +18,7 @@ from common.runtime import (
     array_module,
     hardware_info,
     make_runtime,
+    precision_notice,
     seed_everything,
     select_amp_dtype,
     select_device,
@@ -75,32 +76,40 @@ def test_unknown_device_is_a_user_error():
 
 
 @pytest.mark.parametrize(
-    ("device", "precision", "expected"),
+    ("device", "native_bf16", "precision", "expected"),
     [
-        (CPU, "auto", None),
-        (CPU, "fp32", None),
-        (CPU, "bf16", torch.bfloat16),
-        (CUDA, "fp32", None),
-        (CUDA, "bf16", torch.bfloat16),
-        (CUDA, "fp16", torch.float16),
+        (CPU, True, "auto", torch.bfloat16),
+        (CPU, False, "auto", None),
+        (CPU, True, "auto-gpu", None),
+        (CPU, True, "fp32", None),
+        (CPU, True, "bf16", torch.bfloat16),
+        (CPU, False, "bf16", None),
+        (CUDA, True, "fp32", None),
+        (CUDA, True, "bf16", torch.bfloat16),
+        (CUDA, True, "fp16", torch.float16),
     ],
 )
-def test_amp_dtype_rules(monkeypatch, device, precision, expected):
-    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
+def test_amp_dtype_rules(monkeypatch, device, native_bf16, precision, expected):
+    """The CPU's BF16 support is faked both ways: the rules must not depend on the machine the tests run on."""
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert select_amp_dtype(device, precision) is expected
 
 
-def test_cpu_bf16_falls_back_to_fp32_without_native_support(monkeypatch, caplog):
-    """Emulated BF16 is slower than fp32: asking for bf16 there would only cost time."""
-    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: False)
-    assert select_amp_dtype(CPU, "bf16") is None
-    assert "no native BF16" in caplog.text
+@pytest.mark.parametrize(("native_bf16", "precision", "noticed"),
+                         [(False, "bf16", True), (False, "auto", False), (True, "bf16", False)])
+def test_only_an_explicit_bf16_on_a_cpu_without_it_gets_a_notice(monkeypatch, native_bf16, precision, noticed):
+    """Emulated BF16 is slower than fp32: asking for bf16 there runs fp32 and says so; `auto` falls back silently."""
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: native_bf16)
+    notice = precision_notice(CPU, precision)
+    assert (notice is not None and "no native BF16" in notice) == noticed
 
 
+@pytest.mark.parametrize("precision", ["auto", "auto-gpu"])
 @pytest.mark.parametrize(("bf16_supported", "expected"), [(True, torch.bfloat16), (False, torch.float16)])
-def test_cuda_auto_prefers_bf16_where_supported(monkeypatch, bf16_supported, expected):
+def test_cuda_auto_prefers_bf16_where_supported(monkeypatch, precision, bf16_supported, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16_supported)
-    assert select_amp_dtype(CUDA, "auto") is expected
+    assert select_amp_dtype(CUDA, precision) is expected
 
 
 @pytest.mark.parametrize(("precision", "match"), [("fp16", "only on CUDA"), ("int8", "int8")])
@@ -117,6 +126,7 @@ def test_runtime_precision_name(amp_dtype, name):
 def test_make_runtime_single_process_on_cpu(monkeypatch, no_cuda):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
     made = make_runtime("auto", "bf16")
     assert made == Runtime(CPU, torch.bfloat16, 0, 0, 1)
     assert made.is_main and not made.distributed

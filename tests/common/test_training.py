@@ -14,7 +14,8 @@ from common import training
 from common.errors import UserError
 from common.interrupt import Terminated
 from common.runtime import Runtime
-from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, TrainSettings, save_atomic
+from common.config import TrainConfig
+from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, save_atomic, supervised
 
 CPU = Runtime(torch.device("cpu"), None)
 
@@ -35,12 +36,12 @@ def val_mse(model: nn.Module) -> dict[str, float]:
 
 
 def make_trainer(model, runtime=CPU, *, lr=0.1, momentum=0.0, scheduler=False, checkpoint_dir=None,
-                 log_metrics=None, **settings):
+                 log_metrics=None, monitor="val/mse", mode="min", **settings):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scheduler else None
-    settings = {"max_epochs": 10, "monitor": "val/mse", "patience": 100, **settings}
-    return Trainer(model, optimizer, nn.functional.mse_loss, runtime, TrainSettings(**settings), scheduler=sched,
-                   checkpoint_dir=checkpoint_dir, log_metrics=log_metrics)
+    settings = {"epochs": 10, "patience": 100, **settings}
+    return Trainer(model, optimizer, supervised(nn.functional.mse_loss), runtime, TrainConfig(**settings),
+                   monitor=monitor, mode=mode, scheduler=sched, checkpoint_dir=checkpoint_dir, log_metrics=log_metrics)
 
 
 def linear(seed: int = 0) -> nn.Linear:
@@ -60,7 +61,7 @@ def batches(**kwargs) -> TensorBatches:
 
 def test_learns_a_line():
     model = linear()
-    result = make_trainer(model, max_epochs=15).fit(batches(), val_mse)
+    result = make_trainer(model, epochs=15).fit(batches(), val_mse)
     losses = [row["train/loss"] for row in result.history]
     assert losses[-1] < losses[0] / 100
     assert model.weight.item() == pytest.approx(3.0, abs=0.05)
@@ -79,7 +80,7 @@ def test_early_stopping_keeps_the_best_epoch_weights():
         return {"val/score": next(values)}
 
     model = linear()
-    result = make_trainer(model, monitor="val/score", patience=2, max_epochs=20).fit(batches(), validate)
+    result = make_trainer(model, monitor="val/score", patience=2, epochs=20).fit(batches(), validate)
     assert (result.best_epoch, result.best_metric, result.epochs_run) == (2, 1.0, 5)
     assert len(snapshots) == 5
     final = model.state_dict()
@@ -101,7 +102,7 @@ def test_missing_monitor_metric_is_named():
 
 def test_resume_after_interrupt_matches_an_uninterrupted_run(tmp_path):
     """Optimizer momentum, scheduler and counters come back from the checkpoint, so resuming changes nothing."""
-    settings = {"max_epochs": 6, "lr": 0.05, "momentum": 0.9, "scheduler": True}
+    settings = {"epochs": 6, "lr": 0.05, "momentum": 0.9, "scheduler": True}
     straight_model = mlp(seed=0)
     straight = make_trainer(straight_model, checkpoint_dir=tmp_path / "straight", **settings).fit(batches(), val_mse)
 
@@ -138,9 +139,9 @@ def test_resume_on_cuda(tmp_path):
             raise Terminated("signal 15")
 
     with pytest.raises(Terminated):
-        make_trainer(linear(), runtime, max_epochs=4, checkpoint_dir=tmp_path,
+        make_trainer(linear(), runtime, epochs=4, checkpoint_dir=tmp_path,
                      log_metrics=interrupt_after_two_epochs).fit(TensorBatches(x, y, batch_size=32), validate)
-    result = make_trainer(linear(), runtime, max_epochs=4, checkpoint_dir=tmp_path).fit(
+    result = make_trainer(linear(), runtime, epochs=4, checkpoint_dir=tmp_path).fit(
         TensorBatches(x, y, batch_size=32), validate, resume=True)
     assert (result.resumed_from, result.epochs_run) == (2, 4)
 
@@ -148,7 +149,7 @@ def test_resume_on_cuda(tmp_path):
 def test_finished_checkpoint_returns_without_training(tmp_path):
     """A run that reached max_epochs is finished: resuming it, even with a larger max_epochs, trains nothing."""
     model = mlp(seed=0)
-    first = make_trainer(model, max_epochs=3, checkpoint_dir=tmp_path).fit(batches(), val_mse)
+    first = make_trainer(model, epochs=3, checkpoint_dir=tmp_path).fit(batches(), val_mse)
 
     class NoBatches:
         def __iter__(self):
@@ -159,7 +160,7 @@ def test_finished_checkpoint_returns_without_training(tmp_path):
 
     logged = []
     again_model = mlp(seed=1)
-    again = make_trainer(again_model, max_epochs=6, checkpoint_dir=tmp_path,
+    again = make_trainer(again_model, epochs=6, checkpoint_dir=tmp_path,
                          log_metrics=lambda metrics, step: logged.append(step)).fit(
         NoBatches(), no_validation, resume=True)
     assert (again.epochs_run, again.resumed_from, again.best_epoch) == (3, 3, first.best_epoch)
@@ -169,12 +170,12 @@ def test_finished_checkpoint_returns_without_training(tmp_path):
 
 
 def test_resume_without_checkpoint_starts_fresh(tmp_path):
-    result = make_trainer(linear(), max_epochs=2, checkpoint_dir=tmp_path).fit(batches(), val_mse, resume=True)
+    result = make_trainer(linear(), epochs=2, checkpoint_dir=tmp_path).fit(batches(), val_mse, resume=True)
     assert (result.resumed_from, result.epochs_run) == (None, 2)
 
 
 def test_checkpoint_dir_holds_only_the_checkpoint(tmp_path):
-    make_trainer(linear(), max_epochs=3, checkpoint_dir=tmp_path / "ckpt").fit(batches(), val_mse)
+    make_trainer(linear(), epochs=3, checkpoint_dir=tmp_path / "ckpt").fit(batches(), val_mse)
     assert [path.name for path in (tmp_path / "ckpt").iterdir()] == [CHECKPOINT_NAME]
     state = torch.load(tmp_path / "ckpt" / CHECKPOINT_NAME, weights_only=False)
     assert state["finished"] and state["epoch"] == 2
@@ -253,8 +254,8 @@ def test_data_wait_share_and_throughput_logged(monkeypatch):
 
     logged = []
     model = linear()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), slow_loss, CPU,
-                      TrainSettings(max_epochs=2, monitor="val/mse"), step_offset=10,
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), supervised(slow_loss), CPU,
+                      TrainConfig(epochs=2), monitor="val/mse", step_offset=10,
                       log_metrics=lambda metrics, step: logged.append((step, metrics)))
     trainer.fit(SlowBatches(X, Y, batch_size=32, seed=0), val_mse)
     assert [step for step, _ in logged] == [10, 11]
@@ -267,7 +268,7 @@ def test_data_wait_share_and_throughput_logged(monkeypatch):
 def test_grad_clip_bounds_each_step():
     model = linear()
     start = torch.cat([parameter.detach().clone().flatten() for parameter in model.parameters()])
-    make_trainer(model, lr=1.0, grad_clip=1e-3, max_epochs=1).fit(batches(), val_mse)
+    make_trainer(model, lr=1.0, grad_clip=1e-3, epochs=1).fit(batches(), val_mse)
     end = torch.cat([parameter.detach().flatten() for parameter in model.parameters()])
     assert 0 < (end - start).norm() <= len(batches()) * 1e-3 + 1e-6
 
@@ -276,7 +277,7 @@ def test_bf16_autocast_on_cpu_trains():
     dtypes = set()
     model = linear()
     model.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype) if module.training else None)
-    result = make_trainer(model, Runtime(torch.device("cpu"), torch.bfloat16), max_epochs=5).fit(batches(), val_mse)
+    result = make_trainer(model, Runtime(torch.device("cpu"), torch.bfloat16), epochs=5).fit(batches(), val_mse)
     assert dtypes == {torch.bfloat16}, "the forward pass ran under bf16 autocast"
     assert model.weight.dtype == torch.float32
     losses = [row["train/loss"] for row in result.history]
@@ -289,7 +290,7 @@ def test_a_dataloader_trains_like_tensor_batches():
     dataset = torch.utils.data.TensorDataset(X, Y)
     loader = training.make_loader(dataset, batch_size=32, runtime=CPU, seed=0)
     model = linear()
-    result = make_trainer(model, max_epochs=30).fit(loader, val_mse)
+    result = make_trainer(model, epochs=30).fit(loader, val_mse)
     assert result.best_metric < 0.01
     assert model.weight.item() == pytest.approx(3, abs=0.05)
 

@@ -97,7 +97,7 @@ def test_a_csv_without_high_is_one_line_and_exit_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "prices.csv" in result.stderr and "'high'" in result.stderr
-    assert all(run.info.status != "RUNNING" for run in runs())
+    assert all(run.info.status != "RUNNING" for run in runs("finance"))
 
 
 def test_a_user_csv_with_an_exogenous_input_runs_end_to_end(tmp_path):
@@ -112,7 +112,7 @@ def test_a_user_csv_with_an_exogenous_input_runs_end_to_end(tmp_path):
     result = usecases("run", "finance", "--preset", "smoke", "--data", str(csv), *columns,
                       "--set", "data.exogenous=[wti]", "--set", "baselines.models=[har]", "--set", "train.epochs=3")
     assert result.returncode == 0, result.stderr[-2000:]
-    (run,) = runs()
+    (run,) = runs("finance")
     assert run.data.tags["data_source"] == "file:mine.csv+wti" and run.data.tags["data_filled_rows"] == "0"
     assert "test/neural/qlike_parkinson/SYN000" in run.data.metrics
     model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
@@ -136,7 +136,7 @@ def test_sigterm_then_resume_continues_from_the_checkpoint(tmp_path):
     first.send_signal(signal.SIGTERM)
     _, stderr = first.communicate(timeout=60)
     assert first.returncode == 143, stderr[-2000:]
-    (killed,) = runs()
+    (killed,) = runs("finance")
     assert killed.info.status == "KILLED"
 
     second = usecases("run", "finance", "--preset", "smoke", "--set", "train.epochs=60",
@@ -145,7 +145,7 @@ def test_sigterm_then_resume_continues_from_the_checkpoint(tmp_path):
     assert "resumed from the checkpoint after epoch" in second.stderr
     epoch = int(second.stderr.split("resumed from the checkpoint after epoch")[1].split()[0])
     assert 0 < epoch < 60
-    (finished,) = runs()
+    (finished,) = runs("finance")
     assert finished.info.run_id == killed.info.run_id and finished.info.status == "FINISHED"
     assert finished.data.tags["resumed"] == "true"
     history = mlflow.MlflowClient().get_metric_history(finished.info.run_id, "val/qlike")

@@ -21,8 +21,3 @@ def test_bench_reports_both_throughputs_and_their_ratio(tmp_path):
     (run,) = runs("medical-benchmark")
     assert run.info.status == "FINISHED" and run.data.metrics["speedup"] == pytest.approx(ours["speedup"])
     assert runs("medical") == []
-
-
-def test_a_use_case_without_a_benchmark_says_so():
-    result = usecases("bench", "finance", "--preset", "smoke")
-    assert result.returncode == 2 and "use case 'finance' has no benchmark" in result.stderr

@@ -1,5 +1,6 @@
-"""MedMNIST files of every shape the official sets come in, the cache lookup, and the synthetic set."""
+"""MedMNIST files of every shape the official sets come in, the cache and mirror lookups, and the synthetic set."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -92,10 +93,27 @@ def test_cache_is_used_before_any_download(tmp_path):
         tmp_path / "pneumoniamnist_64.npz")
 
 
-def test_offline_without_a_file_says_where_to_put_it(tmp_path):
+def test_offline_without_a_file_says_where_to_put_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("USECASES_DATA_PATH", raising=False)
     config = MedMNIST(flag="pneumoniamnist", size=128, cache_dir=tmp_path, download=False)
     with pytest.raises(DataUnavailable, match=rf"put pneumoniamnist_128.npz in {tmp_path}.*MD5 [0-9a-f]{{32}}"):
         medmnist_path(config)
+
+
+def test_a_mirror_folder_in_the_data_path_is_looked_in_after_the_cache(tmp_path, monkeypatch):
+    cache, empty, mirror = tmp_path / "cache", tmp_path / "empty", tmp_path / "mirror"
+    config = MedMNIST(flag="pneumoniamnist", size=64, cache_dir=cache, download=False)
+    monkeypatch.delenv("USECASES_DATA_PATH", raising=False)
+    with pytest.raises(DataUnavailable, match=r"MedMNIST pneumoniamnist_64.npz is not in the cache nor in a mirror"):
+        medmnist_path(config)
+    (mirror / "medmnist").mkdir(parents=True)
+    copy = write_npz(mirror / "medmnist" / "pneumoniamnist_64.npz", size=64)
+    monkeypatch.setenv("USECASES_DATA_PATH", os.pathsep.join([str(empty), str(mirror)]))
+    assert medmnist_path(config) == copy
+    assert not cache.exists()  # found in place: nothing copied nor downloaded into the cache
+    cache.mkdir()
+    cached = write_npz(cache / "pneumoniamnist_64.npz", size=64)
+    assert medmnist_path(config) == cached  # the cache comes first
 
 
 def test_unknown_medmnist_name():

@@ -17,8 +17,8 @@ from pydicom.errors import InvalidDicomError
 
 from common.errors import UserError
 from usecases.medical.config import Files
-from usecases.medical.data import SPLITS
 from usecases.medical.files import assert_no_patient_leak, dicom_to_uint8, load_files
+from usecases.medical.images import SPLITS
 
 PATIENTS_PER_CLASS = 20
 IMAGES_PER_PATIENT = 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import urllib.error
 import zipfile
 from pathlib import Path
@@ -16,23 +17,14 @@ import scipy.sparse as sp
 from scipy.stats import spearmanr
 
 from common.errors import DataUnavailable, UserError
-from usecases.recsys import data as data_module
+from usecases.recsys import movielens
 from usecases.recsys.config import Config, Data, Synthetic
-from usecases.recsys.data import (
-    UNKNOWN,
-    drop_unrankable,
-    encode,
-    filter_interactions,
-    k_core,
-    load_interactions,
-    read_log,
-    read_movielens,
-    split_leave_last_out,
-    split_random,
-    split_sizes,
-    split_temporal,
-    synthetic_log,
-)
+from usecases.recsys.data import UNKNOWN, load_interactions
+from usecases.recsys.logs import read_log
+from usecases.recsys.movielens import read_movielens
+from usecases.recsys.preprocess import encode, filter_interactions, k_core
+from usecases.recsys.splits import drop_unrankable, split_leave_last_out, split_random, split_sizes, split_temporal
+from usecases.recsys.synthetic import synthetic_log
 
 SHARED_MOVIELENS = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens" / "ml-latest-small"
 RATIOS = [0.8, 0.1, 0.1]
@@ -123,28 +115,43 @@ def test_the_shared_ml_latest_small():
     assert data.titles[data.item_ids == 1][0] == "Toy Story (1995)"
 
 
-def cached_movielens(tmp_path, monkeypatch, **movielens) -> Config:
-    """A config whose cache is empty, with no development copy to fall back on."""
-    monkeypatch.setattr(data_module, "project_root", lambda: tmp_path / "repo")
-    return make_config(split="random", data={"movielens": {"cache_dir": str(tmp_path / "cache"), **movielens}})
+def cached_movielens(tmp_path, monkeypatch, **settings) -> Config:
+    """A config whose cache is empty, with only an empty mirror folder to fall back on."""
+    monkeypatch.setenv("USECASES_DATA_PATH", str(tmp_path / "mirror"))
+    return make_config(split="random", data={"movielens": {"cache_dir": str(tmp_path / "cache"), **settings}})
+
+
+def test_movielens_is_read_from_a_mirror_folder_after_the_cache(tmp_path, monkeypatch):
+    mirror = tmp_path / "mirror" / "movielens"
+    mirror.mkdir(parents=True)
+    ml_csv(mirror / "ml-latest-small")
+    monkeypatch.setenv("USECASES_DATA_PATH", os.pathsep.join([str(tmp_path / "absent"), str(tmp_path / "mirror")]))
+    config = make_config(split="random", data={"movielens": {"cache_dir": str(tmp_path / "cache"), "download": False}})
+    data = load_interactions(config, None)
+    assert data.source == "movielens:ml-latest-small" and data.n_users == 4
+    assert not (tmp_path / "cache").exists(), "a mirror is read in place"
+    (tmp_path / "cache").mkdir()
+    ml100k(tmp_path / "cache" / "ml-latest-small")
+    assert load_interactions(config, None).sha256 != data.sha256, "the cache comes first"
 
 
 def test_movielens_offline_is_data_unavailable_naming_folder_and_url(tmp_path, monkeypatch):
     def offline(url, timeout):
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(data_module.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(movielens.urllib.request, "urlopen", offline)
     with pytest.raises(DataUnavailable) as caught:
         load_interactions(cached_movielens(tmp_path, monkeypatch), None)
     message = str(caught.value)
     assert "\n" not in message and str(tmp_path / "cache") in message
     assert "https://files.grouplens.org/datasets/movielens/ml-latest-small.zip" in message
+    assert "mirror folder in $USECASES_DATA_PATH" in message
     with pytest.raises(DataUnavailable, match="download is off"):
         load_interactions(cached_movielens(tmp_path, monkeypatch, download=False), None)
 
 
 def serve(monkeypatch, files: dict[str, bytes]) -> None:
-    monkeypatch.setattr(data_module.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(files[url]))
+    monkeypatch.setattr(movielens.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(files[url]))
 
 
 def zipped_ml_csv(tmp_path) -> bytes:

@@ -10,7 +10,7 @@ import pytest
 
 from common.config import load_config
 from tests.cli_helpers import private_env, runs, usecases
-from usecases.recsys import PRESETS_DIR, Config
+from usecases.recsys import USECASE, Config
 from usecases.recsys.data import load_interactions
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens" / "ml-latest-small"
@@ -40,7 +40,7 @@ def test_the_served_model_recommends_ten_unseen_movies(finished):
     (run,) = runs("recsys", uri)
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
-    data = load_interactions(load_config(Config, PRESETS_DIR, "default", ["split=random"]), SHARED)
+    data = load_interactions(load_config(Config, USECASE.presets_dir, "default", ["split=random"]), SHARED)
     answer = model.predict(pd.DataFrame({"user_id": [1], "k": [10]}))
     code = int(list(data.user_ids).index(1))
     watched = set(data.item_ids[data.train.loc[data.train["user"] == code, "item"]])

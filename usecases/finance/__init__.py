@@ -1,12 +1,8 @@
 """Market volatility and risk: 1-day-ahead variance and Value-at-Risk, walk-forward, against GARCH and HAR."""
 
-from pathlib import Path
+from common.usecase import UseCase
 
-from usecases.finance.config import Config
-
-DESCRIPTION = "volatility and VaR forecasting (S&P 500, NASDAQ or your OHLC file) vs EWMA, GARCH, GJR-t, HAR"
-PRESETS_DIR = Path(__file__).parent / "presets"
-PRIMARY_METRIC = ("qlike_parkinson", "min")  # of the served model; the registry picks its champion by it
+from .config import Config
 
 
 def summary_columns(config: Config) -> list[str]:
@@ -15,4 +11,11 @@ def summary_columns(config: Config) -> list[str]:
             "var1_breach_rate", "kupiec_p", "dm_t_vs_har"]
 
 
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "PRIMARY_METRIC", "summary_columns"]
+USECASE = UseCase.declare(
+    __name__,
+    description="volatility and VaR forecasting (S&P 500, NASDAQ or your OHLC file) vs EWMA, GARCH, GJR-t, HAR",
+    config=Config,
+    primary_metric=("qlike_parkinson", "min"),  # of the served model; the registry picks its champion by it
+    summary_columns=summary_columns,
+    requirements=("arch>=7.0",),
+)

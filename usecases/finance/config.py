@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config import ConfigModel, RuntimeConfig, TrackingConfig
+from common.config import ConfigModel, RuntimeConfig, TrackingConfig, TrainConfig
 
 
 class Columns(ConfigModel):
@@ -67,16 +67,12 @@ class Neural(ConfigModel):
     ensemble: int = Field(1, ge=1, description="members trained with different seeds, forecasts averaged")
 
 
-class Train(ConfigModel):
-    epochs: int = Field(60, ge=1)
-    batch_size: int = Field(256, ge=1)
-    lr: float = Field(1e-3, gt=0)
+class Train(TrainConfig):
+    """The common loop's keys (epochs, batch_size, lr, patience, grad_clip, checkpoint_every) and the walk-forward's."""
+
     weight_decay: float = Field(1e-4, ge=0)
-    patience: int = Field(8, ge=1)
-    grad_clip: float | None = 1.0
     val_fraction: float = Field(0.15, gt=0, lt=1)
     refit_every: int = Field(252, ge=1, description="trading days between refits of the neural model")
-    checkpoint_every: int = Field(1, ge=1)
 
 
 class Config(ConfigModel):

@@ -17,8 +17,8 @@ import pandas as pd
 
 from common.errors import UserError
 from common.runtime import array_module
-from common.tracking import file_sha256
-from usecases.finance.config import Data, Synthetic
+from common.paths import file_sha256
+from .config import Data, Synthetic
 
 log = logging.getLogger(__name__)
 

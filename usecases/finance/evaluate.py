@@ -13,7 +13,7 @@ from arch.covariance.kernel import Bartlett
 from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
-from usecases.finance.baselines import VAR_LEVELS, quantile_column
+from .baselines import VAR_LEVELS, quantile_column
 
 REFERENCE_MODEL = "har"
 

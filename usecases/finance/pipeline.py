@@ -18,14 +18,14 @@ import torch
 from common.errors import UserError
 from common.interrupt import stop_point
 from common.job import Job
-from common.training import TensorBatches, Trainer, TrainSettings
-from usecases.finance.baselines import BASELINES, VAR_LEVELS, forecast_frame
-from usecases.finance.config import Config
-from usecases.finance.data import Panel, load_panel
-from usecases.finance.evaluate import evaluate, forecast_figure, var_figure
-from usecases.finance.features import add_features, feature_names, usable
-from usecases.finance.models import VolatilityMLP, ensemble_forecast, qlike, qlike_loss
-from usecases.finance.serving import log_forecaster
+from common.training import TensorBatches, Trainer, supervised
+from .baselines import BASELINES, VAR_LEVELS, forecast_frame
+from .config import Config
+from .data import Panel, load_panel
+from .evaluate import evaluate, forecast_figure, var_figure
+from .features import add_features, feature_names, usable
+from .models import VolatilityMLP, ensemble_forecast, qlike, qlike_loss
+from .serving import log_forecaster
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +119,7 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
         losses = qlike(network(val_x).float(), val_y)
         return {"val/qlike": float(losses[0]), f"val/qlike_h{horizon}": float(losses[1])}
 
-    trainer = Trainer(model, optimizer, qlike_loss, runtime,
-                      TrainSettings(max_epochs=settings.epochs, monitor="val/qlike", mode="min",
-                                    patience=settings.patience, grad_clip=settings.grad_clip,
-                                    checkpoint_every=settings.checkpoint_every),
+    trainer = Trainer(model, optimizer, supervised(qlike_loss), runtime, settings, monitor="val/qlike", mode="min",
                       checkpoint_dir=job.checkpoint_dir / "neural" / f"refit{block:03d}" / f"member{member}",
                       log_metrics=job.tracker.log_metrics, step_offset=step_offset,
                       name=f"neural refit {block + 1} member {member + 1}")

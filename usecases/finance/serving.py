@@ -12,9 +12,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-import usecases
-from usecases.finance.features import HISTORY_DAYS, add_features
-from usecases.finance.models import VolatilityMLP, ensemble_forecast
+from .features import HISTORY_DAYS, add_features
+from .models import VolatilityMLP, ensemble_forecast
 
 INPUT_COLUMNS = ["date", "ticker", "high", "low", "close"]
 EXAMPLE_DAYS = HISTORY_DAYS + 3
@@ -105,5 +104,5 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
     example = input_example(panel, latest["exogenous"])
     signature = infer_signature(example, probe.predict(None, example))
     job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
-                           packages=["torch", "numpy", "pandas", "mlflow"], code=[usecases], served_model="neural")
+                           packages=["torch", "numpy", "pandas", "mlflow"], package=__package__, served_model="neural")
     job.tracker.set_tags({"model_trained_until": latest["trained_until"]})

@@ -1,12 +1,8 @@
 """Medical image classification: MedMNIST, your image folders or DICOM, with a clinician's view of the results."""
 
-from pathlib import Path
+from common.usecase import UseCase
 
-from usecases.medical.config import Config
-
-DESCRIPTION = "medical image classification (MedMNIST, image folders, DICOM): ResNet-18 vs logistic regression"
-PRESETS_DIR = Path(__file__).parent / "presets"
-PRIMARY_METRIC = ("auc", "max")  # of the served model; the registry picks its champion by it
+from .config import Config
 
 
 def summary_columns(config: Config) -> list[str]:
@@ -15,4 +11,12 @@ def summary_columns(config: Config) -> list[str]:
             "specificity_at_threshold"]
 
 
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "PRIMARY_METRIC", "summary_columns"]
+USECASE = UseCase.declare(
+    __name__,
+    description="medical image classification (MedMNIST, image folders, DICOM): ResNet-18 vs logistic regression",
+    config=Config,
+    primary_metric=("auc", "max"),  # of the served model; the registry picks its champion by it
+    summary_columns=summary_columns,
+    requirements=("torchvision>=0.19", "pillow>=10", "pydicom>=3.0", "medmnist>=3.0", "captum>=0.7"),
+    has_benchmark=True,
+)

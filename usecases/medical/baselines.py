@@ -10,8 +10,8 @@ from sklearn.multioutput import MultiOutputClassifier
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from usecases.medical.config import Baselines
-from usecases.medical.data import ImageSet
+from .config import Baselines
+from .images import ImageSet
 
 EPSILON = 1e-7
 

@@ -20,10 +20,10 @@ from torchvision import transforms
 from common.interrupt import stop_point
 from common.job import Job
 from common.runtime import Runtime
-from usecases.medical.config import Config
-from usecases.medical.data import ImageSet
-from usecases.medical.models import build_classifier
-from usecases.medical.train import fit_network, label_tensor, loss_function, new_classifier
+from .config import Config
+from .images import ImageSet
+from .models import build_classifier
+from .train import fit_network, label_tensor, loss_function, new_classifier
 
 log = logging.getLogger(__name__)
 

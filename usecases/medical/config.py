@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config import ConfigModel, RuntimeConfig, TrackingConfig
+from common.config import ConfigModel, RuntimeConfig, TrackingConfig, TrainConfig
 
 
 class MedMNIST(ConfigModel):
@@ -15,7 +15,10 @@ class MedMNIST(ConfigModel):
 
     flag: str = Field("breastmnist", description="the data set's name, e.g. breastmnist, pneumoniamnist, dermamnist")
     size: Literal[28, 64, 128, 224] = 28
-    cache_dir: Path | None = Field(None, description="default: $MEDMNIST_CACHE or ~/.cache/gpu-usecases/medmnist")
+    cache_dir: Path | None = Field(
+        None, description="looked in first, and downloads go here; default: $MEDMNIST_CACHE, else "
+                          "$XDG_CACHE_HOME/gpu-usecases/medmnist or ~/.cache/gpu-usecases/medmnist. Then "
+                          "medmnist/<file>.npz in each folder of $USECASES_DATA_PATH, then a download (MD5 checked)")
     download: bool = True
 
 
@@ -71,18 +74,15 @@ class Model(ConfigModel):
     channels_last: bool = True
 
 
-class Train(ConfigModel):
-    epochs: int = Field(100, ge=1)
-    batch_size: int = Field(128, ge=1)
-    lr: float = Field(1e-3, gt=0)
+class Train(TrainConfig):
+    """The common loop's keys (epochs, batch_size, lr, patience on the val AUC, grad_clip, checkpoint_every: a
+    ResNet-18 checkpoint is ~130 MB) and the recipe's schedule and imbalance handling."""
+
     weight_decay: float = Field(0.0, ge=0)
     milestones: list[float] = Field([0.5, 0.75], description="lr x gamma at these fractions of the epochs")
     gamma: float = Field(0.1, gt=0, le=1)
-    patience: int | None = Field(None, ge=1, description="stop after this many epochs without a better val AUC")
-    grad_clip: float | None = None
     imbalance: Literal["none", "class_weights", "sampler"] = "none"
     workers: int = Field(2, ge=0, description="DataLoader workers when the data is not held in memory")
-    checkpoint_every: int = Field(5, ge=1, description="epochs between checkpoints (a ResNet-18 one is ~130 MB)")
 
 
 class Evaluation(ConfigModel):

@@ -1,7 +1,8 @@
 """Image classification data sets as uint8 arrays split into train, val and test.
 
-Three sources: an official MedMNIST `.npz` (downloaded with its MD5 checked, or a local file), your own images
-through a CSV manifest or class folders (`files.py`: PNG, JPEG or DICOM, split by patient), and a synthetic set.
+Three sources: an official MedMNIST `.npz` (from the cache, a mirror folder in $USECASES_DATA_PATH, a download
+with its MD5 checked, or a local file), your own images through a CSV manifest or class folders (`files.py`: PNG,
+JPEG or DICOM, split by patient), and a synthetic set. The `ImageSet` they all return is in `images.py`.
 """
 
 from __future__ import annotations
@@ -11,68 +12,24 @@ import json
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
 from common.errors import DataUnavailable, UserError
-from common.tracking import file_sha256, project_root
-from usecases.medical.config import Data, MedMNIST, Synthetic
+from common.paths import cache_dir, data_search_path, file_sha256
+from .config import Data, MedMNIST, Synthetic
+from .files import load_files
+from .images import SPLITS, ImageSet, Task, check_classes
 
 log = logging.getLogger(__name__)
 
 DOWNLOAD_TIMEOUT_S = 30
 
-SPLITS = ("train", "val", "test")
-Task = Literal["binary", "multi-class", "multi-label"]
-
-
-@dataclass
-class ImageSet:
-    """Images are uint8 (N, H, W, C) with C 1 or 3. Labels are int64 class indices (N,), or 0/1 (N, L) for
-    multi-label tasks. `patients` holds each image's patient id where the source has one."""
-
-    images: dict[str, np.ndarray]
-    labels: dict[str, np.ndarray]
-    task: Task
-    classes: list[str]
-    source: str
-    sha256: str
-    patients: dict[str, np.ndarray] = field(default_factory=dict)
-
-    @property
-    def channels(self) -> int:
-        return self.images["train"].shape[-1]
-
-    @property
-    def size(self) -> int:
-        return self.images["train"].shape[1]
-
-    def counts(self, split: str) -> np.ndarray:
-        """Images per class (per label for multi-label tasks)."""
-        labels = self.labels[split]
-        if self.task == "multi-label":
-            return labels.sum(axis=0)
-        return np.bincount(labels, minlength=len(self.classes))
-
-
-def check_classes(data: ImageSet, where: str) -> None:
-    """Every class must be seen in training and validation, or the loss and the val AUC are undefined."""
-    for split in ("train", "val"):
-        counts = data.counts(split)
-        if (counts == 0).any():
-            name = data.classes[int(np.flatnonzero(counts == 0)[0])]
-            raise UserError(f"{where}: class '{name}' has no images in the {split} split "
-                            f"(images per class: {dict(zip(data.classes, counts.tolist()))})")
-
 
 def load_images(config: Data, path: Path | None, seed: int) -> ImageSet:
     """`--data` decides the source when given: a `.npz` is MedMNIST, anything else your own files."""
     if path is not None:
-        from usecases.medical.files import load_files
-
         return load_medmnist_file(path) if path.suffix == ".npz" else load_files(path, config.files, seed)
     if config.source == "files":
         raise UserError("data.source=files needs --data PATH (a CSV manifest or a folder of class folders)")
@@ -81,14 +38,10 @@ def load_images(config: Data, path: Path | None, seed: int) -> ImageSet:
     return load_medmnist_file(medmnist_path(config.medmnist))
 
 
-def medmnist_cache(config: MedMNIST) -> Path:
-    if config.cache_dir is not None:
-        return config.cache_dir.expanduser()
-    return Path(os.environ.get("MEDMNIST_CACHE", Path.home() / ".cache" / "gpu-usecases" / "medmnist"))
-
-
 def medmnist_path(config: MedMNIST) -> Path:
-    """The cache, then the development copy in ../shared, then a download checked against the official MD5."""
+    """The cache (`data.medmnist.cache_dir`, else $MEDMNIST_CACHE, else ~/.cache/gpu-usecases/medmnist), then
+    `medmnist/NAME` in each mirror folder in $USECASES_DATA_PATH, then a download (into the cache) checked against
+    the official MD5."""
     from medmnist.info import INFO
 
     if config.flag not in INFO:
@@ -96,15 +49,17 @@ def medmnist_path(config: MedMNIST) -> Path:
                         f"(MedMNIST 2D sets: {', '.join(name for name in INFO if not name.endswith('3d'))})")
     suffix = "" if config.size == 28 else f"_{config.size}"
     name = f"{config.flag}{suffix}.npz"
-    cache = medmnist_cache(config)
-    for candidate in (cache / name, project_root().parent / "shared" / "data" / "medmnist" / name):
+    cache = cache_dir("medmnist", config.cache_dir, "MEDMNIST_CACHE")
+    for candidate in (cache / name, *(folder / "medmnist" / name for folder in data_search_path())):
         if candidate.is_file():
             return candidate
     info = INFO[config.flag]
     url, md5 = info[f"url{suffix}"], info[f"MD5{suffix}"]
-    where = f"put {name} in {cache} (from {url}, MD5 {md5}) or pass --data FILE.npz"
+    where = (f"put {name} in {cache} or in medmnist/ under a mirror folder in $USECASES_DATA_PATH "
+             f"(from {url}, MD5 {md5}), or pass --data FILE.npz")
     if not config.download:
-        raise DataUnavailable(f"MedMNIST {name} is not in the cache and data.medmnist.download is off: {where}")
+        raise DataUnavailable(f"MedMNIST {name} is not in the cache nor in a mirror folder in $USECASES_DATA_PATH, "
+                              f"and data.medmnist.download is off: {where}")
     return _download(url, cache, name, md5, where)
 
 

@@ -34,8 +34,8 @@ from sklearn.metrics import (
 )
 
 from common.errors import UserError
-from usecases.medical.config import Evaluation
-from usecases.medical.data import Task
+from .config import Evaluation
+from .images import Task
 
 MEDMNIST_TASKS = {"binary": "binary-class", "multi-class": "multi-class", "multi-label": "multi-label, binary-class"}
 LOG_TEMPERATURE_BOUNDS = (math.log(0.05), math.log(20.0))

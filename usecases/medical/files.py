@@ -26,9 +26,9 @@ from pydicom.pixels import apply_modality_lut
 from sklearn.model_selection import StratifiedGroupKFold
 
 from common.errors import UserError
-from common.tracking import file_sha256
-from usecases.medical.config import Files
-from usecases.medical.data import SPLITS, ImageSet, check_classes
+from common.paths import file_sha256
+from .config import Files
+from .images import SPLITS, ImageSet, check_classes
 
 log = logging.getLogger(__name__)
 

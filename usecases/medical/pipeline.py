@@ -12,13 +12,14 @@ import numpy as np
 import torch
 
 from common.job import Job
-from usecases.medical.baselines import logreg_logits
-from usecases.medical.config import Config
-from usecases.medical.data import ImageSet, load_images
-from usecases.medical.evaluate import check_positive_class, evaluate_model, reliability_figure, roc_pr_figure
-from usecases.medical.explain import grad_cam, overlay_figure, pick_examples
-from usecases.medical.serving import log_classifier
-from usecases.medical.train import channels_first, fit_network, predict_logits
+from .baselines import logreg_logits
+from .config import Config
+from .data import load_images
+from .evaluate import check_positive_class, evaluate_model, reliability_figure, roc_pr_figure
+from .explain import grad_cam, overlay_figure, pick_examples
+from .images import ImageSet
+from .serving import log_classifier
+from .train import channels_first, fit_network, predict_logits
 
 log = logging.getLogger(__name__)
 

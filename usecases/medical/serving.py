@@ -12,8 +12,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-import usecases
-from usecases.medical.models import build_classifier
+from .models import build_classifier
 
 EXAMPLE_IMAGES = 4
 BATCH = 256
@@ -72,5 +71,5 @@ def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job
         example = example[..., 0]
     signature = infer_signature(example, probe.predict(None, example))
     job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
-                           packages=["torch", "torchvision", "numpy", "pandas", "mlflow"], code=[usecases],
+                           packages=["torch", "torchvision", "numpy", "pandas", "mlflow"], package=__package__,
                            served_model=arch["name"], metadata=metadata)

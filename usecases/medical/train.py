@@ -12,12 +12,12 @@ from torch.utils.data import Dataset
 
 from common.job import Job
 from common.runtime import Runtime
-from common.training import FitResult, TensorBatches, Trainer, TrainSettings, make_loader
-from usecases.medical.config import Config
-from usecases.medical.data import ImageSet
-from usecases.medical.evaluate import auc
-from usecases.medical.models import ImageClassifier, architecture, build_classifier, use_cifar_stem
-from usecases.medical.transforms import build_augment
+from common.training import FitResult, TensorBatches, Trainer, make_loader, supervised
+from .config import Config
+from .evaluate import auc
+from .images import ImageSet
+from .models import ImageClassifier, architecture, build_classifier, use_cifar_stem
+from .transforms import build_augment
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +130,8 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
     def validate(network: nn.Module) -> dict[str, float]:
         return {"val/auc": auc(val_labels, predict_logits(network, val_images, runtime), data.task)}
 
-    trainer = Trainer(model, optimizer, loss_function(data, settings.imbalance, runtime.device), runtime,
-                      TrainSettings(max_epochs=settings.epochs, monitor="val/auc", mode="max",
-                                    patience=settings.patience or settings.epochs + 1, grad_clip=settings.grad_clip,
-                                    checkpoint_every=settings.checkpoint_every),
-                      scheduler=scheduler, checkpoint_dir=job.checkpoint_dir / arch["name"],
+    trainer = Trainer(model, optimizer, supervised(loss_function(data, settings.imbalance, runtime.device)), runtime,
+                      settings, monitor="val/auc", mode="max", scheduler=scheduler, checkpoint_dir=job.checkpoint_dir / arch["name"],
                       log_metrics=job.tracker.log_metrics, name=arch["name"])
     result = trainer.fit(batches, validate, resume=job.resume)
     return trainer.module.eval(), arch, result

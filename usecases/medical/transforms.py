@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usecases.medical.config import Augment
+from .config import Augment
 
 
 class RandomFlip(nn.Module):

@@ -1,12 +1,8 @@
 """Top-K recommendation: MovieLens or any interaction log, full-ranking evaluation, the best model served."""
 
-from pathlib import Path
+from common.usecase import UseCase
 
-from usecases.recsys.config import Config
-
-DESCRIPTION = "top-K recommendation (MovieLens or your log): pop, ItemKNN, EASE, ALS, BPR, LightGCN, full ranking"
-PRESETS_DIR = Path(__file__).parent / "presets"
-PRIMARY_METRIC = ("ndcg@10", "max")  # of the served model; the registry picks its champion by it
+from .config import Config
 
 
 def summary_columns(config: Config) -> list[str]:
@@ -14,4 +10,12 @@ def summary_columns(config: Config) -> list[str]:
     return ["recall@10", "ndcg@10", "hit@10", "mrr@10", "precision@10", "coverage@10", "fit_seconds"]
 
 
-__all__ = ["Config", "DESCRIPTION", "PRESETS_DIR", "PRIMARY_METRIC", "summary_columns"]
+USECASE = UseCase.declare(
+    __name__,
+    description="top-K recommendation (MovieLens or your log): pop, ItemKNN, EASE, ALS, BPR, LightGCN, full ranking",
+    config=Config,
+    primary_metric=("ndcg@10", "max"),  # of the served model; the registry picks its champion by it
+    summary_columns=summary_columns,
+    optional_requirements={"als": ("implicit>=0.7",)},  # implicit's ALS baseline; skipped without it
+    has_benchmark=True,
+)

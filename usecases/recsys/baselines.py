@@ -12,8 +12,8 @@ import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
-from usecases.recsys import config as cfg
-from usecases.recsys.evaluate import rows_as_dense
+from . import config as cfg
+from .evaluate import rows_as_dense
 
 DENSE_SIMILARITY_BYTES = 1 << 30
 SIMILARITY_BLOCK_VALUES = 1 << 26

@@ -20,11 +20,11 @@ from torch import nn
 from common.errors import UserError
 from common.interrupt import stop_point
 from common.job import Job
-from usecases.recsys.baselines import als_available
-from usecases.recsys.config import Config
-from usecases.recsys.data import Interactions
-from usecases.recsys.evaluate import top_k
-from usecases.recsys.train import fit_ranker, seconds_per_epoch
+from .baselines import als_available
+from .config import Config
+from .data import Interactions
+from .evaluate import top_k
+from .train import fit_ranker, seconds_per_epoch
 
 log = logging.getLogger(__name__)
 

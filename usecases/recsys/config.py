@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config import ConfigModel, RuntimeConfig, TrackingConfig
+from common.config import ConfigModel, RuntimeConfig, TrackingConfig, TrainConfig
 
 ModelName = Literal["pop", "itemknn", "ease", "als", "bpr", "lightgcn"]
 
@@ -25,7 +25,10 @@ class Columns(ConfigModel):
 
 class MovieLens(ConfigModel):
     version: Literal["ml-100k", "ml-1m", "ml-latest-small", "ml-25m"] = "ml-latest-small"
-    cache_dir: Path | None = Field(None, description="default: $MOVIELENS_CACHE or ~/.cache/gpu-usecases/movielens")
+    cache_dir: Path | None = Field(
+        None, description="<version>/ is looked for here first, and downloads go here; default: $MOVIELENS_CACHE, "
+                          "else $XDG_CACHE_HOME/gpu-usecases/movielens or ~/.cache/gpu-usecases/movielens. Then "
+                          "movielens/<version>/ in each folder of $USECASES_DATA_PATH, then a download (MD5 checked)")
     download: bool = True
 
 
@@ -72,16 +75,12 @@ class ALS(ConfigModel):
     alpha: float = Field(2.0, gt=0)
 
 
-class Learned(ConfigModel):
-    """A learned model's embedding size, optimiser and early stopping."""
+class Learned(TrainConfig):
+    """A learned model's embedding size, and the common loop's keys (epochs, batch_size, lr, patience on the
+    validation NDCG@10, grad_clip, checkpoint_every)."""
 
     dim: int = Field(64, ge=1)
-    epochs: int = Field(200, ge=1)
-    batch_size: int = Field(2048, ge=1)
-    lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0, description="L2 on the embeddings of each batch")
-    patience: int = Field(20, ge=1, description="epochs without a better validation NDCG@10 before stopping")
-    checkpoint_every: int = Field(10, ge=1)
 
 
 class LightGCNConfig(Learned):

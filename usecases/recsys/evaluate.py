@@ -29,7 +29,7 @@ import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
-from usecases.recsys.data import UNKNOWN
+from .data import UNKNOWN
 
 METRICS = ("hit", "recall", "precision", "mrr", "ndcg", "coverage")
 

@@ -46,8 +46,8 @@ class NegativeSampler:
 
 
 class PairwiseRanker(nn.Module, ABC):
-    """Takes (users, positive items) and returns per row the BPR margin against a sampled negative and the L2
-    penalty of the row's embeddings, so that the common loop's `loss_fn(output, target)` is `bpr_loss`."""
+    """Takes (users, positive items) and returns the batch's BPR loss against sampled negatives, with the L2 penalty
+    of the rows' embeddings: the common loop's step is a forward pass."""
 
     def __init__(self, sampler: NegativeSampler, weight_decay: float):
         super().__init__()
@@ -67,14 +67,16 @@ class PairwiseRanker(nn.Module, ABC):
         """The trainable rows behind a batch, for the L2 penalty."""
 
     def forward(self, users: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+        """-log sigmoid(margin) plus the rows' L2 penalty (per row, as RecBole), averaged over the batch."""
         pair = torch.stack([positives, self.sampler(users)])
         user, items = self.rows(users, pair)
         margin = (user * items[0]).sum(-1) - (user * items[1]).sum(-1)
+        loss = -F.logsigmoid(margin.float()).mean()
         if self.weight_decay == 0:
-            return torch.stack([margin, torch.zeros_like(margin)], dim=1)
+            return loss
         ego_user, ego_items = self.ego(users, pair)
         penalty = self.weight_decay * (ego_user.pow(2).sum(-1) + ego_items.pow(2).sum(-1).sum(0))
-        return torch.stack([margin, penalty], dim=1)
+        return loss + penalty.float().mean()
 
     @torch.no_grad()
     def score(self, users: torch.Tensor) -> torch.Tensor:
@@ -141,8 +143,3 @@ class LightGCN(PairwiseRanker):
 
     def ego(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ego_embeddings(users), self.ego_embeddings(items + self.n_users)
-
-
-def bpr_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """-log sigmoid(margin) plus the rows' L2 penalty (per row, as RecBole), averaged over the batch."""
-    return -F.logsigmoid(output[:, 0]).mean() + output[:, 1].mean()

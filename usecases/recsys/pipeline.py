@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 
 from common.job import Job
-from usecases.recsys.baselines import ALS, EASE, ItemKNN, Popularity, als_available
-from usecases.recsys.config import Config
-from usecases.recsys.data import Interactions, load_interactions
-from usecases.recsys.evaluate import full_ranking
-from usecases.recsys.models import PairwiseRanker
-from usecases.recsys.serving import Recommender, log_recommender
-from usecases.recsys.train import fit_ranker, seconds_per_epoch
+from .baselines import ALS, EASE, ItemKNN, Popularity, als_available
+from .config import Config
+from .data import Interactions, load_interactions
+from .evaluate import full_ranking
+from .models import PairwiseRanker
+from .serving import Recommender, log_recommender
+from .train import fit_ranker, seconds_per_epoch
 
 log = logging.getLogger(__name__)
 

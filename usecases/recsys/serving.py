@@ -21,9 +21,8 @@ from mlflow.models import ModelSignature, infer_signature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.types import ColSpec, Schema
 
-import usecases
-from usecases.recsys.data import UNKNOWN
-from usecases.recsys.evaluate import top_k
+from .data import UNKNOWN
+from .evaluate import top_k
 
 MAX_K = 1000
 LATENCY_BATCH = 1000
@@ -129,6 +128,6 @@ def log_recommender(bundle: dict, model_name: str, job) -> dict[str, float]:
         signature = ModelSignature(optional_k, inferred.outputs)
         job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example,
                                signature=signature, packages=["torch", "numpy", "pandas", "scipy", "mlflow"],
-                               code=[usecases], served_model=model_name,
+                               package=__package__, served_model=model_name,
                                metadata={"model": model_name, "kind": bundle["kind"]})
     return figures

@@ -10,10 +10,10 @@ import scipy.sparse as sp
 import torch
 
 from common.job import Job
-from common.training import FitResult, TensorBatches, Trainer, TrainSettings
-from usecases.recsys.config import Config
-from usecases.recsys.evaluate import full_ranking
-from usecases.recsys.models import BPR, LightGCN, NegativeSampler, PairwiseRanker, bpr_loss
+from common.training import FitResult, TensorBatches, Trainer
+from .config import Config
+from .evaluate import full_ranking
+from .models import BPR, LightGCN, NegativeSampler, PairwiseRanker
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
     coo = train.tocoo()
     users = torch.from_numpy(coo.row.astype(np.int64)).to(runtime.device)
     items = torch.from_numpy(coo.col.astype(np.int64)).to(runtime.device)
-    batches = TensorBatches(users, items, torch.zeros_like(users), batch_size=settings.batch_size,
+    batches = TensorBatches(users, items, batch_size=settings.batch_size,
                             seed=config.runtime.seed, rank=runtime.rank, world_size=runtime.world_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
 
@@ -45,14 +45,18 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
         metrics = full_ranking(network, val, train, [10], runtime.device, config.evaluation.batch_users)
         return {f"val/{name}/ndcg@10": metrics["ndcg@10"], MONITOR: metrics["ndcg@10"]}
 
-    trainer = Trainer(model, optimizer, bpr_loss, runtime,
-                      TrainSettings(max_epochs=settings.epochs, monitor=MONITOR, mode="max",
-                                    patience=settings.patience, checkpoint_every=settings.checkpoint_every),
+    trainer = Trainer(model, optimizer, bpr_step, runtime, settings, monitor=MONITOR, mode="max",
                       checkpoint_dir=job.checkpoint_dir / name, log_metrics=_prefixed(job, name), name=name)
     result = trainer.fit(batches, validate, resume=job.resume)
     log.info("%s: best val NDCG@10 %.4f at epoch %d of %d", name, result.best_metric, result.best_epoch + 1,
              result.epochs_run)
     return trainer.module.eval(), result
+
+
+def bpr_step(model: PairwiseRanker, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A batch of (user, positive item) pairs; the model samples the negatives and returns the BPR loss."""
+    users, positives = batch
+    return model(users, positives)
 
 
 SHARED_KEYS = ("throughput/", "time/")  # the keys every use case logs alike, for comparing runs across hardware

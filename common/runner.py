@@ -1,0 +1,162 @@
+"""One tracked run of a use case, from config to registry: what `usecases run`, `bench` and `demo` do.
+
+Only the standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+from common.errors import DataUnavailable, UserError
+from common.usecase import UseCase
+
+log = logging.getLogger(__name__)
+
+QUIET_ON_OTHER_RANKS = ("usecases", "common")
+
+
+def checkpoint_root(experiment: str, preset: str) -> Path:
+    from common.paths import project_root
+
+    base = Path(os.environ.get("USECASES_CHECKPOINT_DIR", project_root() / "checkpoints"))
+    return base / experiment / preset
+
+
+def resume_run_id(state_file: Path, params: dict, data_tags: dict, preset: str) -> str:
+    """The interrupted run to continue, if it ran on the same config and the same data."""
+    if not state_file.is_file():
+        raise UserError(f"--resume: no interrupted run of preset '{preset}' to resume ({state_file} is missing)")
+    state = json.loads(state_file.read_text())
+    for key in sorted(set(params) | set(state["params"])):
+        if params.get(key) != state["params"].get(key):
+            raise UserError(f"--resume: config key '{key}' is {params.get(key)!r} now but was "
+                            f"{state['params'].get(key)!r} in the interrupted run")
+    if state["data"].get("data_sha256") != data_tags.get("data_sha256"):
+        raise UserError(f"--resume: the data ({data_tags.get('data_source')}) differs from the interrupted run's "
+                        f"({state['data'].get('data_source')}, another SHA-256)")
+    return state["run_id"]
+
+
+def _load_checked(usecase: UseCase, config, data: Path | None):
+    """The use case's data, with the warnings raised while reading it held back until it passed every check: a
+    rejected input is reported in one line, not after the warnings it caused."""
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("default")
+        loaded = usecase.load_data(config, data)
+    for warning in held:
+        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    return loaded
+
+
+def run_usecase(usecase: UseCase, preset: str, overrides: list[str], device: str = "auto", frames: str = "auto",
+                data: Path | None = None, summary: Path | None = None, resume: bool = False,
+                bench: bool = False) -> dict:
+    """One tracked run; with `bench`, the use case's benchmark in the `<name>-benchmark` experiment.
+
+    Whatever the run sets process-wide (threads, seeds, deterministic algorithms, environment, log levels) is undone
+    afterwards, so several runs in one process (`usecases demo`) each get the settings their own presets ask for."""
+    from common.runtime import isolated_process_state, use_gpu_frames
+
+    started = time.perf_counter()
+    backend = use_gpu_frames(frames)
+    with isolated_process_state(QUIET_ON_OTHER_RANKS):
+        return _run(usecase, preset, overrides, device, backend, data, summary, resume, bench, started)
+
+
+def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backend: str, data: Path | None,
+         summary: Path | None, resume: bool, bench: bool, started: float) -> dict:
+    from common.config import flatten, load_config
+    from common.job import Job
+    from common.paths import write_json_atomic
+    from common.runtime import hardware_info, make_runtime, precision_notice, seed_everything, shutdown
+    from common.tracking import check_reachable, tracked_run, tracking_uri, write_summary
+
+    check_reachable(tracking_uri())
+    if bench and not usecase.has_benchmark:
+        raise UserError(f"use case '{usecase.name}' has no benchmark")
+    config = load_config(usecase.config, usecase.presets_dir, preset, overrides)
+    if data is not None and not data.exists():
+        raise UserError(f"--data {data}: no such file or folder")
+    if summary is not None and not (summary.parent.is_dir() and os.access(summary.parent, os.W_OK)):
+        raise UserError(f"--summary {summary}: cannot write there (no such folder, or no permission)")
+    runtime = make_runtime(device, config.runtime.precision, config.runtime.cpu_threads)
+    if not runtime.is_main:
+        for logger in QUIET_ON_OTHER_RANKS:
+            logging.getLogger(logger).setLevel(logging.WARNING)
+    try:
+        seed_everything(config.runtime.seed, config.runtime.deterministic)
+        loaded, data_tags = _load_checked(usecase, config, data)
+        notice = precision_notice(runtime.device, config.runtime.precision)
+        if notice and runtime.is_main:
+            log.warning(notice)
+        experiment = f"{usecase.name}-benchmark" if bench else usecase.name
+        checkpoint_dir = checkpoint_root(experiment, preset)
+        state_file = checkpoint_dir / "run.json"
+        params = flatten(config)
+        run_id = resume_run_id(state_file, params, data_tags, preset) if resume else None
+        if not resume and runtime.is_main and checkpoint_dir.exists():
+            shutil.rmtree(checkpoint_dir)
+        if runtime.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
+                "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
+                **{key: value for key, value in config.tracking.model_dump().items() if value is not None}}
+        description = (f"Benchmark of {usecase.name}: our pipeline against a plain loop, in one run."
+                       if bench else usecase.summary())
+        with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
+                         run_name=f"{experiment}-{preset}", description=description) as tracker:
+            if runtime.is_main:
+                write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags}, state_file)
+            job = Job(runtime, tracker, checkpoint_dir, resume)
+            models = (usecase.benchmark if bench else usecase.run)(config, loaded, job)
+            if not runtime.is_main:
+                return {}
+            result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
+                                   None if bench else usecase.columns(config))
+            log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
+            if not bench:
+                register(tracker, usecase, models, data_tags["data_sha256"])
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+        return result
+    finally:
+        shutdown(runtime)
+
+
+def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float) -> None:
+    metrics = {"time/total_s": seconds}
+    if price_per_hour is not None:
+        metrics["cost"] = price_per_hour * seconds / 3600
+    tracker.log_metrics(metrics)
+
+
+def register(tracker, usecase: UseCase, models: dict, data_sha256: str) -> None:
+    """Log the served model's primary metric and register the model as champion or challenger."""
+    from common.tracking import register_champion
+
+    metric, mode = usecase.primary_metric
+    if tracker.model_uri is None or tracker.served_model not in models:
+        return
+    value = models[tracker.served_model][metric]
+    tracker.set_tags({"primary_metric": metric, "primary_model": tracker.served_model})
+    tracker.log_metrics({f"primary/{metric}": value})
+    register_champion(tracker, usecase.name, metric, mode, value, data_sha256)
+
+
+def run_demo(usecases: list[UseCase], device: str = "auto", frames: str = "auto") -> None:
+    """Every use case with its default preset, one after another in this process; a data set that cannot be had
+    is replaced by the use case's synthetic data."""
+    for usecase in usecases:
+        print(f"== {usecase.name}", flush=True)
+        try:
+            run_usecase(usecase, "default", [], device, frames)
+        except DataUnavailable as exc:
+            print(f"{usecase.name}: {exc}; running on synthetic data instead", flush=True)
+            run_usecase(usecase, "default", ["data.source=synthetic"], device, frames)

@@ -1,0 +1,301 @@
+"""Starting a project of one's own from a use case: `usecases new` (a renamed copy inside this clone) and
+`usecases export` (a standalone project with only that use case).
+
+Both write into a hidden folder beside the target and rename it into place at the end, so a refusal or an
+interruption leaves nothing half-made.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import keyword
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from common.errors import UserError
+from common.usecase import ENTRY_POINT_GROUP, UseCase
+
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ""}
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+COMMANDS = "run|bench|serve|compare|export|new|list"
+# Project files an export takes from the clone as they are (they name no use case).
+PROJECT_FILES = ("Makefile", ".gitignore", ".github/workflows/ci.yml", "mlflow/README.md",
+                 "mlflow/docker-compose.yml", "mlflow/Dockerfile.server", "mlflow/.env.example", "mlflow/.dockerignore")
+SHARED_TESTS = ("tests/__init__.py", "tests/conftest.py", "tests/cli_helpers.py", "tests/common")
+
+
+def clone_root(usecase: UseCase) -> Path:
+    """The clone a use case's folder lives in (`<root>/usecases/NAME`), with its pyproject.toml and tests."""
+    root = usecase.folder.parent.parent
+    if not (root / "pyproject.toml").is_file() or not (root / "common").is_dir():
+        raise UserError(f"use case '{usecase.name}' is installed in {usecase.folder.parent}, not in a clone: "
+                        f"run this from a clone of the project")
+    return root
+
+
+def rename_text(text: str, old: str, new: str) -> str:
+    """Every reference to use case `old` as a name: its package and folders, experiment and model names, CLI
+    commands and quoted names. The word in ordinary prose is left alone: renaming use case "images" to "scans"
+    keeps "images of the skin"."""
+    patterns = [
+        (rf"\busecases([./]){old}\b", rf"usecases\g<1>{new}"),
+        (rf"\btests([./]){old}\b", rf"tests\g<1>{new}"),
+        (rf"\bgpu-usecases-{old}\b", f"gpu-usecases-{new}"),
+        (rf"\b({COMMANDS}) {old}\b", rf"\g<1> {new}"),
+        (rf"--from {old}\b", f"--from {new}"),
+        (rf"([\"']){old}(-benchmark)?\1", rf"\g<1>{new}\g<2>\g<1>"),
+    ]
+    for pattern, replacement in patterns:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+def _rewrite_tree(folder: Path, old: str, new: str) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name == "MLproject"):
+            text = path.read_text(encoding="utf-8")
+            renamed = rename_text(text, old, new)
+            if renamed != text:
+                path.write_text(renamed, encoding="utf-8")
+
+
+@contextmanager
+def _staging(target: Path) -> Iterator[Path]:
+    """A hidden folder beside `target`, removed unless the caller moved it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_new_name(name: str, taken: set[str], root: Path) -> None:
+    if not name.isidentifier() or keyword.iskeyword(name) or name != name.lower():
+        raise UserError(f"use case name '{name}': expected a lower-case Python identifier, e.g. derm or churn")
+    if name in taken:
+        raise UserError(f"use case name '{name}': there is already a use case of that name (see `usecases list`)")
+    if importlib.util.find_spec(name) is not None or name in sys.builtin_module_names:
+        raise UserError(f"use case name '{name}': it would clash with the installed Python package '{name}'")
+    for folder in (root / "usecases" / name, root / "tests" / name):
+        if folder.exists():
+            raise UserError(f"use case name '{name}': {folder} exists already")
+
+
+def new_usecase(source: UseCase, name: str, taken: set[str]) -> list[Path]:
+    """Copy `source` as use case `name`: its package, presets, README and MLproject into usecases/NAME, its tests
+    into tests/NAME, every reference renamed, and its entry point added to pyproject.toml."""
+    root = clone_root(source)
+    check_new_name(name, taken, root)
+    package, tests = root / "usecases" / name, root / "tests" / name
+    source_tests = root / "tests" / source.name
+    with _staging(package) as staged_package, _staging(tests) as staged_tests:
+        shutil.copytree(source.folder, staged_package, ignore=IGNORED, dirs_exist_ok=True)
+        _rewrite_tree(staged_package, source.name, name)
+        _retitle_readme(staged_package / "README.md", source.name, name)
+        if source_tests.is_dir():
+            shutil.copytree(source_tests, staged_tests, ignore=IGNORED, dirs_exist_ok=True)
+            _rewrite_tree(staged_tests, source.name, name)
+        try:
+            staged_package.rename(package)
+            created = [package]
+            if source_tests.is_dir():
+                staged_tests.rename(tests)
+                created.append(tests)
+            register_entry_point(root / "pyproject.toml", name, f"usecases.{name}")
+        except BaseException:  # interrupted between the renames: take back what was moved
+            shutil.rmtree(package, ignore_errors=True)
+            shutil.rmtree(tests, ignore_errors=True)
+            raise
+    return created
+
+
+def _retitle_readme(readme: Path, old: str, new: str) -> None:
+    if not readme.is_file():
+        return
+    lines = readme.read_text(encoding="utf-8").splitlines(keepends=True)
+    if lines and lines[0].startswith("# "):
+        lines[0] = f"# {new} (started from the {old} use case): {lines[0][2:].split(': ', 1)[-1]}"
+    readme.write_text("".join(lines), encoding="utf-8")
+
+
+def register_entry_point(pyproject: Path, name: str, module: str) -> None:
+    """Add `name = "module"` to the entry-point table, so that an installed (not editable) copy finds it too."""
+    if not pyproject.is_file():
+        return
+    text = pyproject.read_text(encoding="utf-8")
+    header = f'[project.entry-points."{ENTRY_POINT_GROUP}"]\n'
+    line = f'{name} = "{module}"\n'
+    if line in text:
+        return
+    text = text.replace(header, header + line) if header in text else f"{text.rstrip()}\n\n{header}{line}"
+    pyproject.write_text(text, encoding="utf-8")
+
+
+def _requirement_name(specifier: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", specifier.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _owned_elsewhere(usecase: UseCase, others: list[UseCase]) -> set[str]:
+    """Requirements that only other use cases need."""
+    def names(case: UseCase) -> set[str]:
+        specifiers = [*case.requirements, *(s for group in case.optional_requirements.values() for s in group)]
+        return {_requirement_name(specifier) for specifier in specifiers}
+
+    return set().union(*(names(other) for other in others)) - names(usecase) if others else set()
+
+
+def _with(required: tuple[str, ...], specifiers: list[str]) -> list[str]:
+    """`specifiers`, plus each of `required` that names a package they do not have."""
+    present = {_requirement_name(spec) for spec in specifiers}
+    return specifiers + [spec for spec in required if _requirement_name(spec) not in present]
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+def export_pyproject(usecase: UseCase, others: list[UseCase], source: Path) -> str:
+    """The clone's pyproject.toml with only what `usecase` and common/ need, and only its entry point."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    project = tomllib.loads(source.read_text(encoding="utf-8"))
+    drop = _owned_elsewhere(usecase, others)
+    keep = _with(usecase.requirements,
+                 [spec for spec in project["project"]["dependencies"] if _requirement_name(spec) not in drop])
+    extras = {extra: kept for extra, specs in project["project"].get("optional-dependencies", {}).items()
+              if (kept := [spec for spec in specs if _requirement_name(spec) not in drop])}
+    for extra, specs in usecase.optional_requirements.items():
+        extras[extra] = _with(specs, extras.get(extra, []))
+    pytest_options = project.get("tool", {}).get("pytest", {}).get("ini_options", {})
+    lines = [
+        "[build-system]",
+        f"requires = {_toml_value(project['build-system']['requires'])}",
+        f"build-backend = {_toml_value(project['build-system']['build-backend'])}",
+        "",
+        "[project]",
+        f"name = {_toml_value(project['project']['name'] + '-' + usecase.name)}",
+        'version = "0.1.0"',
+        f"description = {_toml_value(usecase.description)}",
+        'readme = "README.md"',
+        f"requires-python = {_toml_value(project['project'].get('requires-python', '>=3.10'))}",
+        f"license = {_toml_value(project['project'].get('license', 'Apache-2.0'))}",
+        "dependencies = [", *(f"    {_toml_value(spec)}," for spec in keep), "]",
+        "",
+        "[project.optional-dependencies]",
+        *(f"{extra} = {_toml_value(specs)}" for extra, specs in extras.items()),
+        "",
+        "[project.scripts]",
+        *(f"{name} = {_toml_value(target)}" for name, target in project["project"].get("scripts", {}).items()),
+        "",
+        f'[project.entry-points."{ENTRY_POINT_GROUP}"]',
+        f"{usecase.name} = {_toml_value(usecase.package)}",
+        "",
+        "[tool.setuptools.packages.find]",
+        'include = ["common*", "usecases*"]',
+        "",
+        "[tool.setuptools.package-data]",
+        '"*" = ["presets/*.yaml", "README.md", "MLproject"]',
+        "",
+        "[tool.pytest.ini_options]",
+        *(f"{key} = {_toml_value(value)}" for key, value in pytest_options.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _git_commit(root: Path) -> dict[str, str]:
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "remote": git("remote", "get-url", "origin"),
+            "uncommitted_changes": bool(git("status", "--porcelain"))}
+
+
+def _export_readme(usecase: UseCase, origin: dict) -> str:
+    body = usecase.readme.read_text(encoding="utf-8") if usecase.readme.is_file() else f"# {usecase.name}\n"
+    title, _, rest = body.partition("\n")
+    return (f"{title}\n\n"
+            f"A project of its own, exported from gpu-usecases ({usecase.name} use case, commit "
+            f"{origin['commit'][:12]}; see `UPSTREAM.json` to compare with upstream later).\n\n"
+            "```bash\nmake demo    # creates .venv, installs the project, runs the use case on its default data\n"
+            "make test    # creates .venv if needed, runs the test suite\n```\n\n"
+            f"The code is in `usecases/{usecase.name}/` (its own README follows), the shared core in `common/`, "
+            f"the tests in `tests/`, the local MLflow store in `mlflow/` (`.venv/bin/usecases ui` to browse it).\n"
+            f"{rest}")
+
+
+CI_SCRIPT = """#!/usr/bin/env bash
+# CI entry point: the README's second command, on a clean checkout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make test
+"""
+
+
+def export_usecase(usecase: UseCase, others: list[UseCase], folder: Path, force: bool = False) -> Path:
+    """Write `folder` as a standalone project of `usecase`: common/, the use case, its tests and the shared test
+    helpers, a pyproject.toml with only what they need, Makefile, CI, README, mlflow/ and UPSTREAM.json."""
+    root = clone_root(usecase)
+    folder = folder.expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"export {usecase.name} {folder}: not a folder")
+    if folder.exists() and any(folder.iterdir()) and not force:
+        raise UserError(f"export {usecase.name} {folder}: the folder is not empty (choose another, or --force)")
+    if folder == root or root in folder.parents:
+        raise UserError(f"export {usecase.name} {folder}: inside the clone itself; choose a folder outside it")
+    origin = {"usecase": usecase.name, "source": str(root), **_git_commit(root),
+              "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    with _staging(folder) as staged:
+        shutil.copytree(root / "common", staged / "common", ignore=IGNORED)
+        for name in ("__init__.py", "__main__.py", "cli.py"):
+            (staged / "usecases").mkdir(exist_ok=True)
+            shutil.copy2(root / "usecases" / name, staged / "usecases" / name)
+        shutil.copytree(usecase.folder, staged / "usecases" / usecase.name, ignore=IGNORED)
+        for relative in (*SHARED_TESTS, f"tests/{usecase.name}"):
+            _copy(root / relative, staged / relative)
+        for relative in PROJECT_FILES:
+            _copy(root / relative, staged / relative)
+        for other in others:  # the shared docs' examples name the other use cases: point them at this one
+            _rewrite_tree(staged / "mlflow", other.name, usecase.name)
+        (staged / ".ci").mkdir()
+        (staged / ".ci" / "run").write_text(CI_SCRIPT)
+        (staged / ".ci" / "run").chmod(0o755)
+        (staged / "pyproject.toml").write_text(export_pyproject(usecase, others, root / "pyproject.toml"))
+        (staged / "README.md").write_text(_export_readme(usecase, origin), encoding="utf-8")
+        (staged / "UPSTREAM.json").write_text(json.dumps(origin, indent=2) + "\n")
+        if folder.exists():
+            shutil.copytree(staged, folder, dirs_exist_ok=True)
+        else:
+            staged.rename(folder)
+    return folder
+
+
+def _copy(source: Path, target: Path) -> None:
+    if source.is_dir():
+        shutil.copytree(source, target, ignore=IGNORED, dirs_exist_ok=True)
+    elif source.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)

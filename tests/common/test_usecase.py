@@ -1,0 +1,180 @@
+"""The plug-in contract: a package declares its use case once, discovery finds it in a folder or through an entry
+point, a broken plug-in is one line and the others still load, and a run undoes the process-wide state it set."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import runner, usecase
+from common.errors import UserError
+from common.usecase import UseCase, discover, resolve
+
+COMMON = Path(__file__).resolve().parents[2] / "common"
+
+PLUGIN = '''
+from common.config import ConfigModel, RuntimeConfig, TrackingConfig
+from common.usecase import UseCase
+
+
+class Config(ConfigModel):
+    runtime: RuntimeConfig = RuntimeConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+
+USECASE = UseCase.declare(__name__, description="a plug-in for tests", config=Config, primary_metric=("score", "max"),
+                          requirements=("example-package>=1",))
+'''
+
+PIPELINE = '''
+import logging
+import os
+
+import torch
+
+SEEN = []
+
+
+def load_data(config, path):
+    return None, {"data_source": "test:plugin", "data_sha256": "0" * 64, "data_schema": "x:double,y:long"}
+
+
+def run(config, data, job):
+    SEEN.append({"threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+                 "env": os.environ.get("PLUGIN_RUN_MARK")})
+    os.environ["PLUGIN_RUN_MARK"] = "set by a run"
+    logging.getLogger("usecases").setLevel(logging.ERROR)
+    return {"model": {"score": 1.0}}
+'''
+
+
+def write_plugin(folder: Path, name: str, presets: dict[str, str], init: str = PLUGIN) -> Path:
+    package = folder / name
+    (package / "presets").mkdir(parents=True)
+    (package / "__init__.py").write_text(init)
+    (package / "pipeline.py").write_text(PIPELINE)
+    (package / "README.md").write_text(f"# {name}\n\nA plug-in written by a test, to check the contract.\n")
+    for preset, text in presets.items():
+        (package / "presets" / f"{preset}.yaml").write_text(textwrap.dedent(text))
+    return package
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    """A folder package `testcases` with one good and one broken use case in it, importable."""
+    root = tmp_path / "src"
+    (root / "testcases").mkdir(parents=True)
+    (root / "testcases" / "__init__.py").write_text("")
+    write_plugin(root / "testcases", "good", {"one": "runtime: {cpu_threads: 1}\n", "plain": "runtime: {}\n"})
+    write_plugin(root / "testcases", "broken", {"smoke": "{}\n"}, init="import no_such_module_anywhere\n")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(usecase, "installed_entry_points", lambda: [])  # only these, not the installed ones
+    yield root / "testcases"
+    for name in [module for module in sys.modules if module.startswith("testcases")]:
+        del sys.modules[name]
+
+
+def test_declare_takes_the_name_and_folder_from_the_package(plugins):
+    declared = importlib.import_module("testcases.good").USECASE
+    assert isinstance(declared, UseCase)
+    assert (declared.name, declared.package) == ("good", "testcases.good")
+    assert declared.presets_dir == plugins / "good" / "presets"
+    assert declared.summary() == "A plug-in written by a test, to check the contract."
+    assert declared.requirements == ("example-package>=1",) and declared.columns(None) is None
+
+
+def test_a_broken_plugin_is_one_line_and_the_others_still_load(plugins):
+    found = discover("testcases", plugins)
+    assert set(found) == {"good", "broken"}
+    assert found["good"].usecase is not None and found["good"].origin.startswith("folder ")
+    assert found["broken"].usecase is None and "no_such_module_anywhere" in found["broken"].error
+    with pytest.raises(UserError) as error:
+        resolve("broken", found)
+    assert "broken" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(UserError, match="unknown use case 'nope'"):
+        resolve("nope", found)
+
+
+def test_an_installed_package_registers_through_its_entry_point(plugins, monkeypatch):
+    class Dist:
+        name, version = "acme-usecases", "2.0"
+
+    class Point:
+        name, value, dist = "external", "testcases.good", Dist()
+
+    monkeypatch.setattr(usecase, "installed_entry_points", lambda: [Point()])
+    found = discover(None, None)
+    assert list(found) == ["external"] and found["external"].origin == "entry point of acme-usecases 2.0"
+    assert found["external"].usecase.package == "testcases.good"
+
+
+def test_a_folder_without_a_usecase_declaration_is_reported(plugins):
+    (plugins / "good" / "__init__.py").write_text("VALUE = 1\n")
+    found = discover("testcases", plugins)
+    assert found["good"].usecase is None and "declares no USECASE" in found["good"].error
+
+
+def test_two_runs_in_one_process_each_get_their_own_settings(plugins, monkeypatch):
+    """`usecases demo` runs one use case after another: a preset's threads, deterministic algorithms, environment
+    and log levels must not leak into the next run."""
+    monkeypatch.delenv("PLUGIN_RUN_MARK", raising=False)
+    good = importlib.import_module("testcases.good").USECASE
+    seen = importlib.import_module("testcases.good.pipeline").SEEN
+    threads = torch.get_num_threads()
+    level = logging.getLogger("usecases").level
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(2)
+    try:
+        runner.run_usecase(good, "one", ["runtime.deterministic=false"], device="cpu")
+        runner.run_usecase(good, "plain", [], device="cpu")
+        assert seen[0] == {"threads": 1, "deterministic": False, "env": None}
+        assert seen[1] == {"threads": 2, "deterministic": True, "env": None}
+        assert torch.get_num_threads() == 2 and torch.are_deterministic_algorithms_enabled() == deterministic
+        assert "PLUGIN_RUN_MARK" not in os.environ and logging.getLogger("usecases").level == level
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_run_logs_its_data_as_a_dataset_input_in_a_training_experiment(plugins):
+    import mlflow
+
+    good = importlib.import_module("testcases.good").USECASE
+    result = runner.run_usecase(good, "plain", [], device="cpu")
+    run = mlflow.get_run(result["run_id"])
+    (dataset_input,) = run.inputs.dataset_inputs
+    assert dataset_input.dataset.name == "test:plugin" and dataset_input.dataset.digest == "0" * 12
+    assert '"x"' in dataset_input.dataset.schema and dataset_input.tags[0].value == "training"
+    experiment = mlflow.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert experiment.tags["mlflow.note.content"] == "A plug-in written by a test, to check the contract."
+
+
+def imported_modules(path: Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.add(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args \
+                and isinstance(node.args[0], ast.Constant):
+            modules.add(node.args[0].value)
+    return modules
+
+
+@pytest.mark.parametrize("path", sorted(COMMON.glob("*.py")), ids=lambda path: path.name)
+def test_common_never_imports_a_use_case(path):
+    assert not {module for module in imported_modules(path) if module.split(".")[0] == "usecases"}
+
+
+@pytest.mark.parametrize("name", ["paths.py", "config.py", "errors.py"])
+def test_what_data_modules_import_from_common_does_not_import_mlflow(name):
+    assert not {module for module in imported_modules(COMMON / name) if module.split(".")[0] == "mlflow"}

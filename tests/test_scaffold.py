@@ -1,0 +1,212 @@
+"""`usecases new` and `usecases export`, as a user runs them: in a copy of the clone (so this one stays as it is),
+then the new or exported use case's smoke run and tests. The slow variants run every copied test and `make test` in
+a fresh virtual environment of the export."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from common.scaffold import rename_text
+from tests.cli_helpers import runs
+
+ROOT = Path(__file__).resolve().parents[1]
+USECASES = ("finance", "medical", "recsys")
+FAST_TESTS = {"finance": "test_features.py", "medical": "test_models.py", "recsys": "test_models.py"}
+
+
+def copy_clone(target: Path) -> Path:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "mlflow.db", "artifacts")
+    for name in ("common", "usecases", "tests", "mlflow", ".github", ".ci"):
+        shutil.copytree(ROOT / name, target / name, ignore=ignore)
+    for name in ("pyproject.toml", "Makefile", ".gitignore", "README.md"):
+        shutil.copy2(ROOT / name, target / name)
+    return target
+
+
+def in_folder(folder: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python ARGS` in `folder`, whose own `usecases` and `common` come first on the path."""
+    env = {**os.environ, "PYTHONPATH": str(folder), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, *args], cwd=folder, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    return copy_clone(tmp_path_factory.mktemp("clone") / "project")
+
+
+def test_rename_touches_names_not_prose():
+    text = ('from usecases.medical.data import x\nusecases("run", "medical")\n`usecases run medical` logs to '
+            "gpu-usecases-medical; see tests/medical\nmedical images are hard\n")
+    assert rename_text(text, "medical", "derm") == (
+        'from usecases.derm.data import x\nusecases("run", "derm")\n`usecases run derm` logs to '
+        "gpu-usecases-derm; see tests/derm\nmedical images are hard\n")
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("2fast", "lower-case Python identifier"), ("Derm", "lower-case Python identifier"),
+    ("class", "lower-case Python identifier"), ("finance", "already a use case"), ("json", "clash"),
+])
+def test_new_refuses_a_bad_name_in_one_line_and_writes_nothing(clone, name, reason):
+    before = sorted(path.name for path in (clone / "usecases").iterdir())
+    result = in_folder(clone, "-m", "usecases", "new", name, "--from", "medical")
+    assert result.returncode == 2 and reason in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert sorted(path.name for path in (clone / "usecases").iterdir()) == before
+    assert not (clone / "tests" / name).exists() or name in USECASES
+
+
+def test_new_refuses_an_unknown_source(clone):
+    result = in_folder(clone, "-m", "usecases", "new", "churn", "--from", "nothing")
+    assert result.returncode == 2 and "unknown use case 'nothing'" in result.stderr
+    assert not (clone / "usecases" / "churn").exists() and not (clone / "tests" / "churn").exists()
+
+
+@pytest.mark.parametrize("source", USECASES)
+def test_a_use_case_made_by_new_runs_and_passes_its_tests(clone, source):
+    name = f"my{source}"
+    result = in_folder(clone, "-m", "usecases", "new", name, "--from", source)
+    assert result.returncode == 0, result.stderr
+    package, tests = clone / "usecases" / name, clone / "tests" / name
+    assert (package / "presets" / "smoke.yaml").is_file() and (tests / "__init__.py").is_file()
+    code = "\n".join(path.read_text() for path in [*package.rglob("*.py"), *tests.rglob("*.py")])
+    assert f"usecases.{source}" not in code and f'"{source}"' not in code
+    assert f'{name} = "usecases.{name}"' in (clone / "pyproject.toml").read_text()
+    assert f"\n{name} " in in_folder(clone, "-m", "usecases", "list").stdout
+    run = in_folder(clone, "-m", "usecases", "run", name, "--preset", "smoke")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (finished,) = runs(name)
+    assert finished.info.status == "FINISHED" and finished.data.tags["registry_model"] == f"gpu-usecases-{name}"
+    assert not runs(source)
+    tested = in_folder(clone, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{name}/{FAST_TESTS[source]}")
+    assert tested.returncode == 0, tested.stdout[-2000:]
+    collected = in_folder(clone, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", f"tests/{name}")
+    assert collected.returncode == 0 and " error" not in collected.stdout, collected.stdout[-2000:]
+
+
+def imported(path: Path) -> set[str]:
+    """Absolute module names, and `..x` for imports that climb out of the package."""
+    tree = ast.parse(path.read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+    return names
+
+
+@pytest.mark.parametrize("name", USECASES)
+def test_no_use_case_imports_another(name):
+    others = [f"usecases.{other}" for other in USECASES if other != name]
+    for path in (ROOT / "usecases" / name).rglob("*.py"):
+        crossing = {module for module in imported(path)
+                    if module.startswith("..") or any(module == o or module.startswith(o + ".") for o in others)}
+        assert not crossing, path
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("exports")
+    made = {}
+    for name in USECASES:
+        result = subprocess.run([sys.executable, "-m", "usecases", "export", name, str(folder / name)],
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        made[name] = folder / name
+    return made
+
+
+@pytest.mark.parametrize("name", USECASES)
+def test_an_export_holds_that_use_case_only(exports, name):
+    export = exports[name]
+    for required in ("pyproject.toml", "Makefile", ".ci/run", ".github/workflows/ci.yml", "README.md",
+                     "UPSTREAM.json", "mlflow/README.md", "common/runner.py", "usecases/cli.py",
+                     f"usecases/{name}/presets/smoke.yaml", "tests/conftest.py", "tests/cli_helpers.py",
+                     f"tests/{name}/__init__.py", "tests/common/test_training.py"):
+        assert (export / required).is_file(), required
+    others = [other for other in USECASES if other != name]
+    pattern = re.compile("|".join(others), re.IGNORECASE)
+    mentions = [str(path) for path in export.rglob("*.py") if pattern.search(path.read_text())]
+    assert mentions == []
+    assert sorted(path.name for path in (export / "usecases").iterdir() if path.is_dir()) == [name]
+    assert not (export / "mlflow" / "__init__.py").exists()
+
+
+def test_an_export_needs_only_its_own_dependencies(exports):
+    def dependencies(name: str) -> set[str]:
+        project = tomllib.loads((exports[name] / "pyproject.toml").read_text())["project"]
+        specifiers = project["dependencies"] + [spec for specs in project["optional-dependencies"].values()
+                                                for spec in specs]
+        assert list(project["entry-points"]["gpu_usecases.usecases"]) == [name]
+        return {re.split(r"[<>=!~; \[]", spec)[0] for spec in specifiers}
+
+    assert "arch" in dependencies("finance") and {"torchvision", "pydicom", "implicit"}.isdisjoint(dependencies("finance"))
+    assert {"torchvision", "pydicom"} <= dependencies("medical") and {"arch", "implicit"}.isdisjoint(dependencies("medical"))
+    assert "implicit" in dependencies("recsys") and {"arch", "torchvision", "pydicom"}.isdisjoint(dependencies("recsys"))
+    assert "mlflow" in dependencies("recsys") and "pytest" in dependencies("recsys")
+
+
+@pytest.mark.parametrize("name", USECASES)
+def test_an_export_runs_its_smoke_preset_and_its_tests(exports, name):
+    export = exports[name]
+    run = in_folder(export, "-m", "usecases", "run", name, "--preset", "smoke")
+    assert run.returncode == 0, run.stderr[-2000:]
+    listed = {line.split()[0]: line for line in in_folder(export, "-m", "usecases", "list").stdout.splitlines()}
+    assert "[presets:" in listed[name]  # the others listed here are the entry points of this clone's install
+    tested = in_folder(export, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{name}/{FAST_TESTS[name]}",
+                       "tests/common/test_config.py")
+    assert tested.returncode == 0, tested.stdout[-2000:]
+
+
+def test_export_refuses_a_non_empty_folder_unless_forced(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    result = subprocess.run([sys.executable, "-m", "usecases", "export", "recsys", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "not empty" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["keep.txt"]
+    forced = subprocess.run([sys.executable, "-m", "usecases", "export", "recsys", str(tmp_path), "--force"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert forced.returncode == 0 and (tmp_path / "usecases" / "recsys").is_dir() and (tmp_path / "keep.txt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", USECASES)
+def test_every_test_of_a_use_case_made_by_new_passes(tmp_path, source):
+    clone = copy_clone(tmp_path / "project")
+    assert in_folder(clone, "-m", "usecases", "new", f"my{source}", "--from", source).returncode == 0
+    tested = in_folder(clone, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/my{source}", timeout=1800)
+    assert tested.returncode == 0, tested.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_make_test_passes_in_a_fresh_venv_of_an_export(tmp_path):
+    """As a user does: export, then the export's own `make test`, which creates .venv and installs the project."""
+    export = tmp_path / "recsys-project"
+    assert subprocess.run([sys.executable, "-m", "usecases", "export", "recsys", str(export)], cwd=ROOT,
+                          timeout=120).returncode == 0
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    result = subprocess.run(["make", "test", f"PYTHON={shutil.which('python3') or 'python3'}"], cwd=export,
+                            capture_output=True, text=True, timeout=3600, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+
+
+def test_the_clone_installs_what_every_use_case_declares():
+    """A use case's `requirements` are what `export` keeps; the clone's own install must carry them all."""
+    import importlib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {re.split(r"[<>=!~; \[]", spec)[0] for spec in project["dependencies"]}
+    extras = {re.split(r"[<>=!~; \[]", spec)[0] for specs in project["optional-dependencies"].values() for spec in specs}
+    for name in USECASES:
+        declared = importlib.import_module(f"usecases.{name}").USECASE
+        assert {re.split(r"[<>=!~; \[]", spec)[0] for spec in declared.requirements} <= base, name
+        optional = {re.split(r"[<>=!~; \[]", spec)[0] for specs in declared.optional_requirements.values()
+                    for spec in specs}
+        assert optional <= extras, name

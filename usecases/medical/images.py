@@ -1,0 +1,55 @@
+"""The in-memory image data set that every source produces (`data.py`, `files.py`) and every step reads.
+
+A leaf module: it imports no other module of the use case, so the sources can import it and each other freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from common.errors import UserError
+
+SPLITS = ("train", "val", "test")
+Task = Literal["binary", "multi-class", "multi-label"]
+
+
+@dataclass
+class ImageSet:
+    """Images are uint8 (N, H, W, C) with C 1 or 3. Labels are int64 class indices (N,), or 0/1 (N, L) for
+    multi-label tasks. `patients` holds each image's patient id where the source has one."""
+
+    images: dict[str, np.ndarray]
+    labels: dict[str, np.ndarray]
+    task: Task
+    classes: list[str]
+    source: str
+    sha256: str
+    patients: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def channels(self) -> int:
+        return self.images["train"].shape[-1]
+
+    @property
+    def size(self) -> int:
+        return self.images["train"].shape[1]
+
+    def counts(self, split: str) -> np.ndarray:
+        """Images per class (per label for multi-label tasks)."""
+        labels = self.labels[split]
+        if self.task == "multi-label":
+            return labels.sum(axis=0)
+        return np.bincount(labels, minlength=len(self.classes))
+
+
+def check_classes(data: ImageSet, where: str) -> None:
+    """Every class must be seen in training and validation, or the loss and the val AUC are undefined."""
+    for split in ("train", "val"):
+        counts = data.counts(split)
+        if (counts == 0).any():
+            name = data.classes[int(np.flatnonzero(counts == 0)[0])]
+            raise UserError(f"{where}: class '{name}' has no images in the {split} split "
+                            f"(images per class: {dict(zip(data.classes, counts.tolist()))})")
