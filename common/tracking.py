@@ -33,7 +33,7 @@ EXPERIMENT_PREFIX = "gpu-usecases"
 # Without a kind, MLflow 3's UI opens an experiment on its GenAI pages (traces, tokens); these are model training.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 DESCRIPTION_TAG = "mlflow.note.content"
-SYSTEM_METRICS_INTERVAL_S = 5  # MLflow's 10 s default misses the short smoke runs entirely
+SYSTEM_METRICS_INTERVAL_S = 2  # MLflow's 10 s default misses the short smoke runs (3 s of tracked time) entirely
 
 
 def local_store() -> Path:

@@ -14,7 +14,7 @@ def summary(tmp_path_factory):
     path = tmp_path_factory.mktemp("summary") / "s.json"
     result = usecases("run", "finance", "--preset", "default", "--summary", str(path), timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [run.info.status for run in runs(uri=env["MLFLOW_TRACKING_URI"])] == ["FINISHED"]
+    assert [run.info.status for run in runs("finance", uri=env["MLFLOW_TRACKING_URI"])] == ["FINISHED"]
     return json.loads(path.read_text())
 
 
