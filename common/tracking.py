@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
@@ -198,8 +199,12 @@ def log_dataset(tags: dict[str, Any], context: str = "training") -> None:
     from mlflow.types import ColSpec, Schema
 
     path = tags.get("data_path")
-    source = (resolve_dataset_source(Path(path).resolve().as_uri()) if path
-              else CodeDatasetSource({"source": str(tags["data_source"])}))
+    if path:
+        with warnings.catch_warnings():  # "file:" is registered twice inside MLflow; either is the same source
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            source = resolve_dataset_source(Path(path).resolve().as_uri())
+    else:
+        source = CodeDatasetSource({"source": str(tags["data_source"])})
     schema = None
     if tags.get("data_schema"):
         schema = Schema([ColSpec(kind, name) for name, kind in

@@ -44,7 +44,8 @@ SEEN = []
 
 
 def load_data(config, path):
-    return None, {"data_source": "test:plugin", "data_sha256": "0" * 64, "data_schema": "x:double,y:long"}
+    tags = {"data_source": "test:plugin", "data_sha256": "0" * 64, "data_schema": "x:double,y:long"}
+    return None, {**tags, "data_path": str(path)} if path else tags
 
 
 def run(config, data, job):
@@ -152,9 +153,20 @@ def test_a_run_logs_its_data_as_a_dataset_input_in_a_training_experiment(plugins
     (dataset_input,) = run.inputs.dataset_inputs
     assert dataset_input.dataset.name == "test:plugin" and dataset_input.dataset.digest == "0" * 12
     assert '"x"' in dataset_input.dataset.schema and dataset_input.tags[0].value == "training"
+    assert dataset_input.dataset.source_type == "code" and "test:plugin" in dataset_input.dataset.source
     experiment = mlflow.get_experiment(run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert experiment.tags["mlflow.note.content"] == "A plug-in written by a test, to check the contract."
+
+
+def test_a_run_on_a_file_names_the_file_as_its_dataset_source(plugins, tmp_path):
+    import mlflow
+
+    good = importlib.import_module("testcases.good").USECASE
+    (tmp_path / "events.csv").write_text("x,y\n1.0,2\n")
+    result = runner.run_usecase(good, "plain", [], device="cpu", data=tmp_path / "events.csv")
+    (dataset_input,) = mlflow.get_run(result["run_id"]).inputs.dataset_inputs
+    assert (tmp_path / "events.csv").resolve().as_uri() in dataset_input.dataset.source
 
 
 def imported_modules(path: Path) -> set[str]:

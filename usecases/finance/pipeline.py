@@ -30,6 +30,8 @@ from .serving import log_forecaster
 log = logging.getLogger(__name__)
 
 MIN_HISTORY = 250
+# The validated panel as MLflow records it with the run's dataset input (its Dataset column).
+DATA_SCHEMA = "date:datetime,ticker:string,open:double,high:double,low:double,close:double,volume:double"
 
 
 @dataclass
@@ -47,7 +49,8 @@ def load_data(config: Config, path: Path | None) -> tuple[Prepared, dict[str, st
     frame = add_features(panel.frame, config.evaluation.horizon)
     prepared = Prepared(panel, frame, evaluation_window(frame, config))
     return prepared, {"data_source": panel.source, "data_sha256": panel.sha256,
-                      "data_filled_rows": panel.filled_rows}
+                      "data_filled_rows": panel.filled_rows, **({"data_path": str(path)} if path else {}),
+                      "data_schema": DATA_SCHEMA}
 
 
 def evaluation_window(frame: pd.DataFrame, config: Config) -> pd.Series:

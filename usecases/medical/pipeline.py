@@ -31,8 +31,10 @@ def load_data(config: Config, path: Path | None) -> tuple[ImageSet, dict[str, st
     sizes = {split: len(data.labels[split]) for split in ("train", "val", "test")}
     log.info("data: %s, %s, %d classes, %s px, train/val/test %s", data.source, data.task, len(data.classes),
              data.size, "/".join(map(str, sizes.values())))
+    schema = "image:binary,label:long" + (",patient_id:string" if data.patients else "")  # uint8 H x W x C images
     return data, {"data_source": data.source, "data_sha256": data.sha256, "task": data.task,
-                  **{f"data_{split}_images": count for split, count in sizes.items()}}
+                  **{f"data_{split}_images": count for split, count in sizes.items()},
+                  **({"data_path": str(path)} if path else {}), "data_schema": schema}
 
 
 def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]:

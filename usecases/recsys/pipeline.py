@@ -28,7 +28,9 @@ def load_data(config: Config, path: Path | None) -> tuple[Interactions, dict[str
     data = load_interactions(config, path)
     sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
     return data, {"data_source": data.source, "data_sha256": data.sha256, "data_users": data.n_users - 1,
-                  "data_items": data.n_items - 1, **{f"data_{split}_interactions": n for split, n in sizes.items()}}
+                  "data_items": data.n_items - 1, **{f"data_{split}_interactions": n for split, n in sizes.items()},
+                  **({"data_path": str(path)} if path else {}),
+                  "data_schema": "user_id:string,item_id:string,rating:double,timestamp:long"}
 
 
 def fit_model(name: str, data: Interactions, config: Config, job: Job):
