@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-gpu ui clean
+.PHONY: demo test test-slow test-gpu test-no-bf16 ui clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu
+
+# The suite as a CPU without native BF16 (and without AVX-512 kernels) runs it, on any machine.
+test-no-bf16: $(STAMP)
+	PYTHONPATH=tests/cpu_without_bf16 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest
 
 ui: $(STAMP)
 	$(BIN)/usecases ui

@@ -29,7 +29,8 @@ COMMANDS = "run|bench|serve|compare|export|new|list"
 # Project files an export takes from the clone as they are (they name no use case).
 PROJECT_FILES = ("Makefile", ".gitignore", ".github/workflows/ci.yml", "mlflow/README.md",
                  "mlflow/docker-compose.yml", "mlflow/Dockerfile.server", "mlflow/.env.example", "mlflow/.dockerignore")
-SHARED_TESTS = ("tests/__init__.py", "tests/conftest.py", "tests/cli_helpers.py", "tests/common")
+SHARED_TESTS = ("tests/__init__.py", "tests/conftest.py", "tests/cli_helpers.py", "tests/common",
+                "tests/cpu_without_bf16")
 
 
 def clone_root(usecase: UseCase) -> Path:

@@ -208,3 +208,17 @@ def test_seed_everything_repeats_every_generator(restore_determinism):
     assert torch.equal(first[0], second[0]) and np.array_equal(first[1], second[1]) and first[2] == second[2]
     assert not torch.equal(first[0], other[0])
     assert torch.are_deterministic_algorithms_enabled()
+
+
+def test_make_test_no_bf16_fakes_a_cpu_without_native_bf16_in_every_process():
+    """`make test-no-bf16` runs the suite as such a CPU would; its fake must reach the CLI's own processes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "cpu_without_bf16"
+    code = ("import torch; from common.runtime import cpu_has_native_bf16, select_amp_dtype; "
+            "print(cpu_has_native_bf16(), select_amp_dtype(torch.device('cpu'), 'auto'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(folder)})
+    assert result.stdout.split() == ["False", "None"], result.stderr
