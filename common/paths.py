@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -54,3 +55,12 @@ def write_json_atomic(data: dict, path: Path) -> None:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
         json.dump(data, handle, indent=2, allow_nan=True)
     os.replace(handle.name, path)
+
+
+def git(folder: Path, *args: str) -> str:
+    """What `git ARGS` prints in `folder`, or "" where git or the repository is missing."""
+    try:
+        out = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""

@@ -47,10 +47,10 @@ def _load_checked(usecase: UseCase, config, data: Path | None):
     """The use case's data, with the warnings raised while reading it held back until it passed every check: a
     rejected input is reported in one line, not after the warnings it caused."""
     with warnings.catch_warnings(record=True) as held:
-        warnings.simplefilter("default")
+        warnings.simplefilter("always")
         loaded = usecase.load_data(config, data)
-    for warning in held:
-        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    for warning in held:  # the user's own filters (-W, PYTHONWARNINGS) decide now, as they would have then
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return loaded
 
 

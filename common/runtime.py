@@ -187,13 +187,14 @@ def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
 
 
 def seed_everything(seed: int, deterministic: bool = True) -> None:
+    """Seed every generator, and turn deterministic algorithms on or, for `deterministic=False`, off."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     if deterministic:
         torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
-        torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 

@@ -11,9 +11,10 @@ import datetime
 import importlib.util
 import json
 import keyword
+import os
+import pkgutil
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from common.errors import UserError
+from common.paths import git
 from common.usecase import ENTRY_POINT_GROUP, UseCase
 
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ""}
@@ -86,6 +88,9 @@ def check_new_name(name: str, taken: set[str], root: Path) -> None:
         raise UserError(f"use case name '{name}': there is already a use case of that name (see `usecases list`)")
     if importlib.util.find_spec(name) is not None or name in sys.builtin_module_names:
         raise UserError(f"use case name '{name}': it would clash with the installed Python package '{name}'")
+    modules = {info.name for info in pkgutil.iter_modules([str(root / "usecases")])} | {"__main__"}
+    if name in modules:
+        raise UserError(f"use case name '{name}': usecases/{name} is part of the CLI; choose another name")
     for folder in (root / "usecases" / name, root / "tests" / name):
         if folder.exists():
             raise UserError(f"use case name '{name}': {folder} exists already")
@@ -145,13 +150,30 @@ def _requirement_name(specifier: str) -> str:
     return re.split(r"[\s<>=!~;\[]", specifier.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
-def _owned_elsewhere(usecase: UseCase, others: list[UseCase]) -> set[str]:
-    """Requirements that only other use cases need."""
+def _owned_elsewhere(usecase: UseCase, others: list[UseCase], common: Path) -> set[str]:
+    """Requirements that only other use cases need: never one that common/ itself imports."""
     def names(case: UseCase) -> set[str]:
         specifiers = [*case.requirements, *(s for group in case.optional_requirements.values() for s in group)]
         return {_requirement_name(specifier) for specifier in specifiers}
 
-    return set().union(*(names(other) for other in others)) - names(usecase) if others else set()
+    elsewhere = set().union(*(names(other) for other in others)) if others else set()
+    return elsewhere - names(usecase) - _imported_distributions(common)
+
+
+def _imported_distributions(folder: Path) -> set[str]:
+    """The distributions whose top-level modules the code in `folder` imports (`yaml` is PyYAML's, and so on)."""
+    import ast
+    import importlib.metadata
+
+    modules = set()
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                modules.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    providers = importlib.metadata.packages_distributions()
+    return {_requirement_name(dist) for module in modules for dist in providers.get(module, [])}
 
 
 def _with(required: tuple[str, ...], specifiers: list[str]) -> list[str]:
@@ -180,7 +202,7 @@ def export_pyproject(usecase: UseCase, others: list[UseCase], source: Path) -> s
         import tomli as tomllib
 
     project = tomllib.loads(source.read_text(encoding="utf-8"))
-    drop = _owned_elsewhere(usecase, others)
+    drop = _owned_elsewhere(usecase, others, source.parent / "common")
     keep = _with(usecase.requirements,
                  [spec for spec in project["project"]["dependencies"] if _requirement_name(spec) not in drop])
     extras = {extra: kept for extra, specs in project["project"].get("optional-dependencies", {}).items()
@@ -224,15 +246,8 @@ def export_pyproject(usecase: UseCase, others: list[UseCase], source: Path) -> s
 
 
 def _git_commit(root: Path) -> dict[str, str]:
-    def git(*args: str) -> str:
-        try:
-            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    return {"commit": git("rev-parse", "HEAD") or "unknown", "remote": git("remote", "get-url", "origin"),
-            "uncommitted_changes": bool(git("status", "--porcelain"))}
+    return {"commit": git(root, "rev-parse", "HEAD") or "unknown", "remote": git(root, "remote", "get-url", "origin"),
+            "uncommitted_changes": bool(git(root, "status", "--porcelain"))}
 
 
 def _export_readme(usecase: UseCase, origin: dict) -> str:
@@ -258,15 +273,17 @@ make test
 
 def export_usecase(usecase: UseCase, others: list[UseCase], folder: Path, force: bool = False) -> Path:
     """Write `folder` as a standalone project of `usecase`: common/, the use case, its tests and the shared test
-    helpers, a pyproject.toml with only what they need, Makefile, CI, README, mlflow/ and UPSTREAM.json."""
+    helpers, a pyproject.toml with only what they need, Makefile, CI, README, mlflow/ and UPSTREAM.json.
+
+    It is built beside `folder` and moved in at the end; with `force`, into a non-empty folder, entry by entry."""
     root = clone_root(usecase)
     folder = folder.expanduser().resolve()
     if folder.exists() and not folder.is_dir():
         raise UserError(f"export {usecase.name} {folder}: not a folder")
     if folder.exists() and any(folder.iterdir()) and not force:
         raise UserError(f"export {usecase.name} {folder}: the folder is not empty (choose another, or --force)")
-    if folder == root or root in folder.parents:
-        raise UserError(f"export {usecase.name} {folder}: inside the clone itself; choose a folder outside it")
+    if folder == root or root in folder.parents or folder in root.parents:
+        raise UserError(f"export {usecase.name} {folder}: it overlaps the clone itself; choose a folder outside it")
     origin = {"usecase": usecase.name, "source": str(root), **_git_commit(root),
               "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with _staging(folder) as staged:
@@ -288,10 +305,22 @@ def export_usecase(usecase: UseCase, others: list[UseCase], folder: Path, force:
         (staged / "README.md").write_text(_export_readme(usecase, origin), encoding="utf-8")
         (staged / "UPSTREAM.json").write_text(json.dumps(origin, indent=2) + "\n")
         if folder.exists():
-            shutil.copytree(staged, folder, dirs_exist_ok=True)
+            _replace_entries(staged, folder)
         else:
             staged.rename(folder)
     return folder
+
+
+def _replace_entries(staged: Path, folder: Path) -> None:
+    """--force into an existing folder (an earlier export, say, under git): each top-level entry the export writes
+    replaces the one there, whole, so nothing of an earlier export's use case is left; the rest (.git, your data) stays."""
+    for entry in sorted(staged.iterdir()):
+        target = folder / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        os.replace(entry, target)
 
 
 def _copy(source: Path, target: Path) -> None:

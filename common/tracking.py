@@ -10,7 +10,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -26,7 +25,7 @@ import mlflow
 from common.config import flatten
 from common.errors import UserError
 from common.interrupt import Terminated
-from common.paths import project_root, write_json_atomic
+from common.paths import git, project_root, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +91,14 @@ def ensure_experiment(usecase: str, description: str | None = None) -> str:
             if experiment is None:
                 raise
     client = mlflow.MlflowClient()
-    for key, value in tags.items():  # experiments made before these tags existed get them too
-        if experiment.tags.get(key) != value:
+    for key, value in tags.items():  # experiments made before these tags existed get them; a description written
+        if key not in experiment.tags:  # in the UI is the user's and stays
             client.set_experiment_tag(experiment.experiment_id, key, value)
     return experiment.experiment_id
 
 
 def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=project_root(), capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+    return git(project_root(), "rev-parse", "HEAD") or "unknown"
 
 
 def metric_name(key: str) -> str:
@@ -189,7 +182,7 @@ def _stage_package(package: str, folder: Path) -> Path:
 
 def log_dataset(tags: dict[str, Any], context: str = "training") -> None:
     """The run's data as an MLflow dataset input (the runs table's Dataset column and lineage): its source (a file
-    or folder, else the use case's own description such as `arch:sp500`), digest and schema.
+    or folder, else the use case's own name for it such as `package:name`), digest and schema.
 
     Reads the data tags every use case's `load_data` returns: `data_source`, `data_sha256`, and optionally
     `data_path` and `data_schema` (`name:type` pairs separated by commas, MLflow's column types)."""
@@ -245,7 +238,8 @@ def tracked_run(
         return
     experiment_id = ensure_experiment(usecase, description)
     check_project_run(usecase, experiment_id, resuming=run_id is not None)
-    mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
+    mlflow.set_system_metrics_sampling_interval(
+        float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", SYSTEM_METRICS_INTERVAL_S)))
     run = mlflow.start_run(
         run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=run_name, log_system_metrics=True
     )

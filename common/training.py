@@ -263,7 +263,8 @@ class Trainer:
 
     def fit(self, batches: Iterable, validate: Callable[[nn.Module], dict[str, float]],
             resume: bool = False) -> FitResult:
-        """Train until `max_epochs` or `patience` epochs without improvement; the best weights end in the model.
+        """Train for `settings.epochs`, or until `settings.patience` epochs bring no improvement; the best weights
+        end in the model.
 
         `validate(model)` returns metrics named as logged (for example `val/qlike`), one of them `monitor`.
         """
@@ -306,7 +307,7 @@ class Trainer:
                 metrics.update(validate(self.module))
             if self.scheduler is not None:
                 self.scheduler.step()
-            metrics = all_reduce_mean(metrics, self.runtime)
+            metrics = {key: float(value) for key, value in all_reduce_mean(metrics, self.runtime).items()}
             if monitor not in metrics:
                 raise KeyError(f"validate() returned no '{monitor}' (got {sorted(metrics)})")
             value = metrics[monitor]

@@ -90,13 +90,24 @@ class UseCase:
 
 @dataclass(frozen=True)
 class Found:
-    """A use case as discovery saw it: where it came from and either its declaration or why it cannot load."""
+    """A use case as discovery saw it, before anything of it is imported: its module and where it came from, or
+    why it cannot be used (`error`)."""
 
     name: str
     module: str
     origin: str
-    usecase: UseCase | None = None
     error: str | None = None
+
+    def load(self) -> UseCase:
+        """Import the package and return its declaration, or raise one line saying why not."""
+        if self.error is None:
+            try:
+                return _declared(self.module)
+            except Exception as exc:  # a broken plug-in is reported, never allowed to break the others
+                reason = (str(exc).splitlines() or [""])[0]
+                raise UserError(f"use case '{self.name}' ({self.origin}) cannot be loaded: "
+                                f"{type(exc).__name__}: {reason}") from None
+        raise UserError(f"use case '{self.name}' ({self.origin}) cannot be used: {self.error}")
 
 
 def _declared(module_name: str) -> UseCase:
@@ -105,14 +116,6 @@ def _declared(module_name: str) -> UseCase:
     if not isinstance(declared, UseCase):
         raise TypeError(f"{module_name} declares no USECASE = UseCase.declare(__name__, ...)")
     return declared
-
-
-def _load(name: str, module: str, origin: str) -> Found:
-    try:
-        return Found(name, module, origin, usecase=_declared(module))
-    except Exception as exc:  # a broken plug-in is reported, never allowed to break the others
-        reason = (str(exc).splitlines() or [""])[0]
-        return Found(name, module, origin, error=f"{type(exc).__name__}: {reason}")
 
 
 def _folder_modules(package: str, folder: Path) -> dict[str, str]:
@@ -125,33 +128,49 @@ def installed_entry_points() -> list:
     return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
+def _entry_origin(point) -> str:
+    dist = getattr(point, "dist", None)
+    return f"entry point of {dist.name} {dist.version}" if dist is not None else "entry point"
+
+
 def discover(package: str | None = None, folder: Path | None = None) -> dict[str, Found]:
-    """Every use case, by name: those in `folder` (the package `package`), then the entry points of installed
-    distributions. Where both name the same module, the entry point is shown as its origin."""
-    found: dict[str, Found] = {}
+    """Every use case by name, nothing imported yet: the packages in `folder` (the package `package`) and the entry
+    points of installed distributions. Where both name the same module the entry point is shown as its origin; two
+    different modules under one name are a conflict, reported instead of either being picked in silence."""
     local = _folder_modules(package, folder) if package and folder and folder.is_dir() else {}
-    entry_points = {point.name: point for point in installed_entry_points()}
-    for name in sorted(set(local) | set(entry_points)):
-        point = entry_points.get(name)
-        if point is not None and (name not in local or point.value == local[name]):
-            dist = point.dist
-            origin = f"entry point of {dist.name} {dist.version}" if dist is not None else "entry point"
-            found[name] = _load(name, point.value, origin)
-        else:
+    points: dict[str, list] = {}
+    for point in installed_entry_points():
+        points.setdefault(point.name, []).append(point)
+    found: dict[str, Found] = {}
+    for name in sorted(set(local) | set(points)):
+        modules = {point.value for point in points.get(name, [])} | ({local[name]} if name in local else set())
+        origins = [_entry_origin(point) for point in points.get(name, [])]
+        if name in local and local[name] not in {point.value for point in points.get(name, [])}:
             location = folder / name
             try:
                 location = location.relative_to(Path.cwd())
             except ValueError:
                 pass
-            found[name] = _load(name, local[name], f"folder {location}")
+            origins.append(f"folder {location}")
+        origin = " and ".join(dict.fromkeys(origins))
+        error = None if len(modules) == 1 else f"the name is taken by {' and '.join(sorted(modules))}; rename one"
+        found[name] = Found(name, sorted(modules)[0], origin, error)
     return found
 
 
 def resolve(name: str, found: dict[str, Found]) -> UseCase:
-    """The named use case, or one line saying why not."""
+    """The named use case, imported now, or one line saying why not."""
     if name not in found:
         raise UserError(f"unknown use case '{name}' (available: {', '.join(found) or 'none'})")
-    entry = found[name]
-    if entry.usecase is None:
-        raise UserError(f"use case '{name}' ({entry.origin}) cannot be loaded: {entry.error}")
-    return entry.usecase
+    return found[name].load()
+
+
+def load_all(found: dict[str, Found]) -> dict[str, UseCase | UserError]:
+    """Each use case or the one-line error that stops it, for the commands that need them all (list, demo)."""
+    loaded: dict[str, UseCase | UserError] = {}
+    for name, entry in found.items():
+        try:
+            loaded[name] = entry.load()
+        except UserError as error:
+            loaded[name] = error
+    return loaded

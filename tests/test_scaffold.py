@@ -55,6 +55,7 @@ def test_rename_touches_names_not_prose():
 @pytest.mark.parametrize(("name", "reason"), [
     ("2fast", "lower-case Python identifier"), ("Derm", "lower-case Python identifier"),
     ("class", "lower-case Python identifier"), ("finance", "already a use case"), ("json", "clash"),
+    ("cli", "part of the CLI"),
 ])
 def test_new_refuses_a_bad_name_in_one_line_and_writes_nothing(clone, name, reason):
     before = sorted(path.name for path in (clone / "usecases").iterdir())
@@ -156,6 +157,11 @@ def test_an_export_needs_only_its_own_dependencies(exports):
 @pytest.mark.parametrize("name", USECASES)
 def test_an_export_runs_its_smoke_preset_and_its_tests(exports, name):
     export = exports[name]
+    modules = ["common.runner", "common.scaffold", "common.tracking", "usecases.cli", f"usecases.{name}.pipeline",
+               f"usecases.{name}.serving"]
+    code = f"import importlib; print('\\n'.join(importlib.import_module(m).__file__ for m in {modules!r}))"
+    files = in_folder(export, "-c", code).stdout.split()
+    assert len(files) == len(modules) and all(Path(file).is_relative_to(export) for file in files), files
     run = in_folder(export, "-m", "usecases", "run", name, "--preset", "smoke")
     assert run.returncode == 0, run.stderr[-2000:]
     listed = {line.split()[0]: line for line in in_folder(export, "-m", "usecases", "list").stdout.splitlines()}
@@ -165,15 +171,30 @@ def test_an_export_runs_its_smoke_preset_and_its_tests(exports, name):
     assert tested.returncode == 0, tested.stdout[-2000:]
 
 
-def test_export_refuses_a_non_empty_folder_unless_forced(tmp_path):
+def export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "usecases", "export", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_export_refuses_a_non_empty_folder_unless_forced_and_then_replaces_what_it_writes(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
-    result = subprocess.run([sys.executable, "-m", "usecases", "export", "recsys", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = export("recsys", str(tmp_path))
     assert result.returncode == 2 and "not empty" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == ["keep.txt"]
-    forced = subprocess.run([sys.executable, "-m", "usecases", "export", "recsys", str(tmp_path), "--force"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert forced.returncode == 0 and (tmp_path / "usecases" / "recsys").is_dir() and (tmp_path / "keep.txt").exists()
+    assert export("medical", str(tmp_path), "--force").returncode == 0
+    assert export("recsys", str(tmp_path), "--force").returncode == 0  # over an earlier export: nothing of it left
+    assert sorted(path.name for path in (tmp_path / "usecases").iterdir() if path.is_dir()) == ["recsys"]
+    assert not (tmp_path / "tests" / "medical").exists() and (tmp_path / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_export_refuses_a_folder_that_overlaps_the_clone(clone, where):
+    """In the copy of the clone, so that a broken check could only write into a temporary folder."""
+    folder = clone / "exported" if where == "inside" else clone.parent
+    before = sorted(path.name for path in clone.parent.iterdir())
+    result = in_folder(clone, "-m", "usecases", "export", "recsys", str(folder), "--force")
+    assert result.returncode == 2 and "overlaps the clone" in result.stderr
+    assert not (clone / "exported").exists() and sorted(path.name for path in clone.parent.iterdir()) == before
 
 
 @pytest.mark.slow

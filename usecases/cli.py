@@ -82,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                                              "and the source commit it came from.")
     export.add_argument("name", help="use case (see `usecases list`)")
     export.add_argument("folder", type=Path, metavar="DIR", help="where to write it (must be empty or absent)")
-    export.add_argument("--force", action="store_true", help="write into a non-empty DIR, replacing what is there")
+    export.add_argument("--force", action="store_true", help="write into a non-empty DIR (an earlier export): each file and folder "
+                                                               "the export writes replaces its old one; the rest "
+                                                               "(.git, your data) stays")
 
     server = commands.add_parser("server", help="start an MLflow tracking server on the local store, for a team",
                                  description="Serve the local store (mlflow/mlflow.db, artifacts in "
@@ -123,26 +125,36 @@ def _usecase(name: str):
     return resolve(name, _found())
 
 
+def _loaded() -> dict:
+    from common.usecase import load_all
+
+    return load_all(_found())
+
+
 def _list() -> int:
     from common.config import available_presets
 
-    for name, entry in _found().items():
-        if entry.usecase is None:
-            print(f"{name:10} cannot be loaded ({entry.origin}): {entry.error}")
+    found = _found()
+    for name, usecase in _loaded().items():
+        if isinstance(usecase, UserError):
+            print(f"{name:10} {usecase}")
             continue
-        presets = ", ".join(available_presets(entry.usecase.presets_dir))
-        print(f"{name:10} {entry.usecase.description}  [presets: {presets}]  ({entry.origin})")
+        presets = ", ".join(available_presets(usecase.presets_dir))
+        print(f"{name:10} {usecase.description}  [presets: {presets}]  ({found[name].origin})")
     return EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:
     from common.runner import run_demo
+    from common.runtime import use_gpu_frames
 
-    found = _found()
-    for name, entry in found.items():
-        if entry.usecase is None:
-            print(f"{name}: skipped, it cannot be loaded ({entry.origin}): {entry.error}", flush=True)
-    run_demo([entry.usecase for entry in found.values() if entry.usecase is not None], args.device, args.frames)
+    use_gpu_frames(args.frames)  # before any use case is imported, as `run` does
+    loaded = _loaded()
+    for name, usecase in loaded.items():
+        if isinstance(usecase, UserError):
+            print(f"{name}: skipped: {usecase}", flush=True)
+    run_demo([usecase for usecase in loaded.values() if not isinstance(usecase, UserError)], args.device,
+             args.frames)
     print("Done. Browse the runs with `usecases ui` (from the clone: make ui), then open http://127.0.0.1:5000")
     return EXIT_OK
 
@@ -159,7 +171,7 @@ def _new(name: str, source: str) -> int:
 def _export(name: str, folder: Path, force: bool) -> int:
     from common.scaffold import export_usecase
 
-    others = [entry.usecase for other, entry in _found().items() if other != name and entry.usecase is not None]
+    others = [usecase for other, usecase in _loaded().items() if other != name and not isinstance(usecase, UserError)]
     export_usecase(_usecase(name), others, folder, force)
     print(f"exported {name} to {folder}\nthere: make demo (runs it), make test (its tests)")
     return EXIT_OK
@@ -257,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args.name, args.folder, args.force)
         from common.runner import run_usecase
+        from common.runtime import use_gpu_frames
 
+        use_gpu_frames(args.frames)  # before the use case's package is imported, so cudf.pandas can take over pandas
         run_usecase(_usecase(args.name), args.preset, args.overrides, args.device, args.frames, args.data,
                     args.summary, getattr(args, "resume", False), bench=args.command == "bench")
         return EXIT_OK

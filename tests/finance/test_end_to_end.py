@@ -23,7 +23,7 @@ METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "
 def smoke_run(tmp_path_factory):
     """One smoke run shared by the checks below (it takes about 15 s on 2 cores)."""
     folder = tmp_path_factory.mktemp("smoke")
-    env = private_env(folder)
+    env = {**private_env(folder), "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"}  # the run tracks about 3 s
     summary_path = folder / "s.json"
     result = usecases("run", "finance", "--preset", "smoke", "--summary", str(summary_path), env=env)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -68,8 +68,13 @@ class Neural(ConfigModel):
 
 
 class Train(TrainConfig):
-    """The common loop's keys (epochs, batch_size, lr, patience, grad_clip, checkpoint_every) and the walk-forward's."""
+    """The common loop's keys (epochs, batch_size, lr, patience, grad_clip, checkpoint_every), with this model's
+    defaults, and the walk-forward's."""
 
+    epochs: int = Field(60, ge=1)
+    batch_size: int = Field(256, ge=1)
+    patience: int | None = Field(8, ge=1)
+    grad_clip: float | None = Field(1.0, gt=0)
     weight_decay: float = Field(1e-4, ge=0)
     val_fraction: float = Field(0.15, gt=0, lt=1)
     refit_every: int = Field(252, ge=1, description="trading days between refits of the neural model")

@@ -78,6 +78,7 @@ class Train(TrainConfig):
     """The common loop's keys (epochs, batch_size, lr, patience on the val AUC, grad_clip, checkpoint_every: a
     ResNet-18 checkpoint is ~130 MB) and the recipe's schedule and imbalance handling."""
 
+    checkpoint_every: int = Field(5, ge=1)
     weight_decay: float = Field(0.0, ge=0)
     milestones: list[float] = Field([0.5, 0.75], description="lr x gamma at these fractions of the epochs")
     gamma: float = Field(0.1, gt=0, le=1)

@@ -77,8 +77,12 @@ class ALS(ConfigModel):
 
 class Learned(TrainConfig):
     """A learned model's embedding size, and the common loop's keys (epochs, batch_size, lr, patience on the
-    validation NDCG@10, grad_clip, checkpoint_every)."""
+    validation NDCG@10, grad_clip, checkpoint_every) with these models' defaults."""
 
+    epochs: int = Field(200, ge=1)
+    batch_size: int = Field(2048, ge=1)
+    patience: int | None = Field(20, ge=1)
+    checkpoint_every: int = Field(10, ge=1)
     dim: int = Field(64, ge=1)
     weight_decay: float = Field(0.0, ge=0, description="L2 on the embeddings of each batch")
 
