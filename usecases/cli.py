@@ -70,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("name", help="use case (see `usecases list`)")
     compare.add_argument("--format", default="table", choices=["table", "markdown", "csv"], dest="output_format")
 
+    doctor = commands.add_parser("doctor", help="check that this machine can run every use case, and say why not",
+                                 description="One line per check (Python, torch and its CUDA build, the driver, "
+                                             "GPUs, NCCL, CuPy, cuDF, NVML, disk, tracking store, CPU), with a fix "
+                                             "for each problem. Exit 0 when every use case can run on the device "
+                                             "asked for, 2 otherwise.")
+    doctor.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="the device to check for: auto and cuda expect a GPU; cpu checks the CPU path only")
+
     new = commands.add_parser("new", help="start a use case of your own from an existing one",
                               description="Copy a use case into usecases/NAME (package, imports, presets, README, "
                                           "experiment and model names renamed) and its tests into tests/NAME.")
@@ -157,6 +165,17 @@ def _demo(args: argparse.Namespace) -> int:
              args.frames)
     print("Done. Browse the runs with `usecases ui` (from the clone: make ui), then open http://127.0.0.1:5000")
     return EXIT_OK
+
+
+def _doctor(device: str) -> int:
+    from common.doctor import run_checks, verdict
+
+    checks = run_checks(device)
+    for check in checks:
+        print(check.line(), flush=True)
+    ready, line = verdict(checks)
+    print(line)
+    return EXIT_OK if ready else EXIT_USER_ERROR
 
 
 def _new(name: str, source: str) -> int:
@@ -264,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args.name, args.output_format)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "doctor":
+            return _doctor(args.device)
         if args.command == "new":
             return _new(args.name, args.source)
         if args.command == "export":
