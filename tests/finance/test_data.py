@@ -1,5 +1,7 @@
 """Loading the three data sources; every bad file fails with one line naming the file, column and row."""
 
+import io
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -159,3 +161,43 @@ def test_header_only(tmp_path):
 def test_close_outside_the_day_range(tmp_path):
     assert "row 1: close 12.0 is outside [low, high] = [9.0, 11.0]" in error_for(
         tmp_path, GOOD.replace("10,11,9,10.5", "10,11,9,12", 1))
+
+
+def date_major(days: int = 5, tickers=("AAA", "BBB", "CCC")) -> list[str]:
+    """The usual long format: every ticker on a day, then the next day."""
+    dates = pd.bdate_range("2020-01-02", periods=days)
+    return [f"{day.date()},{ticker},10,11,9,10.5,100" for day in dates for ticker in tickers]
+
+
+@pytest.mark.parametrize(("row", "change", "message"), [
+    (7, lambda line: line.replace(",11,9,", ",8,9,"), "row 7: high 8.0 is below low 9.0"),
+    (8, lambda line: line.replace(",10,11,9,10.5,", ",0,11,9,10.5,"), "column 'open', row 8: prices must be positive"),
+    (9, lambda line: line.replace(",10.5,100", ",12,100"), "row 9: close 12.0 is outside"),
+])
+def test_a_date_major_file_names_the_row_of_the_file_itself(tmp_path, row, change, message):
+    """Rows are counted in the user's file (1 is the first line after the header), not in the ticker-sorted frame."""
+    lines = date_major()
+    lines[row - 1] = change(lines[row - 1])
+    assert message in error_for(tmp_path, "date,ticker,open,high,low,close,volume\n" + "\n".join(lines) + "\n")
+
+
+def test_a_date_major_file_names_the_row_of_a_repeated_date_and_of_a_gap(tmp_path):
+    header = "date,ticker,open,high,low,close,volume\n"
+    lines = date_major()
+    lines[10] = lines[7]  # row 11 repeats row 8 (day 3 of BBB)
+    message = error_for(tmp_path, header + "\n".join(lines) + "\n")
+    assert "row 11" in message and "appears twice" in message
+    lines = date_major()
+    for index in (4, 7, 10, 13):  # BBB has no prices on days 2 to 5 (rows 5, 8, 11, 14): one more than is filled
+        lines[index] = lines[index].replace(",10,11,9,10.5,", ",,,,,")
+    assert "row 5: 4 consecutive rows" in error_for(tmp_path, header + "\n".join(lines) + "\n")
+
+
+def test_a_parquet_file_with_a_saved_index_is_counted_by_its_rows(tmp_path):
+    lines = date_major()
+    lines[6] = lines[6].replace(",11,9,", ",8,9,")
+    frame = pd.read_csv(io.StringIO("date,ticker,open,high,low,close,volume\n" + "\n".join(lines)))
+    frame.index = range(100, 100 + len(frame))
+    frame.to_parquet(tmp_path / "prices.parquet")
+    with pytest.raises(UserError, match="row 7: high 8.0 is below low 9.0"):
+        load_file(tmp_path / "prices.parquet", Data(source="file"))

@@ -89,7 +89,7 @@ def _read_table(path: Path) -> pd.DataFrame:
     suffixes = "".join(path.suffixes).lower()
     try:
         if suffixes.endswith((".parquet", ".pq")):
-            return pd.read_parquet(path)
+            return pd.read_parquet(path).reset_index(drop=True)  # row positions, whatever index was saved
         if ".csv" in suffixes or ".txt" in suffixes:
             return pd.read_csv(path, dtype=str, keep_default_na=True)
     except (ValueError, OSError, pd.errors.ParserError) as exc:
@@ -98,8 +98,11 @@ def _read_table(path: Path) -> pd.DataFrame:
 
 
 def _first_bad(mask: pd.Series) -> int:
-    """Row number as a user counts it in the file: 1 is the first data row."""
-    return int(np.flatnonzero(mask.to_numpy())[0]) + 1
+    """Row number as a user counts it in the file: 1 is the first data row (the line after the header).
+
+    The frame keeps the file's row positions as its index through sorting, so a date-major file (every ticker on a
+    day, then the next day) gets the row of its own file, not of the ticker-sorted frame."""
+    return int(mask.index[mask.to_numpy()].min()) + 1
 
 
 def load_file(path: Path, config: Data) -> Panel:
@@ -145,13 +148,13 @@ def _check_order(frame: pd.DataFrame, path: Path, date_column: str) -> pd.DataFr
     duplicated = frame.duplicated(["ticker", "date"])
     if duplicated.any():
         row = _first_bad(duplicated)
-        raise UserError(f"{path}: column '{date_column}', row {row}: date {frame['date'].iloc[row - 1].date()} "
-                        f"appears twice for ticker '{frame['ticker'].iloc[row - 1]}'")
+        raise UserError(f"{path}: column '{date_column}', row {row}: date {frame['date'].loc[row - 1].date()} "
+                        f"appears twice for ticker '{frame['ticker'].loc[row - 1]}'")
     backwards = (grouped.diff() < pd.Timedelta(0)).fillna(False)
     if backwards.any():
         row = _first_bad(backwards)
         raise UserError(f"{path}: column '{date_column}', row {row}: dates are not sorted ascending within ticker "
-                        f"'{frame['ticker'].iloc[row - 1]}'")
+                        f"'{frame['ticker'].loc[row - 1]}'")
     return frame.sort_values(["ticker", "date"], kind="stable")
 
 
@@ -166,7 +169,7 @@ def _fill_gaps(frame: pd.DataFrame, path: Path, max_gap: int) -> tuple[pd.DataFr
     too_long = missing & ((run_length > max_gap) | leading)
     if too_long.any():
         row = _first_bad(too_long)
-        raise UserError(f"{path}: row {row}: {int(run_length.iloc[row - 1])} consecutive rows without high, low or "
+        raise UserError(f"{path}: row {row}: {int(run_length.loc[row - 1])} consecutive rows without high, low or "
                         f"close (at most {max_gap} are filled, never the first rows; set data.max_fill_gap)")
     filled = frame.copy()
     filled[PRICE_COLUMNS] = filled.groupby("ticker")[PRICE_COLUMNS].ffill()
@@ -181,19 +184,19 @@ def _check_prices(frame: pd.DataFrame, path: Path, names: dict[str, str]) -> Non
         if bad.any():
             row = _first_bad(bad)
             raise UserError(f"{path}: column '{names[key]}', row {row}: prices must be positive, got "
-                            f"{frame[key].iloc[row - 1]}")
+                            f"{frame[key].loc[row - 1]}")
     bad = frame["high"] < frame["low"]
     if bad.any():
         row = _first_bad(bad)
-        raise UserError(f"{path}: row {row}: {names['high']} {frame['high'].iloc[row - 1]} is below "
-                        f"{names['low']} {frame['low'].iloc[row - 1]}")
+        raise UserError(f"{path}: row {row}: {names['high']} {frame['high'].loc[row - 1]} is below "
+                        f"{names['low']} {frame['low'].loc[row - 1]}")
     slack = PRICE_TOLERANCE * frame["close"]  # rounding in the file, not a data error
     bad = (frame["close"] > frame["high"] + slack) | (frame["close"] < frame["low"] - slack)
     if bad.any():
         row = _first_bad(bad)
-        raise UserError(f"{path}: row {row}: {names['close']} {frame['close'].iloc[row - 1]} is outside "
-                        f"[{names['low']}, {names['high']}] = [{frame['low'].iloc[row - 1]}, "
-                        f"{frame['high'].iloc[row - 1]}]")
+        raise UserError(f"{path}: row {row}: {names['close']} {frame['close'].loc[row - 1]} is outside "
+                        f"[{names['low']}, {names['high']}] = [{frame['low'].loc[row - 1]}, "
+                        f"{frame['high'].loc[row - 1]}]")
 
 
 def _to_numpy(array) -> np.ndarray:
