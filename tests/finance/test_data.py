@@ -201,3 +201,19 @@ def test_a_parquet_file_with_a_saved_index_is_counted_by_its_rows(tmp_path):
     frame.to_parquet(tmp_path / "prices.parquet")
     with pytest.raises(UserError, match="row 7: high 8.0 is below low 9.0"):
         load_file(tmp_path / "prices.parquet", Data(source="file"))
+
+
+def test_the_synthetic_panel_is_drawn_with_numpy_even_where_cupy_has_a_gpu(monkeypatch):
+    """One seed, one panel and one data_sha256 on every device: a GPU's generator would draw other numbers."""
+    import sys
+    import types
+
+    config = Synthetic(tickers=2, days=300, seed=3)
+    expected = synthetic_panel(config)
+    gpu_cupy = types.ModuleType("cupy")
+    gpu_cupy.is_available = lambda: True
+    gpu_cupy.random = types.SimpleNamespace(RandomState=lambda seed: pytest.fail("drew from CuPy's generator"))
+    monkeypatch.setitem(sys.modules, "cupy", gpu_cupy)
+    panel = synthetic_panel(config)
+    assert panel.sha256 == expected.sha256
+    pd.testing.assert_frame_equal(panel.frame, expected.frame)

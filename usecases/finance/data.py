@@ -16,7 +16,6 @@ import numpy as np
 import pandas as pd
 
 from common.errors import UserError
-from common.runtime import array_module
 from common.paths import file_sha256
 from .config import Data, Synthetic
 
@@ -199,48 +198,44 @@ def _check_prices(frame: pd.DataFrame, path: Path, names: dict[str, str]) -> Non
                         f"{frame['high'].loc[row - 1]}]")
 
 
-def _to_numpy(array) -> np.ndarray:
-    return array.get() if hasattr(array, "get") else np.asarray(array)
-
-
 def synthetic_panel(config: Synthetic) -> Panel:
-    """GJR-GARCH(1,1,1) with standardised-t shocks, simulated on the GPU when CuPy has one.
+    """GJR-GARCH(1,1,1) with standardised-t shocks.
 
     The close-to-close return is the end point of a Brownian bridge over `intraday_steps` steps, whose
     extremes give High and Low, so Parkinson variance carries the same conditional variance as the returns.
+    Drawn with NumPy on every machine, so that one seed gives one panel (and one data_sha256) on a CPU and a GPU.
     """
-    xp = array_module()
-    rng = xp.random.RandomState(config.seed)
+    rng = np.random.RandomState(config.seed)
     days, tickers, steps = config.days, config.tickers, config.intraday_steps
     scale = np.sqrt((config.nu - 2) / config.nu)
-    shocks = rng.standard_normal((days, tickers)) / xp.sqrt(rng.chisquare(config.nu, (days, tickers)) / config.nu)
+    shocks = rng.standard_normal((days, tickers)) / np.sqrt(rng.chisquare(config.nu, (days, tickers)) / config.nu)
     shocks = shocks * scale
     persistence = config.alpha + config.gamma / 2 + config.beta
     if persistence >= 1:
         raise UserError(f"data.synthetic: alpha + gamma/2 + beta must be below 1 for a stationary panel, "
                         f"got {persistence:.3f}")
-    variance = xp.full(tickers, config.omega / (1 - persistence))
-    returns = xp.empty((days, tickers))
-    variances = xp.empty((days, tickers))
+    variance = np.full(tickers, config.omega / (1 - persistence))
+    returns = np.empty((days, tickers))
+    variances = np.empty((days, tickers))
     for day in range(days):
         variances[day] = variance
-        returns[day] = xp.sqrt(variance) * shocks[day]
+        returns[day] = np.sqrt(variance) * shocks[day]
         negative = returns[day] < 0
         variance = config.omega + (config.alpha + config.gamma * negative) * returns[day] ** 2 + config.beta * variance
-    walk = xp.cumsum(rng.standard_normal((days, tickers, steps)), axis=2) * xp.sqrt(variances / steps)[..., None]
-    fraction = xp.arange(1, steps + 1) / steps
+    walk = np.cumsum(rng.standard_normal((days, tickers, steps)), axis=2) * np.sqrt(variances / steps)[..., None]
+    fraction = np.arange(1, steps + 1) / steps
     bridge = walk - fraction * walk[..., -1:] + fraction * returns[..., None]
-    high_move = xp.maximum(bridge.max(axis=2), 0)
-    low_move = xp.minimum(bridge.min(axis=2), 0)
-    log_close = np.log(100.0) + np.cumsum(_to_numpy(returns), axis=0) / 100
+    high_move = np.maximum(bridge.max(axis=2), 0)
+    low_move = np.minimum(bridge.min(axis=2), 0)
+    log_close = np.log(100.0) + np.cumsum(returns, axis=0) / 100
     log_open = np.vstack([np.full((1, tickers), np.log(100.0)), log_close[:-1]])
     dates = pd.bdate_range("2000-01-03", periods=days)
     frame = pd.DataFrame({
         "date": np.repeat(dates.to_numpy()[None, :], tickers, axis=0).ravel(),
         "ticker": np.repeat([f"SYN{i:03d}" for i in range(tickers)], days),
         "open": np.exp(log_open).T.ravel(),
-        "high": np.exp(np.maximum(log_open + _to_numpy(high_move) / 100, log_close)).T.ravel(),
-        "low": np.exp(np.minimum(log_open + _to_numpy(low_move) / 100, log_close)).T.ravel(),
+        "high": np.exp(np.maximum(log_open + high_move / 100, log_close)).T.ravel(),
+        "low": np.exp(np.minimum(log_open + low_move / 100, log_close)).T.ravel(),
         "close": np.exp(log_close).T.ravel(),
         "volume": 1e6,
     })
