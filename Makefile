@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-gpu test-no-bf16 ui clean
+.PHONY: demo test test-slow test-gpu test-no-bf16 gpu-check ui clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu
+
+# On a machine with a GPU: doctor, the gpu tests, every default run and benchmark; gpu-report.json and .md here.
+gpu-check: $(STAMP)
+	$(BIN)/usecases gpu-check --out .
 
 # The suite as a CPU without native BF16 (and without AVX-512 kernels) runs it, on any machine.
 test-no-bf16: $(STAMP)

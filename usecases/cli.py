@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="the device to check for: auto and cuda expect a GPU; cpu checks the CPU path only")
 
+    gpu_check = commands.add_parser("gpu-check", help="on a GPU machine: doctor, gpu tests, every default run and "
+                                                      "benchmark, written to gpu-report.json and gpu-report.md",
+                                    description="Measure everything GPU-side in one command, within a time budget. "
+                                                "Without a GPU: one line, exit 2.")
+    gpu_check.add_argument("--out", type=Path, default=Path("."), help="where the reports go (default: here)")
+    gpu_check.add_argument("--budget-s", type=float, default=480, help="seconds for all steps (default: 480)")
+
     new = commands.add_parser("new", help="start a use case of your own from an existing one",
                               description="Copy a use case into usecases/NAME (package, imports, presets, README, "
                                           "experiment and model names renamed) and its tests into tests/NAME.")
@@ -285,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             return _demo(args)
         if args.command == "doctor":
             return _doctor(args.device)
+        if args.command == "gpu-check":
+            from common.gpu_check import gpu_check
+
+            usable = [usecase for usecase in _loaded().values() if not isinstance(usecase, UserError)]
+            return gpu_check(usable, args.out, args.budget_s)
         if args.command == "new":
             return _new(args.name, args.source)
         if args.command == "export":

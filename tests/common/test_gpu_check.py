@@ -1,0 +1,76 @@
+"""`make gpu-check`: its plan, its time budget, its reports, and its one line on a machine without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import gpu_check
+from common.config import ConfigModel
+from common.usecase import UseCase
+
+
+def usecase(name: str, benchmark: bool, primary=("score", "max")) -> UseCase:
+    return UseCase(name, f"plugins.{name}", "a test use case", ConfigModel, Path("/nowhere") / name, primary,
+                   has_benchmark=benchmark)
+
+
+CASES = [usecase("alpha", True), usecase("beta", False, ("loss", "min"))]
+
+
+def test_the_plan_runs_doctor_the_gpu_tests_every_default_run_and_every_benchmark():
+    names = [step.name for step in gpu_check.plan(CASES, python="py")]
+    assert names == ["doctor", "gpu tests", "run alpha", "run beta", "bench alpha"]
+    run_step = gpu_check.plan(CASES, python="py")[2]
+    assert run_step.command == ["py", "-m", "usecases", "run", "alpha", "--preset", "default", "--device", "cuda"]
+
+
+def fake_runner(outcomes: dict[str, tuple[int, dict]], timeouts: list[float]):
+    """Answers each command as `outcomes` says, writing its summary where `--summary` points."""
+
+    def run(command, capture_output, text, timeout):
+        timeouts.append(timeout)
+        key = " ".join(command[3:5]) if command[1:3] == ["-m", "usecases"] else "pytest"
+        code, summary = outcomes.get(key, (0, {}))
+        if "--summary" in command and summary:
+            Path(command[command.index("--summary") + 1]).write_text(json.dumps(summary))
+        if code == 124:
+            raise subprocess.TimeoutExpired(command, timeout)
+        return subprocess.CompletedProcess(command, code, "out", "err")
+
+    return run
+
+
+def test_each_run_gets_at_most_its_share_of_the_budget_and_its_summary_is_kept():
+    timeouts = []
+    outcomes = {"run alpha": (0, {"models": {"m": {"score": 0.9}, "baseline": {"score": 0.7}}}),
+                "run beta": (124, {}), "bench alpha": (0, {"models": {"ours": {"speedup": 2.5}}})}
+    steps = gpu_check.execute(gpu_check.plan(CASES), budget_s=100, run=fake_runner(outcomes, timeouts))
+    assert [step.returncode for step in steps] == [0, 0, 0, 124, 0]
+    assert timeouts[2] == pytest.approx(100 / 3, abs=1) and all(timeout <= 100 for timeout in timeouts)
+    assert steps[2].summary["models"]["m"]["score"] == 0.9 and "timed out" in steps[3].output_tail
+    rows = gpu_check.markdown_rows(steps, "NVIDIA H200", {case.name: case.primary_metric for case in CASES})
+    assert rows[2] == ("| NVIDIA H200 | alpha | `usecases run alpha --preset default --device cuda` | best score "
+                       "0.9000 | 0 s |")
+    assert "failed (exit 124)" in rows[3] and "speedup 2.50x" in rows[4]
+
+
+def test_steps_past_the_budget_are_recorded_as_not_run():
+    steps = gpu_check.execute(gpu_check.plan(CASES), budget_s=0, run=fake_runner({}, []))
+    assert all(step.returncode is None and "budget" in step.output_tail for step in steps)
+    rows = gpu_check.markdown_rows(steps, "GPU", {case.name: case.primary_metric for case in CASES})
+    assert all("not run" in row for row in rows[2:])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without a GPU")
+def test_without_a_gpu_it_is_one_line_and_exit_2(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "usecases", "gpu-check", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "no CUDA GPU" in result.stderr and list(tmp_path.iterdir()) == []
