@@ -161,9 +161,21 @@ class Tracker:
                 input_example=example,
                 metadata=metadata,
                 code_paths=[str(code), str(Path(sys.modules["common"].__file__).parent)],
-                pip_requirements=[f"{name}=={version(name)}" for name in packages],
+                pip_requirements=public_requirements(packages),
             )
         self.model_uri = info.model_uri
+
+
+def public_requirements(packages: list[str]) -> list[str]:
+    """Pins any package index resolves: `torch==2.14.1`, not the local build `torch==2.14.1+cu130`, with the index
+    that serves such a build named first (pip reads the line as an option of requirements.txt)."""
+    pins, indexes = [], []
+    for name in packages:
+        public, _, local = version(name).partition("+")
+        pins.append(f"{name}=={public}")
+        if name == "torch" and local.startswith("cu"):
+            indexes.append(f"--extra-index-url https://download.pytorch.org/whl/{local}")
+    return indexes + pins
 
 
 def _stage_package(package: str, folder: Path) -> Path:

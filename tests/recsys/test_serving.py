@@ -7,7 +7,7 @@ import scipy.sparse as sp
 import torch
 from mlflow.exceptions import MlflowException
 
-from usecases.recsys.serving import Recommender, RecommenderModel, latency
+from usecases.recsys.serving import Recommender, RecommenderModel, latency, restore, safe
 
 
 def bundle(kind="factors"):
@@ -56,3 +56,21 @@ def test_bad_requests_are_named(frame, match):
 def test_latency_figures():
     figures = latency(served("factors"), np.array([100, 200]), single=5)
     assert 0 < figures["latency_p50_ms"] <= figures["latency_p95_ms"] and figures["batch_users_per_s"] > 0
+
+
+@pytest.mark.parametrize("kind", ["factors", "item_item", "popularity"])
+@pytest.mark.parametrize("ids", ["integers", "text"])
+def test_the_logged_bundle_loads_with_weights_only_and_answers_the_same(tmp_path, kind, ids):
+    """Nothing pickled: torch's weights_only loader reads the bundle, and the model answers as before."""
+    raw = bundle(kind)
+    if ids == "text":
+        raw["user_ids"] = np.array([None, "u100", "u200"], dtype=object)
+        raw["item_ids"] = np.array([None, "i11", "i12", "i13", "i14"], dtype=object)
+    torch.save(safe(raw), tmp_path / "bundle.pt")
+    loaded = restore(torch.load(tmp_path / "bundle.pt", weights_only=True))
+    assert loaded["item_ids"].dtype == raw["item_ids"].dtype
+    users = pd.DataFrame({"user_id": [raw["user_ids"][1], raw["user_ids"][2], "stranger"]})
+    expected, model = RecommenderModel(), RecommenderModel()
+    expected._load(raw)
+    model._load(loaded)
+    pd.testing.assert_frame_equal(model.predict(None, users), expected.predict(None, users))

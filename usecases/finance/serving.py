@@ -32,7 +32,7 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
     """
 
     def load_context(self, context) -> None:
-        self._load(torch.load(context.artifacts["bundle"], map_location="cpu", weights_only=False))
+        self._load(torch.load(context.artifacts["bundle"], map_location="cpu", weights_only=True))
 
     def _load(self, bundle: dict) -> None:
         self.members = []
