@@ -312,11 +312,18 @@ def registered_name(usecase: str) -> str:
     return f"{EXPERIMENT_PREFIX}-{usecase}"
 
 
+def data_alias(data_sha256: str) -> str:
+    """The alias of the champion on one data set: `champion-` and the first 12 hex digits of its SHA-256."""
+    return f"champion-{data_sha256[:12]}"
+
+
 def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, value: float,
                       data_sha256: str) -> str:
-    """Register the run's model as a new version of `gpu-usecases-<usecase>`, aliased `champion` when it beats the
-    current champion's `metric` on the same data (or there is none), else `challenger`; the decision and both
-    values go to the run. Returns the alias given."""
+    """Register the run's model as a new version of `gpu-usecases-<usecase>` and compare it with the champion on the
+    same data only (the version aliased `champion-<sha12>`): it takes that alias when it is better or the first,
+    else it is the `challenger`. `champion` then points at the champion of this run's data, so `usecases serve`
+    serves the best model for the data trained on last, and `--data-sha256` any other. Returns champion or
+    challenger; the decision and both values go to the run."""
     from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient()
@@ -325,21 +332,25 @@ def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, va
     for key, tag in (("primary_metric", metric), ("primary_value", value), ("data_sha256", data_sha256),
                      ("run_id", tracker.run_id)):
         client.set_model_version_tag(name, version, key, str(tag))
+    same_data = data_alias(data_sha256)
     try:
-        champion = client.get_model_version_by_alias(name, "champion")
+        champion = client.get_model_version_by_alias(name, same_data)
     except MlflowException:
         champion = None
     champion_value = float(champion.tags.get("primary_value", "nan")) if champion else math.nan
-    comparable = champion is not None and champion.tags.get("data_sha256") == data_sha256
     better = value < champion_value if mode == "min" else value > champion_value
-    alias = "champion" if champion is None or (comparable and better) else "challenger"
-    client.set_registered_model_alias(name, alias, version)
+    alias = "champion" if champion is None or better else "challenger"
+    if alias == "champion":
+        client.set_registered_model_alias(name, same_data, version)
+    else:
+        client.set_registered_model_alias(name, "challenger", version)
+    client.set_registered_model_alias(name, "champion", version if alias == "champion" else champion.version)
     tracker.set_tags({"registry_model": name, "registry_version": version, "registry_alias": alias,
-                      "registry_champion_version": champion.version if champion else "none",
-                      "registry_champion_same_data": comparable})
+                      "registry_data_alias": same_data,
+                      "registry_champion_version": champion.version if champion else "none"})
     tracker.log_metrics({f"registry/new_{metric}": value, f"registry/champion_{metric}": champion_value})
-    log.info("registry: %s version %s is the %s (%s %.4f; champion before: %s)", name, version, alias, metric, value,
-             f"{champion_value:.4f}" if champion else "none")
+    log.info("registry: %s version %s is the %s on its data (%s %.4f; champion before: %s)", name, version, alias,
+             metric, value, f"{champion_value:.4f}" if champion else "none")
     return alias
 
 

@@ -163,3 +163,10 @@ def test_resume_refuses_changed_data():
 def test_a_use_case_without_a_benchmark_says_so():
     result = usecases("bench", "finance", "--preset", "smoke")
     assert result.returncode == 2 and "use case 'finance' has no benchmark" in result.stderr
+
+
+def test_serve_for_given_data_names_what_is_missing():
+    short = usecases("serve", "finance", "--data-sha256", "abc")
+    assert short.returncode == 2 and "at least its first 12 hex digits" in short.stderr
+    unknown = usecases("serve", "finance", "--data-sha256", "0123456789abcdef")
+    assert unknown.returncode == 2 and "no champion of 'finance' on data 0123456789ab" in unknown.stderr

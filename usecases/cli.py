@@ -59,7 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Serve the registered champion of a use case (or any model URI) with "
                                             "`mlflow models serve --env-manager local`; POST JSON to /invocations.")
     serve.add_argument("name", help="use case (see `usecases list`)")
-    serve.add_argument("--model-uri", help="default: models:/gpu-usecases-NAME@champion")
+    serve.add_argument("--model-uri", help="default: models:/gpu-usecases-NAME@champion, the champion on the data "
+                                            "trained on last")
+    serve.add_argument("--data-sha256", metavar="SHA256",
+                       help="serve the champion on this data instead (a run's data_sha256 tag, or its first 12 digits)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=5001, help="port (default: 5001)")
 
@@ -213,24 +216,28 @@ def _ui(port: int) -> int:
                               "--host", "127.0.0.1", "--port", str(port)])
 
 
-def _serve(name: str, model_uri: str | None, host: str, port: int) -> int:
+def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: str | None = None) -> int:
     """Replace this process with MLflow's scoring server for the use case's champion (or `model_uri`)."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from common.tracking import check_reachable, registered_name, tracking_uri
+    from common.tracking import check_reachable, data_alias, registered_name, tracking_uri
 
     _usecase(name)
     uri = tracking_uri()
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     if model_uri is None:
+        alias = data_alias(data_sha256) if data_sha256 else "champion"
+        if data_sha256 is not None and len(data_sha256) < 12:
+            raise UserError(f"--data-sha256 {data_sha256}: give at least its first 12 hex digits")
         try:
-            mlflow.MlflowClient().get_model_version_by_alias(registered_name(name), "champion")
+            mlflow.MlflowClient().get_model_version_by_alias(registered_name(name), alias)
         except MlflowException:
-            raise UserError(f"no champion of '{name}' in {uri} yet (run `usecases run {name}` first, "
+            on = f" on data {data_sha256[:12]}" if data_sha256 else ""
+            raise UserError(f"no champion of '{name}'{on} in {uri} yet (run `usecases run {name}` first, "
                             f"or pass --model-uri)") from None
-        model_uri = f"models:/{registered_name(name)}@champion"
+        model_uri = f"models:/{registered_name(name)}@{alias}"
     print(f"Serving {model_uri} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "--host", host, "--port", str(port)],
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "server":
             return _server(args.host, args.port)
         if args.command == "serve":
-            return _serve(args.name, args.model_uri, args.host, args.port)
+            return _serve(args.name, args.model_uri, args.host, args.port, args.data_sha256)
         if args.command == "compare":
             return _compare(args.name, args.output_format)
         if args.command == "demo":
