@@ -31,6 +31,9 @@ class RuntimeConfig(ConfigModel):
         "auto-gpu", description="auto: mixed precision wherever the device computes it natively (a GPU; a CPU with "
                                 "AVX512-BF16 or AMX), else fp32; auto-gpu: mixed precision on a GPU, fp32 on any CPU")
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; null keeps torch's")
+    tf32: bool = Field(False, description="fp32 matrix products on TF32 tensor cores (GPUs of compute capability 8+)")
+    compile: bool = Field(False, description="torch.compile the trained model; its warm-up epoch is left out of "
+                                             "the logged throughput")
 
 
 class TrainConfig(ConfigModel):

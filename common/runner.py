@@ -85,7 +85,8 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
         raise UserError(f"--data {data}: no such file or folder")
     if summary is not None and not (summary.parent.is_dir() and os.access(summary.parent, os.W_OK)):
         raise UserError(f"--summary {summary}: cannot write there (no such folder, or no permission)")
-    runtime = make_runtime(device, config.runtime.precision, config.runtime.cpu_threads)
+    runtime = make_runtime(device, config.runtime.precision, config.runtime.cpu_threads, config.runtime.tf32,
+                           config.runtime.compile)
     if not runtime.is_main:
         for logger in QUIET_ON_OTHER_RANKS:
             logging.getLogger(logger).setLevel(logging.WARNING)

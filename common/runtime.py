@@ -35,6 +35,7 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    compile: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -105,20 +106,23 @@ def distributed_env() -> tuple[int, int, int]:
     )
 
 
-def make_runtime(device: str = "auto", precision: str = "auto", cpu_threads: int | None = None) -> Runtime:
+def make_runtime(device: str = "auto", precision: str = "auto", cpu_threads: int | None = None,
+                 tf32: bool = False, compile: bool = False) -> Runtime:
     """Resolve the device and precision, and join the process group when started by torchrun.
 
-    `cpu_threads=1` suits small models, whose steps are shorter than the cost of waking a second thread.
+    `cpu_threads=1` suits small models, whose steps are shorter than the cost of waking a second thread. `tf32`
+    lets fp32 matrix products and convolutions use TF32 tensor cores on GPUs that have them (compute capability 8+).
     """
     rank, local_rank, world_size = distributed_env()
     chosen = select_device(device, local_rank)
     if cpu_threads:
         torch.set_num_threads(cpu_threads)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     if world_size > 1 and not dist.is_initialized():
-        if chosen.type == "cuda":
-            torch.cuda.set_device(chosen)
         dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo")
-    return Runtime(chosen, select_amp_dtype(chosen, precision), rank, local_rank, world_size)
+    return Runtime(chosen, select_amp_dtype(chosen, precision), rank, local_rank, world_size, compile)
 
 
 def shutdown(runtime: Runtime) -> None:
@@ -154,6 +158,7 @@ def use_gpu_frames(frames: str = "auto") -> str:
     if "pandas" in sys.modules:
         log.warning("pandas was imported before cudf.pandas could be installed; DataFrames stay on the CPU")
         return "pandas"
+    torch.cuda.set_device(distributed_env()[1])  # under torchrun, cuDF's memory pool goes on this rank's GPU
     import cudf.pandas
 
     cudf.pandas.install()
@@ -162,11 +167,12 @@ def use_gpu_frames(frames: str = "auto") -> str:
 
 @contextmanager
 def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
-    """Undo what a run sets process-wide (torch threads, deterministic algorithms, cuDNN flags, RNG states,
+    """Undo what a run sets process-wide (torch threads, deterministic algorithms, cuDNN and TF32 flags, RNG states,
     environment variables, the levels of `loggers`), so the next run in the same process starts as this one did."""
     threads = torch.get_num_threads()
     deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
+             torch.backends.cuda.matmul.allow_tf32)
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     environment = dict(os.environ)
     levels = {name: logging.getLogger(name).level for name in loggers}
@@ -175,7 +181,8 @@ def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
+         torch.backends.cuda.matmul.allow_tf32) = cudnn
         random.setstate(rng[0])
         np.random.set_state(rng[1])
         torch.set_rng_state(rng[2])
@@ -192,9 +199,9 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic  # the fastest convolution algorithms, picked per shape
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     if deterministic:
-        torch.backends.cudnn.benchmark = False
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 

@@ -185,6 +185,8 @@ class Trainer:
         if runtime.distributed:
             device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.model, device_ids=device_ids)
+        if runtime.compile:
+            self.model = torch.compile(self.model)  # trains compiled; validation and checkpoints use `module`
         self.optimizer = optimizer
         self.step = step
         self.settings = settings
@@ -218,6 +220,7 @@ class Trainer:
             "history": history,
             "finished": finished,
             "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if self.runtime.device.type == "cuda" else [],
         }
 
     def _save(self, state: dict) -> None:
@@ -281,6 +284,8 @@ class Trainer:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.scaler.load_state_dict(state["scaler"])
             torch.set_rng_state(state["torch_rng"].cpu())
+            if state.get("cuda_rng") and self.runtime.device.type == "cuda":  # dropout, flips, negatives on the GPU
+                torch.cuda.set_rng_state_all([rng.cpu() for rng in state["cuda_rng"]])
             best, best_epoch, best_state = state["best_metric"], state["best_epoch"], state["best_state"]
             bad_epochs, history = state["bad_epochs"], state["history"]
             start_epoch = resumed_from = state["epoch"] + 1
@@ -301,6 +306,8 @@ class Trainer:
             elif isinstance(getattr(batches, "sampler", None), DistributedSampler):
                 batches.sampler.set_epoch(epoch)
             metrics = self._train_epoch(batches)
+            if self.runtime.compile and epoch == start_epoch:  # compilation time is not the model's speed
+                metrics.pop("throughput/samples_per_s")
             self.model.eval()
             with torch.no_grad(), torch.autocast(self.runtime.device.type, dtype=self.runtime.amp_dtype,
                                                  enabled=self.runtime.amp_dtype is not None):

@@ -126,6 +126,55 @@ def test_resume_after_interrupt_matches_an_uninterrupted_run(tmp_path):
     assert all(torch.equal(value, expected[key]) for key, value in resumed_model.state_dict().items())
 
 
+def dropout_mlp(seed: int) -> nn.Module:
+    """With dropout, each step draws from the device's generator: a resume is identical only if it restores it."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_resumed_run_with_dropout_is_bit_identical_to_an_uninterrupted_one(tmp_path, device):
+    runtime = Runtime(torch.device(device), None)
+    x, y = X.to(runtime.device), Y.to(runtime.device)
+
+    def validate(model):
+        return {"val/mse": nn.functional.mse_loss(model(x), y).item()}
+
+    def fit(model, folder, **kwargs):
+        trainer = make_trainer(model, runtime, epochs=5, lr=0.05, checkpoint_dir=tmp_path / folder, **kwargs)
+        return trainer.fit(TensorBatches(x, y, batch_size=32, seed=0), validate, resume="log_metrics" not in kwargs)
+
+    torch.manual_seed(123)
+    straight_model = dropout_mlp(0).to(runtime.device)
+    straight = fit(straight_model, "straight")
+
+    def interrupt_after_two_epochs(metrics, step):
+        if step == 2:
+            raise Terminated("signal 15")
+
+    torch.manual_seed(123)
+    with pytest.raises(Terminated):
+        fit(dropout_mlp(0).to(runtime.device), "resumed", log_metrics=interrupt_after_two_epochs)
+    torch.manual_seed(999)  # whatever the generators did in between, the checkpoint's state comes back
+    if device == "cuda":
+        torch.cuda.manual_seed_all(999)
+    resumed_model = dropout_mlp(1).to(runtime.device)
+    resumed = fit(resumed_model, "resumed")
+    assert resumed.resumed_from == 2
+    assert [row["train/loss"] for row in resumed.history] == [row["train/loss"] for row in straight.history]
+    expected = straight_model.state_dict()
+    assert all(torch.equal(value, expected[key]) for key, value in resumed_model.state_dict().items())
+
+
+def test_compile_wraps_the_trained_model_and_leaves_its_warm_up_out_of_the_throughput(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model: compiled.append(model) or model)
+    runtime = Runtime(torch.device("cpu"), None, compile=True)
+    result = make_trainer(linear(), runtime, epochs=3).fit(batches(), val_mse)
+    assert len(compiled) == 1
+    assert ["throughput/samples_per_s" in row for row in result.history] == [False, True, True]
+
+
 @pytest.mark.gpu
 def test_resume_on_cuda(tmp_path):
     runtime = Runtime(torch.device("cuda", 0), None)

@@ -75,5 +75,5 @@ def _prefixed(job: Job, name: str):
 
 def seconds_per_epoch(history: list[dict[str, float]], interactions: int) -> float:
     """Training time per epoch from the loop's own throughput (validation excluded)."""
-    rates = [row["throughput/samples_per_s"] for row in history]
+    rates = [row["throughput/samples_per_s"] for row in history if "throughput/samples_per_s" in row]
     return float(np.mean([interactions / rate for rate in rates]))
