@@ -167,7 +167,7 @@ def check_tracking(uri: str, reach: Callable[[str], None]) -> Check:
 
 def check_cpu(native_bf16: bool, cores: int | None, ram_gb: float) -> Check:
     bf16 = ("native BF16 (AVX512-BF16 or AMX): CPU training uses bf16 where presets say auto" if native_bf16 else
-            "no native BF16: CPU training runs fp32 (slower for the medical network)")
+            "no native BF16: CPU training runs fp32 (convolutional networks train slower)")
     return Check("cpu", OK, f"{platform.machine()}, {cores} cores, {ram_gb:.0f} GiB RAM, {bf16}")
 
 

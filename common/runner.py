@@ -118,14 +118,19 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags}, state_file)
             job = Job(runtime, tracker, checkpoint_dir, resume)
             models = (usecase.benchmark if bench else usecase.run)(config, loaded, job)
-            if not runtime.is_main:
-                return {}
-            result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
-                                   None if bench else usecase.columns(config))
-            log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
-            if not bench:
-                register(tracker, usecase, models, data_tags["data_sha256"])
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+            result = {}
+            if runtime.is_main:
+                result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
+                                       None if bench else usecase.columns(config))
+                log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
+                if not bench:
+                    register(tracker, usecase, models, data_tags["data_sha256"])
+        if runtime.is_main:
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+        if runtime.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank done before any tears down its connections (gloo aborts otherwise)
         return result
     finally:
         shutdown(runtime)

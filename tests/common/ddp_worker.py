@@ -53,6 +53,7 @@ def main(outdir: Path, signal_rank: int | None = None) -> None:
         outcome["stopped_after"] = len(epochs_validated)
     outcome.update(state=model.state_dict(), loss_end=mse(model))
     torch.save(outcome, outdir / f"rank{runtime.rank}.pt")
+    dist.barrier()  # no rank tears its connections down while another still talks to it
     shutdown(runtime)
 
 
