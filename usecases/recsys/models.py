@@ -125,7 +125,8 @@ class LightGCN(PairwiseRanker):
         self.layers = layers
         self.ego_embeddings = nn.Embedding(train.shape[0] + train.shape[1], dim)
         nn.init.normal_(self.ego_embeddings.weight, std=INIT_STD)
-        self.register_buffer("adjacency", normalised_adjacency(train).to(device), persistent=False)
+        # A plain attribute, not a buffer: the same graph on every rank, which DDP could not broadcast (sparse).
+        self.adjacency = normalised_adjacency(train).to(device)
 
     def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.ego_embeddings.weight
