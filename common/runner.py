@@ -76,6 +76,7 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
     from common.paths import write_json_atomic
     from common.runtime import hardware_info, make_runtime, precision_notice, seed_everything, shutdown
     from common.tracking import check_reachable, tracked_run, tracking_uri, write_summary
+    from torch import distributed as dist
 
     check_reachable(tracking_uri())
     if bench and not usecase.has_benchmark:
@@ -104,8 +105,6 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
         if not resume and runtime.is_main and checkpoint_dir.exists():
             shutil.rmtree(checkpoint_dir)
         if runtime.distributed:
-            import torch.distributed as dist
-
             dist.barrier()
         tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
                 "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
@@ -128,8 +127,6 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
         if runtime.is_main:
             shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
         if runtime.distributed:
-            import torch.distributed as dist
-
             dist.barrier()  # every rank done before any tears down its connections (gloo aborts otherwise)
         return result
     finally:
