@@ -82,3 +82,22 @@ def mlflow_server(folder: Path) -> Iterator[str]:
             yield url
         finally:
             stop(process)
+
+
+def assert_rejected(capsys, usecase: str, *args: str, names: tuple[str, ...] = ()) -> str:
+    """`usecases ARGS` as a user types it, in this process (seconds, not a fresh interpreter per case): it must exit
+    2 with one stderr line `error: ...` that contains each of `names` (the file, row, column or key), print no
+    traceback, and leave no MLflow run and no checkpoint behind. Returns the line."""
+    from usecases.cli import main
+
+    code = main(list(args))
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, f"exit {code}, stderr:\n{err}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"not one error line:\n{err}"
+    for name in names:
+        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
+    assert runs(usecase) == [], f"a run was left behind by: {lines[0]}"
+    checkpoints = Path(os.environ["USECASES_CHECKPOINT_DIR"])
+    assert not checkpoints.exists() or not any(path.is_file() for path in checkpoints.rglob("*")), lines[0]
+    return lines[0]
