@@ -5,42 +5,22 @@ Only the standard library and torch are imported before `use_gpu_frames`, so cud
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from common.errors import DataUnavailable, UserError
+from common.interrupt import Terminated
 from common.usecase import UseCase
 
 log = logging.getLogger(__name__)
 
 QUIET_ON_OTHER_RANKS = ("usecases", "common")
-
-
-def checkpoint_root(experiment: str, preset: str) -> Path:
-    from common.paths import project_root
-
-    base = Path(os.environ.get("USECASES_CHECKPOINT_DIR", project_root() / "checkpoints"))
-    return base / experiment / preset
-
-
-def resume_run_id(state_file: Path, params: dict, data_tags: dict, preset: str) -> str:
-    """The interrupted run to continue, if it ran on the same config and the same data."""
-    if not state_file.is_file():
-        raise UserError(f"--resume: no interrupted run of preset '{preset}' to resume ({state_file} is missing)")
-    state = json.loads(state_file.read_text())
-    for key in sorted(set(params) | set(state["params"])):
-        if params.get(key) != state["params"].get(key):
-            raise UserError(f"--resume: config key '{key}' is {params.get(key)!r} now but was "
-                            f"{state['params'].get(key)!r} in the interrupted run")
-    if state["data"].get("data_sha256") != data_tags.get("data_sha256"):
-        raise UserError(f"--resume: the data ({data_tags.get('data_source')}) differs from the interrupted run's "
-                        f"({state['data'].get('data_source')}, another SHA-256)")
-    return state["run_id"]
 
 
 def _load_checked(usecase: UseCase, config, data: Path | None):
@@ -73,6 +53,7 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
          summary: Path | None, resume: bool, bench: bool, started: float) -> dict:
     from common.config import flatten, load_config
     from common.job import Job
+    from common.lifecycle import STATE_FILE, checkpoint_root
     from common.paths import write_json_atomic
     from common.runtime import hardware_info, make_runtime, precision_notice, seed_everything, shutdown
     from common.tracking import check_reachable, tracked_run, tracking_uri, write_summary
@@ -98,32 +79,38 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
         if notice and runtime.is_main:
             log.warning(notice)
         experiment = f"{usecase.name}-benchmark" if bench else usecase.name
-        checkpoint_dir = checkpoint_root(experiment, preset)
-        state_file = checkpoint_dir / "run.json"
+        description = (f"Benchmark of {usecase.name}: our pipeline against a plain loop, in one run."
+                       if bench else usecase.summary())
+        root = checkpoint_root(experiment, preset)
         params = flatten(config)
-        run_id = resume_run_id(state_file, params, data_tags, preset) if resume else None
-        if not resume and runtime.is_main and checkpoint_dir.exists():
-            shutil.rmtree(checkpoint_dir)
-        if runtime.distributed:
-            dist.barrier()
+        run_id = _on_main(runtime, lambda: _prepare(usecase.name, experiment, description, root, preset, resume,
+                                                    params, data_tags))
         tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
                 "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
                 **{key: value for key, value in config.tracking.model_dump().items() if value is not None}}
-        description = (f"Benchmark of {usecase.name}: our pipeline against a plain loop, in one run."
-                       if bench else usecase.summary())
-        with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
-                         run_name=f"{experiment}-{preset}", description=description) as tracker:
-            if runtime.is_main:
-                write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags}, state_file)
-            job = Job(runtime, tracker, checkpoint_dir, resume)
-            models = (usecase.benchmark if bench else usecase.run)(config, loaded, job)
-            result = {}
-            if runtime.is_main:
-                result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
-                                       None if bench else usecase.columns(config))
-                log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
-                if not bench:
-                    register(tracker, usecase, models, data_tags["data_sha256"])
+        checkpoint_dir = None
+        try:
+            with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
+                             run_name=f"{experiment}-{preset}", description=description) as tracker:
+                checkpoint_dir = root / _on_main(runtime, lambda: tracker.run_id)
+                if runtime.is_main:
+                    write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
+                                      checkpoint_dir / STATE_FILE)
+                job = Job(runtime, tracker, checkpoint_dir, resume)
+                models = (usecase.benchmark if bench else usecase.run)(config, loaded, job)
+                result = {}
+                if runtime.is_main:
+                    result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
+                                           None if bench else usecase.columns(config))
+                    log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
+                    if not bench:
+                        register(tracker, usecase, models, data_tags["data_sha256"])
+        except (KeyboardInterrupt, Terminated):
+            raise  # KILLED: its checkpoints stay for --resume
+        except BaseException:
+            if runtime.is_main and checkpoint_dir is not None:
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)  # FAILED: it can never be resumed
+            raise
         if runtime.is_main:
             shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
         if runtime.distributed:
@@ -131,6 +118,39 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
         return result
     finally:
         shutdown(runtime)
+
+
+def _prepare(name: str, experiment: str, description: str, root: Path, preset: str, resume: bool, params: dict,
+             data_tags: dict) -> str | None:
+    """Before the run starts: end the runs of this preset whose process died, pick the run to resume, and drop the
+    checkpoints no run can resume any more."""
+    from common.lifecycle import mark_dead_runs, prune_checkpoints, resumable_run
+    from common.tracking import ensure_experiment
+
+    experiment_id = ensure_experiment(experiment, description)
+    mark_dead_runs(experiment_id, name, preset)
+    run_id = resumable_run(experiment_id, root, preset, params, data_tags) if resume else None
+    prune_checkpoints(root, keep=run_id)
+    return run_id
+
+
+def _on_main(runtime, compute: Callable[[], Any]) -> Any:
+    """`compute()` on rank 0, its value (or its UserError) on every rank of a DDP job."""
+    if not runtime.distributed:
+        return compute()
+    from torch import distributed as dist
+
+    shared: list[Any] = [None]
+    if runtime.is_main:
+        try:
+            shared[0] = ("value", compute())
+        except UserError as exc:
+            shared[0] = ("error", str(exc))
+    dist.broadcast_object_list(shared, src=0)
+    kind, value = shared[0]
+    if kind == "error":
+        raise UserError(value)
+    return value
 
 
 def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float) -> None:

@@ -1,6 +1,7 @@
 """MLflow tracking: the local SQLite store by default, one experiment per use case, one run per job.
 
-A run always ends FINISHED, FAILED or KILLED (never RUNNING), and only rank 0 of a DDP job writes.
+A run ends FINISHED, FAILED or KILLED, and only rank 0 of a DDP job writes. A process killed outright (SIGKILL,
+the OOM killer) cannot end its run: the next start of that preset does (common/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import mlflow
 from common.config import flatten
 from common.errors import UserError
 from common.interrupt import Terminated
+from common.lifecycle import heartbeat, process_tags
 from common.paths import git, project_root, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,27 @@ def tracking_uri() -> str:
     if uri == default_tracking_uri():
         local_store().mkdir(parents=True, exist_ok=True)
     return uri
+
+
+def server_stores(backend_store_uri: str | None, artifacts_destination: str | None) -> tuple[str, str]:
+    """What `usecases server` serves: the store named by --backend-store-uri, else by MLFLOW_TRACKING_URI, else the
+    local one; artifacts in --artifacts-destination (a folder or a URI such as s3://bucket/path), else beside a
+    SQLite store (the layout that runs tracked straight into that store use)."""
+    store = backend_store_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    source = "--backend-store-uri" if backend_store_uri else "MLFLOW_TRACKING_URI"
+    if store.startswith(("http://", "https://")):
+        raise UserError(f"{source} {store} is a tracking server, not a store: a server serves a database "
+                        f"(pass --backend-store-uri sqlite:///PATH or postgresql://..., or unset MLFLOW_TRACKING_URI)")
+    if artifacts_destination is None:
+        if not store.startswith("sqlite:///"):
+            raise UserError(f"{source} {store}: say where the server keeps artifacts with --artifacts-destination "
+                            f"(a folder, or s3://bucket/path)")
+        artifacts_destination = str(Path(store.removeprefix("sqlite:///")).parent / "artifacts")
+    if "://" not in artifacts_destination:
+        Path(artifacts_destination).mkdir(parents=True, exist_ok=True)
+    if store.startswith("sqlite:///"):
+        Path(store.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return store, artifacts_destination
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
@@ -256,6 +279,7 @@ def tracked_run(
         run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=run_name, log_system_metrics=True
     )
     tracker = Tracker(active=True, run_id=run.info.run_id)
+    tags = {**tags, **process_tags()}
     try:
         if run_id is None:
             tracker.set_tags({"usecase": usecase, "git_commit": git_commit(), **tags})
@@ -265,7 +289,8 @@ def tracked_run(
                 log_dataset(tags)
         else:
             tracker.set_tags({"resumed": "true", **tags})
-        yield tracker
+        with heartbeat(tracker.run_id):
+            yield tracker
     except (KeyboardInterrupt, Terminated):
         mlflow.end_run("KILLED")
         raise

@@ -132,21 +132,28 @@ def test_the_cli_imports_no_pandas_before_choosing_the_dataframe_backend():
 
 
 def interrupted_state(params_change=None, data_sha256=None):
-    """A run.json as an interrupted smoke run leaves it, with one thing changed since."""
+    """A KILLED smoke run and the run.json it left, with one thing changed since."""
     import json
     from pathlib import Path
 
+    import mlflow
+
     from common.config import flatten, load_config
+    from common.tracking import ensure_experiment
     from usecases import finance
     from usecases.finance.pipeline import load_data
 
     config = load_config(finance.Config, finance.USECASE.presets_dir, "smoke")
     _, data_tags = load_data(config, None)
     params = {**flatten(config), **(params_change or {})}
-    folder = Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke"
+    experiment_id = ensure_experiment("finance")  # first: it points MLflow at this test's store
+    client = mlflow.MlflowClient()
+    run_id = client.create_run(experiment_id, tags={"preset": "smoke"}).info.run_id
+    client.set_terminated(run_id, "KILLED")
+    folder = Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke" / run_id
     folder.mkdir(parents=True)
     data = {**data_tags, "data_sha256": data_sha256 or data_tags["data_sha256"]}
-    (folder / "run.json").write_text(json.dumps({"run_id": "0" * 32, "params": params, "data": data}))
+    (folder / "run.json").write_text(json.dumps({"run_id": run_id, "params": params, "data": data}))
 
 
 def test_resume_refuses_a_changed_config():
@@ -170,3 +177,35 @@ def test_serve_for_given_data_names_what_is_missing():
     assert short.returncode == 2 and "at least its first 12 hex digits" in short.stderr
     unknown = usecases("serve", "finance", "--data-sha256", "0123456789abcdef")
     assert unknown.returncode == 2 and "no champion of 'finance' on data 0123456789ab" in unknown.stderr
+
+
+def server_command(monkeypatch, *args):
+    """The `mlflow server` command line `usecases server ARGS` would exec."""
+    executed = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: executed.append(argv))
+    cli.main(["server", *args])
+    (argv,) = executed
+    options = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--")}
+    return options | {"argv": argv}
+
+
+def test_server_serves_the_store_mlflow_tracking_uri_names(monkeypatch, tmp_path):
+    served = server_command(monkeypatch)
+    assert served["--backend-store-uri"] == os.environ["MLFLOW_TRACKING_URI"]
+    assert served["--artifacts-destination"] == str(tmp_path / "artifacts")
+    assert "--serve-artifacts" in served["argv"] and served["--host"] == "127.0.0.1"
+
+
+def test_server_takes_a_store_and_an_artifact_destination(monkeypatch):
+    served = server_command(monkeypatch, "--backend-store-uri", "postgresql://mlflow@db/mlflow",
+                            "--artifacts-destination", "s3://bucket/mlflow")
+    assert served["--backend-store-uri"] == "postgresql://mlflow@db/mlflow"
+    assert served["--artifacts-destination"] == "s3://bucket/mlflow"
+
+
+def test_server_refuses_what_it_cannot_serve(monkeypatch, capsys):
+    assert cli.main(["server", "--backend-store-uri", "postgresql://mlflow@db/mlflow"]) == 2
+    assert "say where the server keeps artifacts with --artifacts-destination" in capsys.readouterr().err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert cli.main(["server"]) == 2
+    assert "MLFLOW_TRACKING_URI http://127.0.0.1:5000 is a tracking server, not a store" in capsys.readouterr().err

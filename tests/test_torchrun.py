@@ -34,4 +34,4 @@ def test_two_processes_give_one_finished_run_that_scores_like_one_process(tmp_pa
     assert set(together["models"]) == set(alone["models"])
     served = run.data.tags["primary_model"]
     assert together["models"][served][metric] == pytest.approx(alone["models"][served][metric], rel=TOLERANCE)
-    assert not (tmp_path / "ddp" / "checkpoints" / name / "smoke").exists()  # finished: nothing left to resume
+    assert not (tmp_path / "ddp" / "checkpoints" / name / "smoke" / run.info.run_id).exists()  # nothing to resume

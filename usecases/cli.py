@@ -111,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: 127.0.0.1; 0.0.0.0 exposes it to the network)")
     server.add_argument("--port", type=int, default=5000, help="port (default: 5000)")
+    server.add_argument("--backend-store-uri", metavar="URI",
+                        help="the database of runs and models, e.g. postgresql://user@db/mlflow (default: "
+                             "MLFLOW_TRACKING_URI when it names a database, else the local store)")
+    server.add_argument("--artifacts-destination", metavar="DIR_OR_URI",
+                        help="where the server keeps artifacts: a folder or s3://bucket/path (default: artifacts/ "
+                             "beside a SQLite store)")
     return parser
 
 
@@ -263,15 +269,14 @@ def _compare(name: str, output_format: str) -> int:
     return EXIT_OK
 
 
-def _server(host: str, port: int) -> int:
+def _server(host: str, port: int, backend_store_uri: str | None, artifacts_destination: str | None) -> int:
     """Replace this process with `mlflow server`, so that Ctrl-C and SIGTERM reach it directly."""
-    from common.tracking import default_tracking_uri, local_store
+    from common.tracking import server_stores
 
-    artifacts = local_store() / "artifacts"
-    artifacts.mkdir(parents=True, exist_ok=True)
-    print(f"MLflow tracking server on http://{host}:{port} (store: {default_tracking_uri()}, artifacts: {artifacts})\n"
+    store, artifacts = server_stores(backend_store_uri, artifacts_destination)
+    print(f"MLflow tracking server on http://{host}:{port} (store: {store}, artifacts: {artifacts})\n"
           f"Track into it from any shell with: export MLFLOW_TRACKING_URI=http://{host}:{port}", flush=True)
-    os.execv(sys.executable, [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", default_tracking_uri(),
+    os.execv(sys.executable, [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store,
                               "--artifacts-destination", str(artifacts), "--serve-artifacts", "--host", host,
                               "--port", str(port)])
 
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     for name in ("usecases", "common"):
         logging.getLogger(name).setLevel(logging.INFO)
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables...": not news
+        logging.getLogger(name).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     stop_on_signals()
     try:
@@ -290,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ui":
             return _ui(args.port)
         if args.command == "server":
-            return _server(args.host, args.port)
+            return _server(args.host, args.port, args.backend_store_uri, args.artifacts_destination)
         if args.command == "serve":
             return _serve(args.name, args.model_uri, args.host, args.port, args.data_sha256)
         if args.command == "compare":

@@ -24,7 +24,7 @@ def run_workers(tmp_path, *args):
                str(WORKER), str(tmp_path), *args]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_epoch(tmp_path):

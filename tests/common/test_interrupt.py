@@ -68,4 +68,4 @@ def test_training_stops_after_the_checkpoint_of_the_epoch_in_which_the_signal_ca
     with pytest.raises(Terminated):
         trainer.fit(data, validate)
     assert epochs == [0, 1]
-    assert torch.load(tmp_path / CHECKPOINT_NAME, weights_only=False)["epoch"] == 1
+    assert torch.load(tmp_path / CHECKPOINT_NAME, weights_only=True)["epoch"] == 1

@@ -226,7 +226,7 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path):
 def test_checkpoint_dir_holds_only_the_checkpoint(tmp_path):
     make_trainer(linear(), epochs=3, checkpoint_dir=tmp_path / "ckpt").fit(batches(), val_mse)
     assert [path.name for path in (tmp_path / "ckpt").iterdir()] == [CHECKPOINT_NAME]
-    state = torch.load(tmp_path / "ckpt" / CHECKPOINT_NAME, weights_only=False)
+    state = torch.load(tmp_path / "ckpt" / CHECKPOINT_NAME, weights_only=True)
     assert state["finished"] and state["epoch"] == 2
 
 

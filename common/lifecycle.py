@@ -1,0 +1,155 @@
+"""The runs of one use case and preset across processes: which are dead, which one `--resume` continues, and where
+each keeps its checkpoints.
+
+A run killed by SIGKILL, the OOM killer or a lost machine never ends itself: it stays RUNNING in MLflow. The next
+start of the same preset marks it KILLED once it is sure the process is gone (on this host: its pid, checked against
+the process's start time so a reused pid does not count; on another host: a heartbeat older than
+`USECASES_STALE_AFTER_S`), which also makes it resumable. Each run keeps its checkpoints in its own folder,
+`<checkpoints>/<experiment>/<preset>/<run id>/`, so two runs of one preset never share or delete each other's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlflow
+import psutil
+from mlflow.exceptions import MlflowException
+
+from common.errors import UserError
+from common.paths import project_root
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "run.json"
+HOST_TAG, PID_TAG, PID_STARTED_TAG, HEARTBEAT_TAG = "host", "pid", "pid_started", "heartbeat"
+HEARTBEAT_EVERY_S = 60
+STALE_AFTER_S = 900  # a quarter of an hour without a heartbeat: a run on another host is taken for dead
+
+
+def checkpoint_root(experiment: str, preset: str) -> Path:
+    base = Path(os.environ.get("USECASES_CHECKPOINT_DIR", project_root() / "checkpoints"))
+    return base / experiment / preset
+
+
+def process_tags() -> dict[str, str]:
+    """Who runs this run, for the next start to tell whether it is still alive."""
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()),
+            PID_STARTED_TAG: f"{psutil.Process().create_time():.3f}", HEARTBEAT_TAG: f"{time.time():.0f}"}
+
+
+@contextmanager
+def heartbeat(run_id: str, every_s: float = HEARTBEAT_EVERY_S) -> Iterator[None]:
+    """Refresh the run's heartbeat tag in the background while the block runs."""
+    stop = threading.Event()
+    client = mlflow.MlflowClient()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            try:
+                client.set_tag(run_id, HEARTBEAT_TAG, f"{time.time():.0f}")
+            except MlflowException as exc:  # a busy store: the next beat tries again
+                log.debug("heartbeat of run %s not written: %s", run_id, exc)
+
+    thread = threading.Thread(target=beat, name="run-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def why_dead(tags: dict[str, str], start_time_ms: int, now: float | None = None) -> str | None:
+    """Why a RUNNING run is known to be dead, or None while it may be alive."""
+    now = time.time() if now is None else now
+    if tags.get(HOST_TAG) == socket.gethostname() and PID_TAG in tags:
+        pid = int(tags[PID_TAG])
+        try:
+            alive = abs(psutil.Process(pid).create_time() - float(tags.get(PID_STARTED_TAG, "nan"))) < 1.0
+        except psutil.NoSuchProcess:
+            alive = False
+        return None if alive else f"its process {pid} on this host is gone"
+    stale_after = float(os.environ.get("USECASES_STALE_AFTER_S", STALE_AFTER_S))
+    last_beat = float(tags.get(HEARTBEAT_TAG, start_time_ms / 1000))
+    if now - last_beat > stale_after:
+        host = tags.get(HOST_TAG, "an unknown host")
+        return f"no heartbeat from {host} for {(now - last_beat) / 60:.0f} min"
+    return None
+
+
+def _runs_of(experiment_id: str, preset: str, status: str | None = None) -> list:
+    query = f"tags.preset = '{preset}'" + (f" and attributes.status = '{status}'" if status else "")
+    return mlflow.MlflowClient().search_runs([experiment_id], filter_string=query, order_by=["attributes.start_time DESC"])
+
+
+def mark_dead_runs(experiment_id: str, name: str, preset: str) -> list[str]:
+    """End as KILLED every RUNNING run of this preset whose process is gone, saying so; returns their ids."""
+    client = mlflow.MlflowClient()
+    marked = []
+    for run in _runs_of(experiment_id, preset, "RUNNING"):
+        reason = why_dead(run.data.tags, run.info.start_time)
+        if reason is None:
+            continue
+        client.set_terminated(run.info.run_id, "KILLED")
+        marked.append(run.info.run_id)
+        log.warning("run %s of preset '%s' was left RUNNING (%s): marked KILLED; `usecases run %s --preset %s "
+                    "--resume` continues it", run.info.run_id, preset, reason, name, preset)
+    return marked
+
+
+def prune_checkpoints(root: Path, keep: str | None = None) -> None:
+    """Remove the checkpoint folders of runs that can never be resumed: finished, failed or deleted ones. A folder
+    whose run this store does not know stays: it may belong to a run tracked in another store."""
+    if not root.is_dir():
+        return
+    client = mlflow.MlflowClient()
+    for folder in root.iterdir():
+        if not folder.is_dir() or folder.name == keep:
+            continue
+        try:
+            run = client.get_run(folder.name)
+        except MlflowException:
+            continue
+        if run.info.status in ("FINISHED", "FAILED") or run.info.lifecycle_stage == "deleted":
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, data_tags: dict) -> str:
+    """The newest KILLED run of this preset that left a checkpoint, checked to run on the same config and data."""
+    runs = _runs_of(experiment_id, preset)
+    for run in runs:
+        state_file = root / run.info.run_id / STATE_FILE
+        if run.info.status == "KILLED" and state_file.is_file():
+            check_same_job(json.loads(state_file.read_text()), params, data_tags)
+            return run.info.run_id
+    newest = runs[0] if runs else None
+    if newest is not None and newest.info.status == "FAILED":
+        raise UserError(f"--resume: the last run of preset '{preset}' ({newest.info.run_id}) FAILED, and only an "
+                        f"interrupted (KILLED) run can be resumed: start it afresh without --resume")
+    if newest is not None and newest.info.status == "RUNNING":
+        tags = newest.data.tags
+        raise UserError(f"--resume: run {newest.info.run_id} of preset '{preset}' is still running (pid "
+                        f"{tags.get(PID_TAG, '?')} on {tags.get(HOST_TAG, '?')}): stop it first, or start a fresh "
+                        f"run without --resume")
+    raise UserError(f"--resume: no interrupted run of preset '{preset}' to resume (no KILLED run with a checkpoint "
+                    f"in {root})")
+
+
+def check_same_job(state: dict, params: dict, data_tags: dict) -> None:
+    for key in sorted(set(params) | set(state["params"])):
+        if params.get(key) != state["params"].get(key):
+            raise UserError(f"--resume: config key '{key}' is {params.get(key)!r} now but was "
+                            f"{state['params'].get(key)!r} in the interrupted run")
+    if state["data"].get("data_sha256") != data_tags.get("data_sha256"):
+        raise UserError(f"--resume: the data ({data_tags.get('data_source')}) differs from the interrupted run's "
+                        f"({state['data'].get('data_source')}, another SHA-256)")

@@ -1,0 +1,90 @@
+"""Runs stopped as users stop them: `kill -9` leaves no RUNNING run once the next run starts and stays resumable;
+SIGTERM then `--resume` ends where an uninterrupted run ends."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import runs, usecases
+
+LONG_FINANCE = ["--set", "train.epochs=60", "--set", "train.patience=60", "--set", "train.refit_every=200"]
+LONG_MEDICAL = ["--set", "train.epochs=6", "--set", "train.patience=6"]  # a signal lands before the last epoch
+
+
+def start_and_stop(name: str, args: list[str], signum: int) -> subprocess.Popen:
+    """Start `usecases run NAME --preset smoke ARGS` and send it `signum` once its first checkpoint is written."""
+    process = subprocess.Popen([sys.executable, "-m", "usecases", "run", name, "--preset", "smoke", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = Path(os.environ["USECASES_CHECKPOINT_DIR"]) / name / "smoke"
+    deadline = time.monotonic() + 120
+    while not any(folder.rglob("last.pt")) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    assert process.poll() is None, process.communicate()[1][-2000:]
+    process.send_signal(signum)
+    process.communicate(timeout=60)
+    return process
+
+
+def test_kill_9_then_a_fresh_run_leaves_no_running_run_and_the_killed_one_resumes():
+    killed = start_and_stop("finance", LONG_FINANCE, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    (left,) = runs("finance")
+    assert left.info.status == "RUNNING"  # nothing could end it
+
+    fresh = usecases("run", "finance", "--preset", "smoke")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    run_id = left.info.run_id
+    assert f"run {run_id} of preset 'smoke' was left RUNNING (its process {killed.pid} on this host is gone): " \
+           f"marked KILLED" in fresh.stderr
+    statuses = {run.info.run_id: run.info.status for run in runs("finance")}
+    assert statuses.pop(run_id) == "KILLED" and list(statuses.values()) == ["FINISHED"]
+
+    resumed = usecases("run", "finance", "--preset", "smoke", *LONG_FINANCE, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from the checkpoint after epoch" in resumed.stderr
+    assert {run.info.run_id: run.info.status for run in runs("finance")}[run_id] == "FINISHED"
+    assert not any((Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke").iterdir())
+
+
+def test_a_failed_run_keeps_no_checkpoint_and_is_not_resumed(monkeypatch, capsys):
+    from usecases import cli
+    from usecases.finance import pipeline
+
+    def fail_after_a_checkpoint(config, data, job):
+        (job.checkpoint_dir / "neural").mkdir(parents=True)
+        (job.checkpoint_dir / "neural" / "last.pt").write_bytes(b"")
+        raise RuntimeError("a bug in the model")
+
+    monkeypatch.setattr(pipeline, "run", fail_after_a_checkpoint)
+    assert cli.main(["run", "finance", "--preset", "smoke"]) == 1
+    (failed,) = runs("finance")
+    assert failed.info.status == "FAILED"
+    assert not (Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke" / failed.info.run_id).exists()
+    capsys.readouterr()
+    assert cli.main(["run", "finance", "--preset", "smoke", "--resume"]) == 2
+    assert f"the last run of preset 'smoke' ({failed.info.run_id}) FAILED, and only an interrupted (KILLED) run " \
+           f"can be resumed" in capsys.readouterr().err
+
+
+def test_sigterm_then_resume_gives_the_test_auc_of_an_uninterrupted_run(tmp_path):
+    straight = usecases("run", "medical", "--preset", "smoke", *LONG_MEDICAL, "--summary",
+                        str(tmp_path / "straight.json"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    stopped = start_and_stop("medical", LONG_MEDICAL, signal.SIGTERM)
+    assert stopped.returncode == 143
+    resumed = usecases("run", "medical", "--preset", "smoke", *LONG_MEDICAL, "--resume", "--summary",
+                       str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from the checkpoint after epoch" in resumed.stderr
+
+    (first, second) = (json.loads((tmp_path / f"{kind}.json").read_text())["models"] for kind in ("straight",
+                                                                                                  "resumed"))
+    served = runs("medical")[0].data.tags["primary_model"]
+    assert second[served]["auc"] == pytest.approx(first[served]["auc"], abs=1e-6)
