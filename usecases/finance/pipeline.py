@@ -47,14 +47,15 @@ def load_data(config: Config, path: Path | None) -> tuple[Prepared, dict[str, st
     """Everything that can be wrong with the data is found here, before an MLflow run is started."""
     panel = load_panel(config.data, path)
     frame = add_features(panel.frame, config.evaluation.horizon)
-    prepared = Prepared(panel, frame, evaluation_window(frame, config))
+    prepared = Prepared(panel, frame, evaluation_window(frame, config, str(path) if path else panel.source))
     return prepared, {"data_source": panel.source, "data_sha256": panel.sha256,
                       "data_filled_rows": panel.filled_rows, **({"data_path": str(path)} if path else {}),
                       "data_schema": DATA_SCHEMA}
 
 
-def evaluation_window(frame: pd.DataFrame, config: Config) -> pd.Series:
-    """Rows (origins) whose forecast target day lies in the test window."""
+def evaluation_window(frame: pd.DataFrame, config: Config, where: str = "data") -> pd.Series:
+    """Rows (origins) whose forecast target day lies in the test window, checked to be one the models can be fitted
+    before and scored in; `where` (the file) starts each error."""
     evaluation = config.evaluation
     dates = frame["target_date"]
     if evaluation.test_start is None:
@@ -65,15 +66,45 @@ def evaluation_window(frame: pd.DataFrame, config: Config) -> pd.Series:
     end = pd.Timestamp(evaluation.test_end) if evaluation.test_end else dates.max()
     mask = (dates >= start) & (dates <= end)
     if not mask.any():
-        raise UserError(f"evaluation.test_start/test_end: no trading days between {pd.Timestamp(start).date()} "
-                        f"and {end.date()} (the data runs from {frame['date'].min().date()} "
-                        f"to {frame['date'].max().date()})")
+        raise UserError(f"{where}: evaluation.test_start/test_end: no trading days between "
+                        f"{pd.Timestamp(start).date()} and {end.date()} (the data runs from "
+                        f"{frame['date'].min().date()} to {frame['date'].max().date()})")
     history = frame[dates < start].groupby("ticker").size().reindex(frame["ticker"].unique(), fill_value=0)
     if (history < MIN_HISTORY).any():
         ticker = history.index[history < MIN_HISTORY][0]
-        raise UserError(f"ticker '{ticker}': only {history[ticker]} days before the test window starts on "
-                        f"{pd.Timestamp(start).date()}; at least {MIN_HISTORY} are needed to fit the models")
+        raise UserError(f"{where}: ticker '{ticker}': only {history[ticker]} days before the test window starts on "
+                        f"{pd.Timestamp(start).date()}; at least {MIN_HISTORY} are needed to fit the models "
+                        f"(set evaluation.test_start or evaluation.test_fraction)")
+    _check_prices_move(frame[dates < start], "before the test window", frame["ret"], frame["parkinson"], where)
+    _check_prices_move(frame[mask], "in the test window", frame["target_ret"], frame["target"], where)
+    _check_first_refit(frame, mask, config, where)
     return mask
+
+
+def _check_prices_move(rows: pd.DataFrame, part: str, returns: pd.Series, parkinson: pd.Series, where: str) -> None:
+    """A ticker whose close never changes, or whose high equals its low every day, has no variance to fit (GARCH
+    and the network fail on zeros) or to score forecasts against (QLIKE leaves zero proxies out)."""
+    for ticker, days in rows.groupby("ticker", sort=False).groups.items():
+        span = f"{part} ({rows['date'].loc[days].min().date()} to {rows['date'].loc[days].max().date()})"
+        if (returns.loc[days] == 0).all():
+            raise UserError(f"{where}: ticker '{ticker}': its close never changes {span}; expected prices "
+                            f"that move from day to day")
+        if (parkinson.loc[days] == 0).all():
+            raise UserError(f"{where}: ticker '{ticker}': its high equals its low on every day {span}; expected "
+                            f"a daily range (high above low) on some days")
+
+
+def _check_first_refit(frame: pd.DataFrame, mask: pd.Series, config: Config, where: str) -> None:
+    """The first refit of the network trains on the fewest pairs (the windows expand): it needs some to train on
+    and some to stop early on."""
+    first = block_starts(frame, mask, config.train.refit_every)[0]
+    train_rows, val_rows = training_window(frame, trainable(frame), first, config.train.val_fraction)
+    if len(train_rows) == 0 or len(val_rows) == 0:
+        horizon = config.evaluation.horizon
+        raise UserError(f"{where}: evaluation.horizon={horizon}: {len(train_rows)} training and {len(val_rows)} "
+                        f"validation pairs whose {horizon} target days all precede the test window on "
+                        f"{first.date()}; expected some of each (a shorter evaluation.horizon or a later "
+                        f"evaluation.test_start gives more)")
 
 
 def block_starts(frame: pd.DataFrame, mask: pd.Series, every: int) -> list[pd.Timestamp]:
@@ -132,13 +163,18 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
     return trainer.module.eval(), result.epochs_run
 
 
+def trainable(frame: pd.DataFrame) -> pd.Series:
+    """Pairs the network can learn from: its inputs defined, and both targets positive (QLIKE needs them so)."""
+    return usable(frame) & (frame["target"] > 0) & (frame["target_h"] > 0)
+
+
 def training_window(frame: pd.DataFrame, ready: pd.Series, refit_date: pd.Timestamp,
                     val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """Rows to train and to early-stop on at a refit: pairs whose H target days all precede the refit date,
     the latest `val_fraction` of them (by their last target day) held out for validation."""
     known = ready & (frame["target_date_h"] < refit_date)
     dates = np.sort(frame.loc[known, "target_date_h"].unique())
-    val_start = dates[int(len(dates) * (1 - val_fraction))]
+    val_start = dates[int(len(dates) * (1 - val_fraction))] if len(dates) else refit_date
     return (np.flatnonzero(known & (frame["target_date_h"] < val_start)),
             np.flatnonzero(known & (frame["target_date_h"] >= val_start)))
 
@@ -153,7 +189,7 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     names = feature_names(config.data.exogenous)
     features = torch.tensor(frame[names].to_numpy(), dtype=torch.float32)
     targets = torch.tensor(frame[["target", "target_h"]].to_numpy(), dtype=torch.float32)
-    ready = usable(frame) & (frame["target"] > 0) & (frame["target_h"] > 0)
+    ready = trainable(frame)
     starts = block_starts(frame, mask, config.train.refit_every)
     parts, step, latest = [], 0, {}
     for block, start in enumerate(starts):
