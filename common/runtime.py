@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from types import ModuleType
 
 import numpy as np
@@ -106,6 +107,17 @@ def distributed_env() -> tuple[int, int, int]:
     )
 
 
+DDP_TIMEOUT_MIN = 60
+
+
+def collective_timeout() -> timedelta:
+    """How long a rank waits in a collective: an hour (`$USECASES_DDP_TIMEOUT_MIN`), not NCCL's 10 minutes,
+    because at the end of a job the other ranks wait at a barrier while rank 0 alone logs and registers the model,
+    which with a remote store and a large model can pass 10 minutes. The work itself is shared out
+    (common/sharding.py), so no rank waits long for another's computation."""
+    return timedelta(minutes=float(os.environ.get("USECASES_DDP_TIMEOUT_MIN", DDP_TIMEOUT_MIN)))
+
+
 def make_runtime(device: str = "auto", precision: str = "auto", cpu_threads: int | None = None,
                  tf32: bool = False, compile: bool = False) -> Runtime:
     """Resolve the device and precision, and join the process group when started by torchrun.
@@ -121,7 +133,7 @@ def make_runtime(device: str = "auto", precision: str = "auto", cpu_threads: int
         torch.cuda.set_device(chosen)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo", timeout=collective_timeout())
     return Runtime(chosen, select_amp_dtype(chosen, precision), rank, local_rank, world_size, compile)
 
 

@@ -116,6 +116,15 @@ def make_loader(dataset: Dataset, batch_size: int, runtime: Runtime, *, shuffle:
     )
 
 
+def synchronised_batch_norm(model: nn.Module, runtime: Runtime) -> nn.Module:
+    """Batch norm over the global batch under DDP on GPUs: each rank's batch is 1/world_size of it, and statistics
+    of a small per-GPU batch are noisy. SyncBatchNorm runs on CUDA only, so CPU (gloo) jobs keep per-rank batch norm.
+    The parameters and buffers keep their names, so checkpoints and logged weights load into plain BatchNorm."""
+    if runtime.distributed and runtime.device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model
+
+
 def all_reduce_mean(values: dict[str, float], runtime: Runtime) -> dict[str, float]:
     if not runtime.distributed or not values:
         return values
@@ -180,7 +189,7 @@ class Trainer:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be min or max, got {mode}")
         self.runtime = runtime
-        self.model = model.to(runtime.device)
+        self.model = synchronised_batch_norm(model, runtime).to(runtime.device)
         self.module = self.model
         if runtime.distributed:
             device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None

@@ -376,3 +376,16 @@ def test_make_loader_samples_by_weight_and_refuses_it_under_ddp():
     with pytest.raises(UserError, match="weighted sampler cannot be combined with DDP"):
         training.make_loader(dataset, batch_size=5, runtime=Runtime(torch.device("cpu"), None, world_size=2),
                              weights=weights)
+
+
+def test_batch_norm_is_synchronised_under_ddp_on_gpus_only():
+    from common.training import synchronised_batch_norm
+
+    def network():
+        return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+
+    names = list(network().state_dict())
+    on_gpus = synchronised_batch_norm(network(), Runtime(torch.device("cuda"), None, world_size=2))
+    assert isinstance(on_gpus[1], nn.SyncBatchNorm) and list(on_gpus.state_dict()) == names
+    for runtime in (Runtime(torch.device("cpu"), None, world_size=2), Runtime(torch.device("cuda"), None)):
+        assert type(synchronised_batch_norm(network(), runtime)[1]) is nn.BatchNorm2d

@@ -18,6 +18,8 @@ import torch
 from common.errors import UserError
 from common.interrupt import stop_point
 from common.job import Job
+from common.runtime import Runtime
+from common.sharding import gather_objects, my_share
 from common.training import TensorBatches, Trainer, supervised
 from .baselines import BASELINES, VAR_LEVELS, forecast_frame
 from .config import Config
@@ -122,17 +124,22 @@ def ticker_blocks(rows: pd.DataFrame, mask: pd.Series, starts: list[pd.Timestamp
             if len(chunk)]
 
 
-def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config) -> pd.DataFrame:
+def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config,
+                       runtime: Runtime | None = None) -> pd.DataFrame | None:
+    """Every baseline's walk-forward forecasts, the tickers shared out among the ranks of a DDP job (each ticker's
+    fits are independent); all of them on rank 0, None on the others."""
     starts = block_starts(frame, mask, config.evaluation.refit_every)
+    series = list(frame.groupby("ticker", sort=False))
     parts = []
-    for ticker, rows in frame.groupby("ticker", sort=False):
+    for ticker, rows in series[my_share(len(series), runtime)]:
         blocks = ticker_blocks(rows, mask[rows.index], starts)
         for name in config.baselines.models:
             stop_point()
             forecasts = BASELINES[name](rows, blocks, config.evaluation.horizon, config.baselines)
             parts.append(forecasts.assign(model=name))
         log.info("baselines: %s done (%d refits)", ticker, len(blocks))
-    return pd.concat(parts)
+    gathered = gather_objects(parts, runtime)
+    return None if gathered is None else pd.concat([part for rank in gathered for part in rank])
 
 
 def _member_seed(config: Config, block: int, member: int) -> int:
@@ -221,9 +228,9 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
 def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]:
     frame, mask = data.frame, data.test
     neural, latest = neural_forecasts(frame, mask, config, job)
+    baselines = baseline_forecasts(frame, mask, config, job.runtime)
     if not job.runtime.is_main:
         return {}
-    baselines = baseline_forecasts(frame, mask, config)
     realised = frame[["ticker", "target_date", "target", "target_ret"]].rename(
         columns={"target_date": "date", "target": "parkinson", "target_ret": "ret"})
     forecasts = pd.concat([baselines, neural]).join(realised)

@@ -17,6 +17,9 @@ item:
 
 |R_u| counts every relevant item, even one that the exclusion mask hides (RecBole does the same). Coverage leaves
 the unknown item 0 out of the catalogue size; RecBole's `ItemCoverage` counts its padding item in.
+
+Under DDP each rank ranks its own block of the users and the sums are all-reduced, so every rank gets the metrics of
+all users for the cost of its share.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
+from common.runtime import Runtime
+from common.sharding import all_reduce_max, all_reduce_sum, my_share
 from .data import UNKNOWN
 
 METRICS = ("hit", "recall", "precision", "mrr", "ndcg", "coverage")
@@ -77,13 +82,13 @@ def _synchronize(device: torch.device) -> None:
 
 
 def full_ranking(scorer: Scorer, truth: sp.csr_matrix, exclude: sp.csr_matrix, ks: list[int], device: torch.device,
-                 batch_users: int) -> dict[str, float]:
+                 batch_users: int, runtime: Runtime | None = None) -> dict[str, float]:
     """Rank every item for each user with a non-empty `truth` row and average the metrics of the module docstring.
 
     `exclude` holds the items each user already has and that must not be recommended again: the training matrix
     when evaluating on validation, training + validation when evaluating on test (RecBole's full-sort protocol).
     Returns `{metric}@{k}` for each k, `users_evaluated` and `users_per_s` (scoring, masking, top-K and metrics,
-    timed with the device synchronised).
+    timed with the device synchronised). With a distributed `runtime`, every rank of it must call this together.
     """
     n_items = truth.shape[1]
     largest = max(ks)
@@ -92,6 +97,8 @@ def full_ranking(scorer: Scorer, truth: sp.csr_matrix, exclude: sp.csr_matrix, k
     truth = truth.tocsr()
     relevant_count = np.diff(truth.indptr)
     users = np.flatnonzero(relevant_count)
+    n_users = len(users)
+    users = users[my_share(n_users, runtime)]
     ranks = torch.arange(1, largest + 1, device=device, dtype=torch.float64)
     discounts = 1.0 / torch.log2(ranks + 1)
     ideal_dcg = torch.cumsum(discounts, 0)
@@ -118,11 +125,13 @@ def full_ranking(scorer: Scorer, truth: sp.csr_matrix, exclude: sp.csr_matrix, k
             totals[f"ndcg@{k}"] += ((hits_k * discounts[:k]).sum(1) / ideal).sum()
             recommended[k][items[:, :k][returned[:, :k]]] = True
     _synchronize(device)
-    elapsed = time.perf_counter() - start
+    elapsed = all_reduce_max(time.perf_counter() - start, runtime)
 
-    n_users = max(len(users), 1)
-    results = {name: total.item() / n_users for name, total in totals.items()}
-    results.update({f"coverage@{k}": seen.sum().item() / (n_items - 1) for k, seen in recommended.items()})
-    results["users_evaluated"] = len(users)
-    results["users_per_s"] = len(users) / elapsed if elapsed > 0 else 0.0
+    names = list(totals)
+    summed = all_reduce_sum(torch.stack([totals[name] for name in names]), runtime)
+    results = {name: total / max(n_users, 1) for name, total in zip(names, summed.tolist())}
+    for k, seen in recommended.items():
+        results[f"coverage@{k}"] = (all_reduce_sum(seen.int(), runtime) > 0).sum().item() / (n_items - 1)
+    results["users_evaluated"] = n_users
+    results["users_per_s"] = n_users / elapsed if elapsed > 0 else 0.0
     return results

@@ -49,33 +49,34 @@ def fit_model(name: str, data: Interactions, config: Config, job: Job):
 
 
 def run(config: Config, data: Interactions, job: Job) -> dict[str, dict[str, float]]:
+    """Under DDP every rank fits every model (the learned ones together, the baselines each alone: deterministic,
+    and no rank waits in a collective while another fits) and ranks its share of the users; rank 0 logs."""
     runtime = job.runtime
     train, val, test = data.matrix("train"), data.matrix("val"), data.matrix("test")
     seen_before_test = (train + val).sign().tocsr()
     models, scorers, validation = {}, {}, {}
+
+    def ranking(scorer, truth, exclude, ks):
+        return full_ranking(scorer, truth, exclude, ks, runtime.device, config.evaluation.batch_users, runtime)
+
     for name in config.models:
         if name == "als" and not als_available():
             log.warning("als: the implicit package is not installed (pip install implicit); skipped")
             continue
-        if name not in LEARNED and not runtime.is_main:
-            continue  # under DDP only the learned models need every rank
         scorer, fitted = fit_model(name, data, config, job)
-        if not runtime.is_main:
-            continue
-        validation[name] = full_ranking(scorer, val, train, [10], runtime.device,
-                                        config.evaluation.batch_users)["ndcg@10"]
-        metrics = full_ranking(scorer, test, seen_before_test, config.evaluation.ks, runtime.device,
-                               config.evaluation.batch_users)
+        validation[name] = ranking(scorer, val, train, [10])["ndcg@10"]
+        metrics = ranking(scorer, test, seen_before_test, config.evaluation.ks)
         models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name]}
         scorers[name] = scorer
         log.info("%s: test NDCG@10 %.4f, recall@10 %.4f", name, metrics["ndcg@10"], metrics["recall@10"])
-    if not runtime.is_main or not models:
+    if not models:
         return models
     best = max(validation, key=validation.get)
-    job.tracker.set_tags({"served_model": best})
     bundle = serving_bundle(scorers[best], data, config)
-    served = full_ranking(Recommender(bundle), test, seen_before_test, [10], runtime.device,
-                          config.evaluation.batch_users)
+    served = ranking(Recommender(bundle), test, seen_before_test, [10])
+    if not runtime.is_main:
+        return {}
+    job.tracker.set_tags({"served_model": best})
     models[best].update(log_recommender(bundle, best, job), **{"served_ndcg@10": served["ndcg@10"]})
     return models
 

@@ -42,7 +42,7 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
 
     def validate(network: PairwiseRanker) -> dict[str, float]:
-        metrics = full_ranking(network, val, train, [10], runtime.device, config.evaluation.batch_users)
+        metrics = full_ranking(network, val, train, [10], runtime.device, config.evaluation.batch_users, runtime)
         return {f"val/{name}/ndcg@10": metrics["ndcg@10"], MONITOR: metrics["ndcg@10"]}
 
     trainer = Trainer(model, optimizer, bpr_step, runtime, settings, monitor=MONITOR, mode="max",
