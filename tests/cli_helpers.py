@@ -1,5 +1,6 @@
 """Running the CLI as a user does: a separate process, with a private MLflow store and checkpoint folder."""
 
+import logging
 import os
 import signal
 import socket
@@ -84,14 +85,32 @@ def mlflow_server(folder: Path) -> Iterator[str]:
             stop(process)
 
 
+class _Collected(logging.Handler):
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def assert_rejected(capsys, usecase: str, *args: str, names: tuple[str, ...] = ()) -> str:
     """`usecases ARGS` as a user types it, in this process (seconds, not a fresh interpreter per case): it must exit
     2 with one stderr line `error: ...` that contains each of `names` (the file, row, column or key), print no
-    traceback, and leave no MLflow run and no checkpoint behind. Returns the line."""
+    traceback nor warning, and leave no MLflow run and no checkpoint behind. Returns the line.
+
+    Warnings logged through `logging` reach pytest's handlers rather than stderr here, so they are collected
+    apart: the CLI would print them beside the error line."""
     from usecases.cli import main
 
-    code = main(list(args))
+    warned = _Collected(logging.WARNING)
+    logging.getLogger().addHandler(warned)
+    try:
+        code = main(list(args))
+    finally:
+        logging.getLogger().removeHandler(warned)
     err = capsys.readouterr().err
+    assert not warned.records, f"warned with the error: {[record.getMessage() for record in warned.records]}"
     lines = err.strip().splitlines()
     assert code == 2, f"exit {code}, stderr:\n{err}"
     assert len(lines) == 1 and lines[0].startswith("error: "), f"not one error line:\n{err}"

@@ -1,5 +1,7 @@
 """Shared test setup: GPU tests skip without a GPU; every test tracks into its own temporary store."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -13,9 +15,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory):
+    """An MLflow store whose tables exist: creating them (alembic's migrations) takes seconds, copying a file not."""
+    import mlflow
+
+    path = tmp_path_factory.mktemp("store") / "mlflow.db"
+    mlflow.MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
 @pytest.fixture(autouse=True)
-def isolated_store(tmp_path, monkeypatch):
-    """Keep the project's own mlflow/ store and checkpoints/ untouched by tests."""
+def isolated_store(tmp_path, monkeypatch, empty_store):
+    """Keep the project's own mlflow/ store and checkpoints/ untouched by tests: each test has its own store,
+    started from a copy of the empty one."""
+    shutil.copy(empty_store, tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("USECASES_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

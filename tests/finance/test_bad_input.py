@@ -6,13 +6,12 @@ The base file is date-major (every ticker on a day, then the next day), so row 2
 """
 
 import gzip
-import shutil
 import zipfile
 
 import pandas as pd
 import pytest
 
-from tests.cli_helpers import assert_rejected, runs
+from tests.cli_helpers import assert_rejected
 from usecases.finance.config import Data, Synthetic
 from usecases.finance.data import load_file, synthetic_panel
 
@@ -26,20 +25,6 @@ def good() -> pd.DataFrame:
     frame = synthetic_panel(Synthetic(tickers=2, days=400, seed=1)).frame
     frame = frame.sort_values(["date", "ticker"], kind="stable").reset_index(drop=True)
     return frame.assign(date=frame["date"].dt.strftime("%Y-%m-%d"))
-
-
-@pytest.fixture(scope="module")
-def migrated_store(tmp_path_factory):
-    """An empty MLflow store with its tables made once: creating them takes seconds, copying the file does not."""
-    store = tmp_path_factory.mktemp("store") / "mlflow.db"
-    runs("finance", f"sqlite:///{store}")
-    return store
-
-
-@pytest.fixture(autouse=True)
-def isolated_store(isolated_store, migrated_store, tmp_path):
-    """conftest's private store for each case (tmp_path/mlflow.db), started from a copy of the empty tables."""
-    shutil.copy(migrated_store, tmp_path / "mlflow.db")
 
 
 def case(*names: str, args: tuple[str, ...] = ()):

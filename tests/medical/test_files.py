@@ -17,8 +17,9 @@ from pydicom.errors import InvalidDicomError
 
 from common.errors import UserError
 from usecases.medical.config import Files
-from usecases.medical.files import assert_no_patient_leak, dicom_to_uint8, load_files
+from usecases.medical.files import assert_no_patient_leak, load_files
 from usecases.medical.images import SPLITS
+from usecases.medical.pixels import dicom_to_uint8
 
 PATIENTS_PER_CLASS = 20
 IMAGES_PER_PATIENT = 2

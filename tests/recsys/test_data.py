@@ -180,13 +180,14 @@ def test_movielens_download_is_checked_against_the_published_md5_and_cached(tmp_
 
 def test_a_log_with_text_ids_dates_and_titles(tmp_path):
     path = tmp_path / "log.parquet"
-    pd.read_csv(io.StringIO(LOG)).assign(name=lambda frame: frame["item_id"].str.upper()).to_parquet(path)
+    text = LOG + "u1,i3,2,2021-01-05\n"  # a third interaction of u1: one each for train, val and test
+    pd.read_csv(io.StringIO(text)).assign(name=lambda frame: frame["item_id"].str.upper()).to_parquet(path)
     data = load_interactions(make_config(data={"columns": {"title": "name"}}, split="random"), path)
     assert list(data.user_ids) == [None, "u1", "u2"] and list(data.titles) == ["", "I1", "I2", "I3"]
     assert data.source == "file:log.parquet"
-    days = [1609459200 + day * 86400 for day in range(4)]
+    days = [1609459200 + day * 86400 for day in range(5)]
     assert list(read_log(path, Data().columns).frame["timestamp"]) == days
-    pd.read_csv(io.StringIO(LOG), parse_dates=["timestamp"]).to_parquet(path)
+    pd.read_csv(io.StringIO(text), parse_dates=["timestamp"]).to_parquet(path)
     assert list(read_log(path, Data().columns).frame["timestamp"]) == days
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from common.config import ConfigModel, RuntimeConfig, TrackingConfig, TrainConfig
 
@@ -73,6 +74,16 @@ class Model(ConfigModel):
         "auto", description="3x3 stride-1 first convolution and no max-pool; auto: for images under 64 px")
     channels_last: bool = True
 
+    @field_validator("name")
+    @classmethod
+    def _a_torchvision_classifier(cls, name: str) -> str:
+        """Checked with the config, so that a typo stops before the data is read and before any run starts."""
+        from .models import model_names, unknown_model_hint
+
+        if name not in model_names():
+            raise PydanticCustomError("unknown_model", unknown_model_hint(name))
+        return name
+
 
 class Train(TrainConfig):
     """The common loop's keys (epochs, batch_size, lr, patience on the val AUC, grad_clip, checkpoint_every: a
@@ -80,7 +91,8 @@ class Train(TrainConfig):
 
     checkpoint_every: int = Field(5, ge=1)
     weight_decay: float = Field(0.0, ge=0)
-    milestones: list[float] = Field([0.5, 0.75], description="lr x gamma at these fractions of the epochs")
+    milestones: list[Annotated[float, Field(gt=0, lt=1)]] = Field(
+        [0.5, 0.75], description="lr x gamma at these fractions of the epochs")
     gamma: float = Field(0.1, gt=0, le=1)
     imbalance: Literal["none", "class_weights", "sampler"] = "none"
     workers: int = Field(2, ge=0, description="DataLoader workers when the data is not held in memory")

@@ -1,8 +1,9 @@
 """Image classification data sets as uint8 arrays split into train, val and test.
 
 Three sources: an official MedMNIST `.npz` (from the cache, a mirror folder in $USECASES_DATA_PATH, a download
-with its MD5 checked, or a local file), your own images through a CSV manifest or class folders (`files.py`: PNG,
-JPEG or DICOM, split by patient), and a synthetic set. The `ImageSet` they all return is in `images.py`.
+with its MD5 checked, or a local file; read and checked in `npz.py`), your own images through a CSV manifest or
+class folders (`files.py`: PNG, JPEG or DICOM, split by patient), and a synthetic set. The `ImageSet` they all
+return is in `images.py`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataUnavailable, UserError
-from common.paths import cache_dir, data_search_path, file_sha256
+from common.paths import cache_dir, data_search_path
 from .config import Data, MedMNIST, Synthetic
 from .files import load_files
-from .images import SPLITS, ImageSet, Task, check_classes
+from .images import SPLITS, ImageSet
+from .npz import load_medmnist_file
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ DOWNLOAD_TIMEOUT_S = 30
 def load_images(config: Data, path: Path | None, seed: int) -> ImageSet:
     """`--data` decides the source when given: a `.npz` is MedMNIST, anything else your own files."""
     if path is not None:
-        return load_medmnist_file(path) if path.suffix == ".npz" else load_files(path, config.files, seed)
+        return load_medmnist_file(path) if path.suffix.lower() == ".npz" else load_files(path, config.files, seed)
     if config.source == "files":
         raise UserError("data.source=files needs --data PATH (a CSV manifest or a folder of class folders)")
     if config.source == "synthetic":
@@ -81,56 +83,6 @@ def _download(url: str, folder: Path, name: str, md5: str, where: str) -> Path:
         raise UserError(f"the downloaded {name} does not match the official MD5 {md5}: {where}")
     os.replace(part, folder / name)
     return folder / name
-
-
-def _medmnist_task(flag: str, labels: np.ndarray) -> tuple[Task, list[str]]:
-    """Task and class names from MedMNIST's own metadata, or from the labels for a file of unknown name."""
-    from medmnist.info import INFO
-
-    info = INFO.get(flag)
-    if info is not None:
-        task = {"binary-class": "binary", "multi-label, binary-class": "multi-label"}.get(info["task"], "multi-class")
-        names = [info["label"][key] for key in sorted(info["label"], key=int)]
-        return task, names
-    if labels.ndim == 2 and labels.shape[1] > 1:
-        return "multi-label", [str(index) for index in range(labels.shape[1])]
-    count = int(labels.max()) + 1
-    return ("binary" if count == 2 else "multi-class"), [str(index) for index in range(count)]
-
-
-def load_medmnist_file(path: Path) -> ImageSet:
-    """A MedMNIST npz of any 2D set and size; the set's name comes from the file name (`dermamnist_64.npz`)."""
-    try:
-        archive = np.load(path)
-        arrays = {key: archive[key] for key in archive.files}
-    except Exception as exc:
-        raise UserError(f"{path}: not a readable .npz file ({type(exc).__name__})") from None
-    expected = [f"{split}_{kind}" for split in SPLITS for kind in ("images", "labels")]
-    missing = [key for key in expected if key not in arrays]
-    if missing:
-        raise UserError(f"{path}: missing key '{missing[0]}' (a MedMNIST file has {', '.join(expected)}; "
-                        f"this one has {', '.join(sorted(arrays)) or 'none'})")
-    images, labels = {}, {}
-    for split in SPLITS:
-        image, label = arrays[f"{split}_images"], arrays[f"{split}_labels"]
-        if image.dtype != np.uint8 or image.ndim not in (3, 4) or (image.ndim == 4 and image.shape[-1] not in (1, 3)):
-            raise UserError(f"{path}: {split}_images must be uint8 of shape (N, H, W) or (N, H, W, 3), "
-                            f"got {image.dtype} {image.shape}")
-        if len(label) != len(image):
-            raise UserError(f"{path}: {split}_labels has {len(label)} rows but {split}_images has {len(image)}")
-        images[split] = image[..., None] if image.ndim == 3 else image
-        labels[split] = label
-    task, classes = _medmnist_task(path.name.removesuffix(".npz").split("_")[0], labels["train"])
-    for split in SPLITS:
-        if task != "multi-label":
-            labels[split] = labels[split].reshape(-1).astype(np.int64)
-            if labels[split].min() < 0 or labels[split].max() >= len(classes):
-                raise UserError(f"{path}: {split}_labels must be class indices 0..{len(classes) - 1}")
-        else:
-            labels[split] = labels[split].reshape(len(labels[split]), -1).astype(np.int64)
-    data = ImageSet(images, labels, task, classes, f"medmnist:{path.name}", file_sha256(path))
-    check_classes(data, str(path))
-    return data
 
 
 SHAPES = ("disc", "square", "cross", "ring", "horizontal_bars", "vertical_bars")

@@ -2,8 +2,8 @@
 
 Images of one patient look alike, so a patient in both train and test inflates every test metric; a given split
 is checked for that leak and a split made here holds out whole patients (stratified by label). Every mistake in the
-manifest or the files fails before training with one line naming the file, column or row. DICOM pixels become
-what a radiologist's viewer shows: modality LUT (e.g. Hounsfield units), then a window, with MONOCHROME1 inverted.
+manifest or the files fails before training with one line naming the file, column or row. Each image is read by
+`pixels.py`.
 """
 
 from __future__ import annotations
@@ -11,35 +11,23 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import struct
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pydicom
-from PIL import Image, ImageOps
-from pydicom.errors import InvalidDicomError
-from pydicom.misc import is_dicom
-from pydicom.multival import MultiValue
-from pydicom.pixels import apply_modality_lut
 from sklearn.model_selection import StratifiedGroupKFold
 
 from common.errors import UserError
 from common.paths import file_sha256
 from .config import Files
-from .images import SPLITS, ImageSet, check_classes
+from .images import SPLITS, ImageSet, check_classes, short
+from .pixels import is_image_file, read_image
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.csv"
-PILLOW_SUFFIXES = {".png", ".jpg", ".jpeg"}
-DICOM_SUFFIXES = {".dcm", ".dicom"}
-PIXEL_DATA_TAGS = ("PixelData", "FloatPixelData", "DoubleFloatPixelData")
-HIGH_BIT_DEPTH_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}
-PILLOW_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
-DICOM_READ_ERRORS = (InvalidDicomError, OSError, EOFError, KeyError, TypeError, ValueError, struct.error)
-DICOM_DECODE_ERRORS = (AttributeError, KeyError, NotImplementedError, RuntimeError, TypeError, ValueError)
 
 
 @dataclass
@@ -53,6 +41,7 @@ class Listing:
     has_patients: bool
     splits: list[str] | None = None
     manifest: Path | None = None
+    notices: list[str] = field(default_factory=list)  # warnings, logged once the data passed every check
 
 
 def load_files(path: Path, config: Files, seed: int) -> ImageSet:
@@ -74,8 +63,8 @@ def load_files(path: Path, config: Files, seed: int) -> ImageSet:
     labels = np.array([index[label] for label in listing.labels], dtype=np.int64)
     patients = np.array(listing.patients, dtype=str)
     if not listing.has_patients:
-        log.warning("%s: no patient ids, so every image is its own patient: the split is by image, not patient, "
-                    "and images of one patient may land in different splits", listing.where)
+        listing.notices.append(f"{listing.where}: no patient ids, so every image is its own patient: the split is by "
+                               f"image, not patient, and images of one patient may land in different splits")
     if listing.splits is None:
         split_of = split_by_patient(labels, patients, config, seed, listing.where)
     else:
@@ -97,6 +86,8 @@ def load_files(path: Path, config: Files, seed: int) -> ImageSet:
         patients={split: patients[members] for split, members in rows.items()},
     )
     check_classes(data, where=str(path))
+    for notice in listing.notices:  # not before: a rejected input is reported in one line, without them
+        log.warning(notice)
     return data
 
 
@@ -104,7 +95,12 @@ def read_manifest(manifest: Path, config: Files) -> Listing:
     """One row per image; paths are relative to the manifest's folder so that the folder can move."""
     where = str(manifest)
     try:
-        table = pd.read_csv(manifest, dtype=str, keep_default_na=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", pd.errors.ParserWarning)  # rows longer than the header: values dropped
+            table = pd.read_csv(manifest, dtype=str, keep_default_na=False, index_col=False)
+    except pd.errors.ParserWarning:
+        raise UserError(f"{where}: the rows hold more values than the header names columns "
+                        f"(name every column in the first line)") from None
     except pd.errors.EmptyDataError:
         raise UserError(f"{where}: the manifest is empty (expected a header and one row per image)") from None
     except (pd.errors.ParserError, UnicodeDecodeError) as error:
@@ -155,27 +151,22 @@ def list_class_folders(root: Path) -> Listing:
         raise UserError(f"{where}: no {MANIFEST_NAME} and no class folders (expected <folder>/<class>/<images>)")
     files: list[Path] = []
     labels: list[str] = []
+    notices: list[str] = []
     for folder in class_folders:
         candidates = sorted(file for file in folder.rglob("*") if file.is_file() and not is_hidden(file, root))
         images = [file for file in candidates if is_image_file(file)]
         if len(images) < len(candidates):
-            log.warning("%s: skipped %d files that are not PNG, JPEG or DICOM", folder, len(candidates) - len(images))
+            notices.append(f"{folder}: skipped {len(candidates) - len(images)} files that are not PNG, JPEG or DICOM")
         if not images:
             raise UserError(f"{where}: class '{folder.name}' has no images (PNG, JPEG or DICOM) in {folder}")
         files += images
         labels += [folder.name] * len(images)
     patients = [file.relative_to(root).as_posix() for file in files]
-    return Listing(where, files, labels, patients, has_patients=False)
+    return Listing(where, files, labels, patients, has_patients=False, notices=notices)
 
 
 def is_hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def is_image_file(file: Path) -> bool:
-    """Suffix-less DICOM files are common (PACS exports), so the DICOM header counts as well as the suffix."""
-    suffix = file.suffix.lower()
-    return suffix in PILLOW_SUFFIXES or suffix in DICOM_SUFFIXES or is_dicom(file)
 
 
 def class_names(labels: list[str], where: str) -> list[str]:
@@ -225,101 +216,6 @@ def assert_no_patient_leak(patients: dict[str, np.ndarray], where: str) -> None:
                                 f"a patient's images must all be in one split{more}")
 
 
-def read_image(file: Path, config: Files) -> np.ndarray:
-    """(size, size, channels) uint8; non-square images are stretched to the square, not cropped."""
-    if file.suffix.lower() in DICOM_SUFFIXES or is_dicom(file):
-        image = Image.fromarray(dicom_to_uint8(read_dicom(file), config.window_center, config.window_width))
-    else:
-        image = read_pillow(file)
-    image = image.convert("L" if config.channels == 1 else "RGB")
-    image = image.resize((config.image_size, config.image_size), Image.Resampling.BILINEAR)
-    return np.asarray(image, dtype=np.uint8).reshape(config.image_size, config.image_size, config.channels)
-
-
-def read_pillow(file: Path) -> Image.Image:
-    """Upright (EXIF orientation) and 8-bit: 16-bit grey PNGs are min-max scaled, as Pillow would clip them."""
-    try:
-        with Image.open(file) as opened:
-            image = ImageOps.exif_transpose(opened)
-            image.load()
-    except PILLOW_ERRORS as error:
-        raise UserError(f"{file}: cannot read the image ({short(error)})") from None
-    if image.mode in HIGH_BIT_DEPTH_MODES:
-        image = Image.fromarray(to_uint8(unit_range(np.asarray(image, dtype=np.float64))))
-    return image
-
-
-def read_dicom(file: Path) -> pydicom.Dataset:
-    """Forced, since files without the Part 10 header are common; a file that is no DICOM at all then reads as
-    one without a header nor pixel data."""
-    try:
-        dataset = pydicom.dcmread(file, force=True)
-    except DICOM_READ_ERRORS as error:
-        raise UserError(f"{file}: cannot read the DICOM file ({short(error)})") from None
-    if not dataset.file_meta and not any(tag in dataset for tag in PIXEL_DATA_TAGS):
-        raise UserError(f"{file}: cannot read the DICOM file (no DICOM header and no pixel data)")
-    return dataset
-
-
-def dicom_to_uint8(dataset: pydicom.Dataset, center: float | None = None, width: float | None = None) -> np.ndarray:
-    """What a viewer shows, as uint8 (H, W) grey or (H, W, 3) colour.
-
-    Grey: the modality LUT (rescale slope and intercept), then the DICOM linear window (PS3.3 C.11.2.1.2) given
-    by `center` and `width`, else the file's first window, else min-max; MONOCHROME1 is inverted so high is bright.
-    Colour: scaled from its stored bit depth, no window. Multi-frame: the middle frame, as the most representative
-    single image of a series or cine loop.
-    """
-    name = getattr(dataset, "filename", None) or "DICOM dataset"
-    if not any(tag in dataset for tag in PIXEL_DATA_TAGS):
-        raise UserError(f"{name}: DICOM has no pixel data")
-    try:
-        pixels = dataset.pixel_array
-    except DICOM_DECODE_ERRORS as error:
-        raise UserError(f"{name}: cannot decode the DICOM pixel data ({short(error)})") from None
-    if int(dataset.get("NumberOfFrames") or 1) > 1:
-        pixels = pixels[len(pixels) // 2]
-    photometric = str(dataset.get("PhotometricInterpretation", "MONOCHROME2"))
-    if int(dataset.get("SamplesPerPixel") or 1) == 3:
-        full_scale = 2 ** int(dataset.get("BitsStored") or 8) - 1
-        return to_uint8(np.clip(pixels / full_scale, 0, 1))
-    if photometric not in ("MONOCHROME1", "MONOCHROME2"):
-        raise UserError(f"{name}: DICOM photometric interpretation '{photometric}' is not supported "
-                        f"(MONOCHROME1, MONOCHROME2 or a 3-sample colour image)")
-    values = apply_modality_lut(pixels, dataset).astype(np.float64)
-    if center is None or width is None:
-        center, width = file_window(dataset)
-    if center is None or width is None:
-        scaled = unit_range(values)
-    elif width <= 1:
-        raise UserError(f"{name}: window width {width} is too narrow (the DICOM linear window needs more than 1)")
-    else:
-        scaled = np.clip((values - (center - 0.5)) / (width - 1) + 0.5, 0, 1)
-    if photometric == "MONOCHROME1":
-        scaled = 1 - scaled
-    return to_uint8(scaled)
-
-
-def file_window(dataset: pydicom.Dataset) -> tuple[float | None, float | None]:
-    """The file's first window: a file may list several alternatives (e.g. lung, then mediastinum)."""
-    if "WindowCenter" not in dataset or "WindowWidth" not in dataset:
-        return None, None
-    center, width = dataset.WindowCenter, dataset.WindowWidth
-    return (float(center[0] if isinstance(center, MultiValue) else center),
-            float(width[0] if isinstance(width, MultiValue) else width))
-
-
-def unit_range(values: np.ndarray) -> np.ndarray:
-    """Min-max to [0, 1]: the fallback when nothing says which values matter."""
-    low, high = float(values.min()), float(values.max())
-    if high == low:
-        return np.zeros(values.shape)
-    return (values - low) / (high - low)
-
-
-def to_uint8(scaled: np.ndarray) -> np.ndarray:
-    return np.round(scaled * 255).astype(np.uint8)
-
-
 def listing_sha256(listing: Listing) -> str:
     """The manifest and the images pin the data; without a manifest the labels live in the folder names, so the
     relative paths are hashed with the images' bytes."""
@@ -327,8 +223,3 @@ def listing_sha256(listing: Listing) -> str:
         return file_sha256(listing.manifest, *listing.files)
     layout = "\n".join(f"{label}\t{patient}" for label, patient in zip(listing.labels, listing.patients))
     return hashlib.sha256((layout + "\n" + file_sha256(*listing.files)).encode()).hexdigest()
-
-
-def short(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__

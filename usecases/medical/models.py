@@ -6,13 +6,32 @@ the device and the logged model accepts raw pixels.
 
 from __future__ import annotations
 
+import difflib
+import warnings
+
 import torch
 import torchvision
 from torch import nn
 
 from common.errors import UserError
+from .images import short
 
 CIFAR_STEM_BELOW = 64
+SHAPE_ERRORS = (AssertionError, RuntimeError, ValueError)
+
+
+def model_names() -> list[str]:
+    """What `model.name` accepts: torchvision's registry of classification models (no detection or video)."""
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def unknown_model_hint(name: str) -> str:
+    """The closest names first, as a typo is the usual cause."""
+    names = model_names()
+    closest = difflib.get_close_matches(name, names, n=4, cutoff=0.6) or ["resnet18", "resnet50", "densenet121",
+                                                                         "efficientnet_b0"]
+    return (f"'{name}' is not a torchvision classification model; expected one of the {len(names)} names of "
+            f"torchvision.models.list_models(module=torchvision.models), such as {', '.join(closest)}")
 
 
 def _first_conv(model: nn.Module) -> tuple[nn.Module, str, nn.Conv2d]:
@@ -29,9 +48,8 @@ def build_backbone(name: str, in_channels: int, num_classes: int, cifar_stem: bo
     The CIFAR stem (3x3 stride-1 first convolution, no max-pool) is the MedMNIST recipe for 28 px inputs, where
     the usual stem would shrink a 28 px image to 7 px before the first residual block.
     """
-    if name not in torchvision.models.list_models(module=torchvision.models):
-        raise UserError(f"model.name: '{name}' is not a torchvision classification model "
-                        f"(for example resnet18, resnet50, densenet121, efficientnet_b0)")
+    if name not in model_names():
+        raise UserError(f"model.name: {unknown_model_hint(name)}")
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     parent, attribute, conv = _first_conv(model)
     if cifar_stem:
@@ -43,6 +61,27 @@ def build_backbone(name: str, in_channels: int, num_classes: int, cifar_stem: bo
         setattr(parent, attribute, nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride,
                                              conv.padding, bias=conv.bias is not None))
     return model
+
+
+def check_backbone_fits(name: str, in_channels: int, num_classes: int, cifar_stem: bool, size: int) -> None:
+    """One training-mode forward pass on the meta device (shapes only: no memory, no arithmetic), so that a network
+    that cannot take the data's images (a ViT fixed at 224 px, a deep stem that shrinks 28 px to nothing, auxiliary
+    outputs) stops before a run starts instead of in its first training step."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchvision's init notices come again when the network is really built
+        try:
+            backbone = build_backbone(name, in_channels, num_classes, cifar_stem)
+        except NotImplementedError:  # built from computed values (the RegNets): checked when it is trained
+            return
+        try:
+            scores = backbone.train()(torch.empty(2, in_channels, size, size))
+        except SHAPE_ERRORS as error:
+            raise UserError(f"model.name: '{name}' cannot take the data's {size}x{size} images with {in_channels} "
+                            f"channel(s) ({short(error)}); use larger images (data.files.image_size, "
+                            f"data.medmnist.size) or a model for small images such as resnet18") from None
+    if not isinstance(scores, torch.Tensor):
+        raise UserError(f"model.name: '{name}' returns {type(scores).__name__} in training, not one tensor of class "
+                        f"scores; choose another model")
 
 
 def use_cifar_stem(setting: bool | str, name: str, image_size: int) -> bool:

@@ -11,13 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.errors import UserError
 from common.job import Job
+from common.sharding import shared_predictions
 from .baselines import logreg_logits
 from .config import Config
 from .data import load_images
 from .evaluate import check_positive_class, evaluate_model, reliability_figure, roc_pr_figure
 from .explain import grad_cam, overlay_figure, pick_examples
 from .images import ImageSet
+from .models import check_backbone_fits, use_cifar_stem
 from .serving import log_classifier
 from .train import channels_first, fit_network, predict_logits
 
@@ -28,6 +31,12 @@ def load_data(config: Config, path: Path | None) -> tuple[ImageSet, dict[str, st
     """Everything that can be wrong with the data is found here, before an MLflow run is started."""
     data = load_images(config.data, path, config.runtime.seed)
     check_positive_class(config.evaluation.positive_class, data.classes)
+    if config.train.imbalance == "sampler" and data.task == "multi-label":
+        raise UserError(f"train.imbalance: 'sampler' draws one class per image, but {data.source} is multi-label "
+                        f"(use class_weights)")
+    model = config.model
+    check_backbone_fits(model.name, data.channels, len(data.classes),
+                        use_cifar_stem(model.cifar_stem, model.name, data.size), data.size)
     sizes = {split: len(data.labels[split]) for split in ("train", "val", "test")}
     log.info("data: %s, %s, %d classes, %s px, train/val/test %s", data.source, data.task, len(data.classes),
              data.size, "/".join(map(str, sizes.values())))
@@ -42,11 +51,13 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
     started = time.perf_counter()
     model, arch, result = fit_network(config, data, job)
     train_seconds = time.perf_counter() - started
-    if not runtime.is_main:
-        return {}
     images = {split: channels_first(data.images[split]) for split in ("val", "test")}
     as_served = replace(runtime, amp_dtype=None)  # scored in fp32, as the logged model predicts
-    logits = {split: predict_logits(model, images[split], as_served, tta=evaluation.tta) for split in images}
+    logits = {split: shared_predictions(lambda rows: predict_logits(model, images[split][rows], as_served,
+                                                                    tta=evaluation.tta), len(images[split]), runtime)
+              for split in images}
+    if not runtime.is_main:
+        return {}
     metrics, details = evaluate_model(logits["val"], data.labels["val"], logits["test"], data.labels["test"],
                                       data.task, data.classes, evaluation, config.runtime.seed)
     metrics.update(best_epoch=result.best_epoch + 1, epochs_run=result.epochs_run, train_seconds=train_seconds)

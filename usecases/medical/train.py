@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 
 from common.job import Job
 from common.runtime import Runtime
+from common.sharding import shared_predictions
 from common.training import FitResult, TensorBatches, Trainer, make_loader, supervised
 from .config import Config
 from .evaluate import auc
@@ -128,7 +129,9 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
     val_labels = data.labels["val"]
 
     def validate(network: nn.Module) -> dict[str, float]:
-        return {"val/auc": auc(val_labels, predict_logits(network, val_images, runtime), data.task)}
+        logits = shared_predictions(lambda rows: predict_logits(network, val_images[rows], runtime), len(val_labels),
+                                    runtime)  # each rank scores its share of the images
+        return {"val/auc": auc(val_labels, logits, data.task)}
 
     trainer = Trainer(model, optimizer, supervised(loss_function(data, settings.imbalance, runtime.device)), runtime,
                       settings, monitor="val/auc", mode="max", scheduler=scheduler, checkpoint_dir=job.checkpoint_dir / arch["name"],

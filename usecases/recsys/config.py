@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from common.config import ConfigModel, RuntimeConfig, TrackingConfig, TrainConfig
 
@@ -55,8 +55,16 @@ class Data(ConfigModel):
 
 
 class Evaluation(ConfigModel):
-    ks: list[int] = Field([10, 20], min_length=1)
+    ks: list[Annotated[int, Field(ge=1)]] = Field(
+        [10, 20], min_length=1, description="must hold 10: validation and the registry's primary metric are NDCG@10")
     batch_users: int = Field(2048, ge=1, description="users ranked at once on the device")
+
+    @field_validator("ks")
+    @classmethod
+    def _holds_10(cls, ks: list[int]) -> list[int]:
+        if 10 not in ks:
+            raise ValueError("must include 10 (validation and the registry's primary metric are NDCG@10)")
+        return ks
 
 
 class ItemKNN(ConfigModel):
@@ -107,7 +115,7 @@ class Config(ConfigModel):
     data: Data = Data()
     split: Literal["temporal", "random", "leave_last_out"] = "temporal"
     split_ratios: list[float] = Field([0.8, 0.1, 0.1], min_length=3, max_length=3)
-    models: list[ModelName] = ["pop", "itemknn", "ease", "als", "bpr", "lightgcn"]
+    models: list[ModelName] = Field(["pop", "itemknn", "ease", "als", "bpr", "lightgcn"], min_length=1)
     evaluation: Evaluation = Evaluation()
     itemknn: ItemKNN = ItemKNN()
     ease: EASE = EASE()

@@ -23,7 +23,7 @@ from .config import Columns, Config, Data
 from .logs import RawLog, read_log
 from .movielens import movielens_folder, read_movielens
 from .preprocess import encode, filter_interactions
-from .splits import check_ratios, drop_unrankable, split
+from .splits import check_evaluable, check_ratios, drop_unrankable, split
 from .synthetic import synthetic_log
 
 __all__ = ["UNKNOWN", "Interactions", "RawLog", "load_interactions", "read_path", "read_source"]
@@ -71,22 +71,36 @@ class Interactions:
 
 
 def load_interactions(config: Config, path: Path | None = None) -> Interactions:
-    """`--data PATH` decides the source when given: a MovieLens folder, or a CSV or Parquet log."""
+    """`--data PATH` decides the source when given: a MovieLens folder, or a CSV or Parquet log. What no run could
+    learn from or be scored on (one user or item, an empty train, validation or test split) is refused here, before
+    a run is started."""
     ratios = check_ratios(config.split_ratios)
     raw = read_source(config.data, path)
     if config.split == "temporal" and not raw.has_timestamps:
         raise UserError(f"split=temporal needs a timestamp column (data.columns.timestamp) but {raw.source} has "
                         "none; use split=random")
     frame = filter_interactions(raw.frame, config.data, raw.source)
+    _check_variety(frame, raw.source)
     frame, user_ids, item_ids, titles = encode(frame, raw.titles)
-    train, val, test = split(frame, config.split, ratios, config.runtime.seed)
-    val, test = drop_unrankable(train, val, test)
+    train, held_out_val, held_out_test = split(frame, config.split, ratios, config.runtime.seed)
+    val, test = drop_unrankable(train, held_out_val, held_out_test)
+    check_evaluable(frame, config.split, (train, held_out_val, held_out_test), (val, test), raw.source)
     data = Interactions(train, val, test, user_ids, item_ids, titles, raw.source, raw.sha256)
     density = len(frame) / max((data.n_users - 1) * (data.n_items - 1), 1)
     log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), density %.4f%%",
              raw.source, data.n_users - 1, data.n_items - 1, len(train), len(val), len(test), config.split,
              100 * density)
     return data
+
+
+def _check_variety(frame: pd.DataFrame, source: str) -> None:
+    """One user or one item left is a log with nothing to learn, most often the wrong column named as the id."""
+    for key, other in (("user", "item"), ("item", "user")):
+        ids = frame[key].unique()
+        if len(ids) == 1:
+            raise UserError(f"{source}: every interaction is of one {key} ('{ids[0]}'; {other} ids: "
+                            f"{frame[other].nunique()}) after de-duplication and the data.* filters; a recommender "
+                            f"needs several: is the {key} column the right one (data.columns.{key})?")
 
 
 def read_source(data: Data, path: Path | None) -> RawLog:

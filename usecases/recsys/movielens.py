@@ -15,14 +15,18 @@ import re
 import shutil
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.csv as pacsv
 
 from common.errors import DataUnavailable, UserError
 from common.paths import cache_dir, data_search_path, file_sha256
 from .config import MovieLens
-from .logs import RawLog
+from .logs import RawLog, Rows, read_ids, read_ratings, read_seconds
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,23 @@ PUBLISHED_MD5 = {
     "ml-1m": "c4d9eecfca2ab87c1945afe126590906",
     "ml-25m": "6b51fb2759a8657d3bfcbfc42b592ada",
 }
-RATINGS_FILES = ("u.data", "ratings.dat", "ratings.csv")  # ml-100k, ml-1m, ml-latest-small and ml-25m
+STARS = (0.5, 5.0)  # the rating scale of every release (half stars since ml-latest; whole ones before)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A release's ratings file: its field separator, its fields (user, item, rating and timestamp, named as
+    GroupLens's README names them) and the titles file beside it."""
+
+    separator: str
+    fields: tuple[str, str, str, str]
+    titles: str
+
+
+LAYOUTS = {"u.data": Layout("\t", ("user id", "item id", "rating", "timestamp"), "u.item"),  # ml-100k
+           "ratings.dat": Layout("::", ("UserID", "MovieID", "Rating", "Timestamp"), "movies.dat"),  # ml-1m
+           "ratings.csv": Layout(",", ("userId", "movieId", "rating", "timestamp"), "movies.csv")}  # ml-latest, 25m
+RATINGS_FILES = tuple(LAYOUTS)
 
 
 def movielens_format(folder: Path) -> str | None:
@@ -115,52 +135,87 @@ def _published_md5(url: str) -> str:
 
 def read_movielens(folder: Path) -> RawLog:
     """Any of the MovieLens layouts: ml-100k (u.data, u.item), ml-1m (ratings.dat, movies.dat) or the CSV
-    releases such as ml-latest-small and ml-25m (ratings.csv, movies.csv)."""
+    releases such as ml-latest-small and ml-25m (ratings.csv, movies.csv). Every value is checked, so that a bad
+    one is reported with its file, field and row."""
     kind = movielens_format(folder)
     if kind is None:
         raise UserError(f"{folder}: not a MovieLens folder (expected {', '.join(RATINGS_FILES)} in it); pass a "
                         "CSV or Parquet log as a file")
-    reader, titles_name = {"u.data": (_ml100k, "u.item"), "ratings.dat": (_ml1m, "movies.dat"),
-                           "ratings.csv": (_ml_csv, "movies.csv")}[kind]
-    ratings_file, titles_file = folder / kind, folder / titles_name
-    try:
-        frame, titles = reader(ratings_file, titles_file if titles_file.is_file() else None)
-    except (ValueError, OSError, pd.errors.ParserError) as exc:
-        raise UserError(f"{folder}: cannot be read as MovieLens {kind} ({str(exc).splitlines()[0][:120]})") from None
-    if frame.empty:
+    layout = LAYOUTS[kind]
+    ratings_file, titles_file = folder / kind, folder / layout.titles
+    table, rows = _read_csv_ratings(ratings_file) if kind == "ratings.csv" else _read_headerless(ratings_file, layout)
+    if table.empty:
         raise UserError(f"{ratings_file}: no data rows (expected one rating per line)")
+    user, item, rating, timestamp = layout.fields
+    frame = pd.DataFrame({"user": read_ids(table[user], rows, user, text=False),
+                          "item": read_ids(table[item], rows, item, text=False),
+                          "rating": read_ratings(table[rating], rows, rating, stars=STARS),
+                          "timestamp": read_seconds(table[timestamp], rows, timestamp)})
+    titles = _read_titles(titles_file, kind) if titles_file.is_file() else None
     files = [ratings_file] + ([titles_file] if titles is not None else [])
-    frame = frame.astype({"user": "int64", "item": "int64", "rating": "float64", "timestamp": "int64"})
     return RawLog(frame, titles, f"movielens:{folder.name}", file_sha256(*files), has_timestamps=True)
 
 
-def _ml100k(ratings: Path, titles: Path | None) -> tuple[pd.DataFrame, pd.Series | None]:
-    frame = pd.read_csv(ratings, sep="\t", header=None, names=["user", "item", "rating", "timestamp"], quoting=3)
-    if titles is None:
-        return frame, None
-    table = pd.read_csv(titles, sep="|", header=None, usecols=[0, 1], encoding="latin-1", quoting=3)
-    return frame, pd.Series(table[1].to_numpy(), index=table[0].to_numpy())
-
-
-def _ml1m(ratings: Path, titles: Path | None) -> tuple[pd.DataFrame, pd.Series | None]:
-    # `::` read as ':' with empty fields between keeps pandas' fast C parser; ratings hold no other colons
-    frame = pd.read_csv(ratings, sep=":", header=None, usecols=[0, 2, 4, 6], quoting=3)
-    frame.columns = ["user", "item", "rating", "timestamp"]
-    if titles is None:
-        return frame, None
-    table = pd.read_csv(titles, sep="::", engine="python", header=None, usecols=[0, 1], encoding="latin-1",
-                        quoting=3)
-    return frame, pd.Series(table[1].to_numpy(), index=table[0].to_numpy())
-
-
-def _ml_csv(ratings: Path, titles: Path | None) -> tuple[pd.DataFrame, pd.Series | None]:
-    frame = pd.read_csv(ratings)
-    expected = ["userId", "movieId", "rating", "timestamp"]
-    missing = [name for name in expected if name not in frame.columns]
+def _read_csv_ratings(path: Path) -> tuple[pd.DataFrame, Rows]:
+    fields = LAYOUTS["ratings.csv"].fields
+    try:
+        table = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame(), Rows(path)
+    except (ValueError, OSError, pd.errors.ParserError) as exc:
+        raise UserError(f"{path}: cannot be read as MovieLens ratings ({str(exc).splitlines()[0][:120]}; lines "
+                        "counted from 1 at the header)") from None
+    missing = [name for name in fields if name not in table.columns]
     if missing:
-        raise ValueError(f"missing column '{missing[0]}'; found: {', '.join(map(str, frame.columns))}")
-    frame = frame[expected].set_axis(["user", "item", "rating", "timestamp"], axis=1)
-    if titles is None:
-        return frame, None
-    table = pd.read_csv(titles, usecols=["movieId", "title"])
-    return frame, pd.Series(table["title"].to_numpy(), index=table["movieId"].to_numpy())
+        raise UserError(f"{path}: missing column '{missing[0]}' (a MovieLens ratings.csv has {', '.join(fields)}; "
+                        f"found: {', '.join(repr(str(name)) for name in table.columns)})")
+    return table, Rows(path)
+
+
+def _read_headerless(path: Path, layout: Layout) -> tuple[pd.DataFrame, Rows]:
+    """u.data or ratings.dat, read by pyarrow as text, single-threaded so that a row with too few or too many
+    fields is reported with its line. `::` is read as ':' with an empty field between each two, which keeps
+    pyarrow's fast single-character parser (the ratings hold no other colons)."""
+    double = layout.separator == "::"
+    names = [f"field{index}" for index in range(2 * len(layout.fields) - 1 if double else len(layout.fields))]
+    if path.stat().st_size == 0:
+        return pd.DataFrame(), Rows(path, fields=layout.fields)
+    ragged = []
+    options = pacsv.ParseOptions(delimiter=layout.separator[0], quote_char=False, ignore_empty_lines=False,
+                                 invalid_row_handler=lambda row: ragged.append(row) or "skip")
+    try:
+        table = pacsv.read_csv(path, read_options=pacsv.ReadOptions(column_names=names, use_threads=False),
+                               parse_options=options,
+                               convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()),
+                                                                    strings_can_be_null=True))
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"{path}: cannot be read as MovieLens ratings ({str(exc).splitlines()[0][:120]})") from None
+    frame = table.to_pandas()  # an empty field is null, an empty line a row of nulls
+    line = ragged[0].number if ragged else None
+    if line is None and double:  # no row was skipped, so rows are lines: a field between two colons?
+        misplaced = np.flatnonzero(frame[names[1::2]].notna().any(axis=1).to_numpy())
+        line = int(misplaced[0]) + 1 if len(misplaced) else None
+    if line is not None:
+        raise UserError(f"{path}: row {line}: expected {len(layout.fields)} fields ({', '.join(layout.fields)}) "
+                        f"separated by {layout.separator!r} (row N is line N: the file has no header)")
+    frame = frame[names[::2] if double else names].set_axis(list(layout.fields), axis=1)
+    empty = frame.isna().all(axis=1).to_numpy()
+    if empty.any():
+        raise UserError(f"{path}: row {int(np.flatnonzero(empty)[0]) + 1} is empty (expected "
+                        f"{', '.join(layout.fields)}; row N is line N: the file has no header)")
+    return frame, Rows(path, fields=layout.fields)
+
+
+def _read_titles(path: Path, kind: str) -> pd.Series:
+    """Titles by item id; latin-1, as GroupLens wrote the older releases."""
+    try:
+        if kind == "u.data":
+            table = pd.read_csv(path, sep="|", header=None, usecols=[0, 1], encoding="latin-1", quoting=3)
+        elif kind == "ratings.dat":
+            table = pd.read_csv(path, sep="::", engine="python", header=None, usecols=[0, 1], encoding="latin-1",
+                                quoting=3)
+        else:
+            table = pd.read_csv(path, usecols=["movieId", "title"]).set_axis([0, 1], axis=1)
+    except (ValueError, OSError, pd.errors.ParserError) as exc:
+        raise UserError(f"{path}: cannot be read as MovieLens titles ({str(exc).splitlines()[0][:120]})") from None
+    return pd.Series(table[1].to_numpy(), index=table[0].to_numpy())

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.errors import UserError
 from common.job import Job
 from .baselines import ALS, EASE, ItemKNN, Popularity, als_available
 from .config import Config
@@ -26,6 +27,9 @@ LEARNED = ("bpr", "lightgcn")
 def load_data(config: Config, path: Path | None) -> tuple[Interactions, dict[str, str]]:
     """Everything that can be wrong with the data is found here, before an MLflow run is started."""
     data = load_interactions(config, path)
+    if data.n_items - 1 < max(config.evaluation.ks):
+        raise UserError(f"{path or data.source}: evaluation.ks asks for the top {max(config.evaluation.ks)} of a "
+                        f"catalogue of {data.n_items - 1} items (set evaluation.ks to K values up to that)")
     sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
     return data, {"data_source": data.source, "data_sha256": data.sha256, "data_users": data.n_users - 1,
                   "data_items": data.n_items - 1, **{f"data_{split}_interactions": n for split, n in sizes.items()},

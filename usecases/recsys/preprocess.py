@@ -20,16 +20,26 @@ def filter_interactions(frame: pd.DataFrame, data: Data, source: str = "the log"
         if frame["rating"].isna().all():
             raise UserError(f"{source}: data.rating_threshold={threshold} needs ratings but there are none "
                             "(data.columns.rating names the column); set data.rating_threshold=null")
+        highest = frame["rating"].max()
         frame = frame[frame["rating"] >= threshold]
+        if frame.empty:
+            raise UserError(f"{source}: nothing left after data.rating_threshold={threshold}: the highest rating is "
+                            f"{highest:g}; lower it, or set data.rating_threshold=null to keep every rating")
     frame = frame.sort_values("timestamp", kind="stable").drop_duplicates(["user", "item"], keep="first")
-    frame = k_core(frame, data.min_user_interactions, data.min_item_interactions)
-    if frame.empty:
+    cored = k_core(frame, data.min_user_interactions, data.min_item_interactions)
+    if cored.empty:
         filters = [f"data.rating_threshold={threshold}"] if threshold is not None else []
-        if data.min_user_interactions or data.min_item_interactions:
-            filters.append(f"the k-core filter (data.min_user_interactions={data.min_user_interactions}, "
-                           f"data.min_item_interactions={data.min_item_interactions})")
-        raise UserError(f"{source}: nothing left after {' and '.join(filters) or 'reading'}; relax the filters")
-    return frame.reset_index(drop=True)
+        filters.append(f"the k-core filter (data.min_user_interactions={data.min_user_interactions}, "
+                       f"data.min_item_interactions={data.min_item_interactions})")
+        raise UserError(f"{source}: nothing left after {' and '.join(filters)}; relax the filters ({_before(frame)})")
+    return cored.reset_index(drop=True)
+
+
+def _before(frame: pd.DataFrame) -> str:
+    """How many users and items the k-core started from, and the most interactions of each, to relax it by."""
+    users, items = frame.groupby("user").size(), frame.groupby("item").size()
+    return (f"before it: {len(users)} users with at most {users.max()} interactions each, {len(items)} items with "
+            f"at most {items.max()} users each")
 
 
 def k_core(frame: pd.DataFrame, min_user: int, min_item: int) -> pd.DataFrame:

@@ -18,9 +18,9 @@ TRAIN, VAL, TEST = 0, 1, 2
 def check_ratios(ratios: list[float]) -> list[float]:
     """Train, val and test fractions, normalised as RecBole does so that its rounding is reproduced exactly."""
     total = sum(ratios)
-    if len(ratios) != 3 or min(ratios) < 0 or ratios[0] <= 0 or abs(total - 1) > 1e-6:
-        raise UserError(f"split_ratios: expected three fractions (train, val, test) summing to 1 with a positive "
-                        f"train share, got {list(ratios)}")
+    if len(ratios) != 3 or not all(0 < ratio < 1 for ratio in ratios) or abs(total - 1) > 1e-6:
+        raise UserError(f"split_ratios: expected three fractions (train, val, test), each between 0 and 1 (a model "
+                        f"needs a validation and a test split), summing to 1, got {list(ratios)}")
     return [ratio / total for ratio in ratios]
 
 
@@ -54,9 +54,6 @@ def split_temporal(frame: pd.DataFrame, ratios: list[float]) -> tuple[pd.DataFra
         cuts.append(ordered.iloc[position] if position < count else ordered.iloc[-1] + 1)
     timestamps = frame["timestamp"].to_numpy()
     labels = (timestamps >= cuts[0]).astype(np.int8) + (timestamps >= cuts[1]).astype(np.int8)
-    if not (labels == TRAIN).any():
-        raise UserError(f"split=temporal leaves no training interactions: the first {ratios[0]:.0%} of the log "
-                        f"shares one timestamp ({cuts[0]}); use split=random")
     return _by_label(frame, labels)
 
 
@@ -95,6 +92,39 @@ def split_leave_last_out(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFram
     counts = frame.groupby("user")["user"].transform("size").to_numpy()
     labels = np.where(counts >= 3, np.where(from_end == 0, TEST, np.where(from_end == 1, VAL, TRAIN)), TRAIN)
     return _by_label(frame, labels)
+
+
+def check_evaluable(frame: pd.DataFrame, method: str, parts: tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame],
+                    kept: tuple[pd.DataFrame, pd.DataFrame], source: str) -> None:
+    """Refuse a split that leaves nothing to train on, or the validation or the test split empty: every metric
+    would be 0, and a model would still be registered. `parts` are train, val and test as split, `kept` what
+    `drop_unrankable` left of val and test."""
+    if parts[TRAIN].empty:
+        raise UserError(f"{source}: split={method} leaves no training interactions: the cut in time falls on the "
+                        f"earliest timestamp ({frame['timestamp'].min()}), which most of the log shares, and ties go "
+                        "to the later split; use split=random or split=leave_last_out")
+    empty = [index for index, part in enumerate(kept) if part.empty]
+    if not empty:
+        return
+    names = [("validation", "test")[index] for index in empty]
+    what = f"split={method} leaves the {' and '.join(names)} split{'s' if len(names) > 1 else ''} empty"
+    counts = frame.groupby("user").size()
+    enough = int((counts >= 3).sum())
+    if method == "temporal":
+        if parts[VAL + empty[0]].empty:
+            raise UserError(f"{source}: {what}: the interactions at the cut in time share one timestamp; use "
+                            "split=random or split=leave_last_out, or change split_ratios")
+        reason = f"no user with {names[0]} interactions (the latest in time) has an earlier one to train on"
+        if enough:
+            raise UserError(f"{source}: {what}: {reason}; split=leave_last_out or split=random hold out part of "
+                            f"each user's own history instead ({enough} of the {len(counts)} users have the 3 "
+                            "interactions that needs)")
+        what = f"{what}: {reason}, and"
+    else:
+        what = f"{what}: a user needs 3 interactions, one each for training, validation and test, and"
+    raise UserError(f"{source}: {what} {enough} of the {len(counts)} users have 3 interactions (the most is "
+                    f"{counts.max()}, after de-duplication and the data.* filters); use a log with more interactions "
+                    "per user")
 
 
 def drop_unrankable(train: pd.DataFrame, val: pd.DataFrame, test: pd.DataFrame
