@@ -26,11 +26,12 @@ def empty_store(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def isolated_store(tmp_path, monkeypatch, empty_store):
-    """Keep the project's own mlflow/ store and checkpoints/ untouched by tests: each test has its own store,
-    started from a copy of the empty one."""
-    shutil.copy(empty_store, tmp_path / "mlflow.db")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+def isolated_store(tmp_path, tmp_path_factory, monkeypatch, empty_store):
+    """Keep the project's own mlflow/ store and checkpoints/ untouched by tests: each test has its own store (in a
+    folder of its own, so tmp_path holds only what the test writes), started from a copy of the empty one."""
+    store = tmp_path_factory.mktemp("store") / "mlflow.db"
+    shutil.copy(empty_store, store)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
     monkeypatch.setenv("USECASES_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     yield

@@ -189,10 +189,13 @@ def server_command(monkeypatch, *args):
     return options | {"argv": argv}
 
 
-def test_server_serves_the_store_mlflow_tracking_uri_names(monkeypatch, tmp_path):
+def test_server_serves_the_store_mlflow_tracking_uri_names(monkeypatch):
+    from pathlib import Path
+
     served = server_command(monkeypatch)
-    assert served["--backend-store-uri"] == os.environ["MLFLOW_TRACKING_URI"]
-    assert served["--artifacts-destination"] == str(tmp_path / "artifacts")
+    store = os.environ["MLFLOW_TRACKING_URI"]
+    assert served["--backend-store-uri"] == store
+    assert served["--artifacts-destination"] == str(Path(store.removeprefix("sqlite:///")).parent / "artifacts")
     assert "--serve-artifacts" in served["argv"] and served["--host"] == "127.0.0.1"
 
 

@@ -138,7 +138,9 @@ def test_usecases_server_serves_the_local_store_and_prints_the_uri(tmp_path, mon
               f"from usecases.cli import main; main(['server', '--port', '{port}'])")
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                                stderr=subprocess.DEVNULL, start_new_session=True,
-                               env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+                               env={**{key: value for key, value in os.environ.items()
+                                       if key != "MLFLOW_TRACKING_URI"},  # the local store, as a fresh shell has it
+                                    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
         assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{port}" in process.stdout.readline() + \
             process.stdout.readline()

@@ -252,7 +252,7 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
 
 
 def _compare(name: str, output_format: str) -> int:
-    from common.tracking import compare_runs
+    from common.comparison import compare_runs
 
     metric, mode = _usecase(name).primary_metric
     table = compare_runs(name, metric, mode)

@@ -18,6 +18,7 @@ from common.errors import UserError
 from common.tracking import ensure_experiment
 
 NOW = 1_800_000_000.0
+USECASE = "mine"  # any name: this is the core's behaviour, not a use case's
 
 
 def dead_pid() -> int:
@@ -58,7 +59,7 @@ def test_a_run_without_process_tags_is_judged_by_its_start():
 
 
 def make_run(status: str, preset: str = "smoke", tags: dict | None = None) -> str:
-    experiment_id = ensure_experiment("finance")  # first: it points MLflow at this test's store
+    experiment_id = ensure_experiment(USECASE)  # first: it points MLflow at this test's store
     client = mlflow.MlflowClient()
     run_id = client.create_run(experiment_id, tags={"preset": preset, **(tags or {})}).info.run_id
     if status != "RUNNING":
@@ -76,10 +77,10 @@ def test_only_dead_running_runs_of_the_preset_are_marked_killed(caplog):
     alive = make_run("RUNNING", tags=here(os.getpid(), psutil.Process().create_time()))
     other_preset = make_run("RUNNING", preset="default", tags=here(dead_pid(), 0.0))
     with caplog.at_level("WARNING"):
-        assert lifecycle.mark_dead_runs(ensure_experiment("finance"), "finance", "smoke") == [dead]
+        assert lifecycle.mark_dead_runs(ensure_experiment(USECASE), USECASE, "smoke") == [dead]
     assert [status(run) for run in (dead, alive, other_preset)] == ["KILLED", "RUNNING", "RUNNING"]
     assert f"run {dead} of preset 'smoke' was left RUNNING" in caplog.text
-    assert "usecases run finance --preset smoke --resume" in caplog.text
+    assert f"usecases run {USECASE} --preset smoke --resume" in caplog.text
 
 
 def checkpoint(root, run_id: str, params=None, data=None) -> None:
@@ -92,7 +93,7 @@ def test_resume_picks_the_newest_killed_run_with_a_checkpoint(tmp_path):
     older, newer, without_checkpoint = make_run("KILLED"), make_run("KILLED"), make_run("KILLED")
     checkpoint(tmp_path, older)
     checkpoint(tmp_path, newer)
-    found = lifecycle.resumable_run(ensure_experiment("finance"), tmp_path, "smoke", {"train.epochs": 3},
+    found = lifecycle.resumable_run(ensure_experiment(USECASE), tmp_path, "smoke", {"train.epochs": 3},
                                     {"data_sha256": "a" * 64})
     assert found == newer != without_checkpoint
 
@@ -103,7 +104,7 @@ def test_resume_refuses_anything_but_a_killed_run(tmp_path, last, expected):
     run_id = make_run(last, tags=here(os.getpid(), psutil.Process().create_time()))
     checkpoint(tmp_path, run_id)
     with pytest.raises(UserError, match=re.escape(expected)):
-        lifecycle.resumable_run(ensure_experiment("finance"), tmp_path, "smoke", {"train.epochs": 3},
+        lifecycle.resumable_run(ensure_experiment(USECASE), tmp_path, "smoke", {"train.epochs": 3},
                                 {"data_sha256": "a" * 64})
 
 
