@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.runtime import Runtime
 from common.tracking import Tracker
@@ -15,3 +16,4 @@ class Job:
     tracker: Tracker
     checkpoint_dir: Path
     resume: bool = False
+    dask: Any = None  # a distributed.Client when runtime.engine is dask

@@ -11,6 +11,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +52,9 @@ def run_usecase(usecase: UseCase, preset: str, overrides: list[str], device: str
 
 def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backend: str, data: Path | None,
          summary: Path | None, resume: bool, bench: bool, started: float) -> dict:
-    from common.config import flatten, load_config
-    from common.job import Job
-    from common.lifecycle import STATE_FILE, checkpoint_root
-    from common.paths import write_json_atomic
-    from common.runtime import hardware_info, make_runtime, precision_notice, seed_everything, shutdown
-    from common.tracking import check_reachable, tracked_run, tracking_uri, write_summary
-    from torch import distributed as dist
+    from common.config import load_config
+    from common.runtime import make_runtime, shutdown
+    from common.tracking import check_reachable, tracking_uri
 
     check_reachable(tracking_uri())
     if bench and not usecase.has_benchmark:
@@ -73,51 +70,79 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
         for logger in QUIET_ON_OTHER_RANKS:
             logging.getLogger(logger).setLevel(logging.WARNING)
     try:
-        seed_everything(config.runtime.seed, config.runtime.deterministic)
-        loaded, data_tags = _load_checked(usecase, config, data)
-        notice = precision_notice(runtime.device, config.runtime.precision)
-        if notice and runtime.is_main:
-            log.warning(notice)
-        experiment = f"{usecase.name}-benchmark" if bench else usecase.name
-        description = (f"Benchmark of {usecase.name}: our pipeline against a plain loop, in one run."
-                       if bench else usecase.summary())
-        root = checkpoint_root(experiment, preset)
-        params = flatten(config)
-        run_id = _on_main(runtime, lambda: _prepare(usecase.name, experiment, description, root, preset, resume,
-                                                    params, data_tags))
-        tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
-                "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
-                **{key: value for key, value in config.tracking.model_dump().items() if value is not None}}
-        checkpoint_dir = None
-        try:
-            with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
-                             run_name=f"{experiment}-{preset}", description=description) as tracker:
-                checkpoint_dir = root / _on_main(runtime, lambda: tracker.run_id)
-                if runtime.is_main:
-                    write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
-                                      checkpoint_dir / STATE_FILE)
-                job = Job(runtime, tracker, checkpoint_dir, resume)
-                models = (usecase.benchmark if bench else usecase.run)(config, loaded, job)
-                result = {}
-                if runtime.is_main:
-                    result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
-                                           None if bench else usecase.columns(config))
-                    log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
-                    if not bench:
-                        register(tracker, usecase, models, data_tags["data_sha256"])
-        except (KeyboardInterrupt, Terminated):
-            raise  # KILLED: its checkpoints stay for --resume
-        except BaseException:
-            if runtime.is_main and checkpoint_dir is not None:
-                shutil.rmtree(checkpoint_dir, ignore_errors=True)  # FAILED: it can never be resumed
-            raise
-        if runtime.is_main:
-            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
-        if runtime.distributed:
-            dist.barrier()  # every rank done before any tears down its connections (gloo aborts otherwise)
-        return result
+        with ExitStack() as engine:
+            client = engine.enter_context(_engine(config.runtime, runtime)) if config.runtime.engine == "dask" \
+                else None
+            return _tracked(usecase, config, preset, runtime, backend, client, data, summary, resume, bench, started)
     finally:
         shutdown(runtime)
+
+
+def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, client, data: Path | None,
+             summary: Path | None, resume: bool, bench: bool, started: float) -> dict:
+    from common.config import flatten
+    from common.engine import client_tags
+    from common.job import Job
+    from common.lifecycle import STATE_FILE, checkpoint_root
+    from common.paths import write_json_atomic
+    from common.runtime import hardware_info, precision_notice, seed_everything
+    from common.tracking import tracked_run, write_summary
+    from torch import distributed as dist
+
+    seed_everything(config.runtime.seed, config.runtime.deterministic)
+    loaded, data_tags = _load_checked(usecase, config, data)
+    notice = precision_notice(runtime.device, config.runtime.precision)
+    if notice and runtime.is_main:
+        log.warning(notice)
+    experiment = f"{usecase.name}-benchmark" if bench else usecase.name
+    description = (f"Benchmark of {usecase.name}: our pipeline against a plain loop, in one run."
+                   if bench else usecase.summary())
+    root = checkpoint_root(experiment, preset)
+    params = flatten(config)
+    run_id = _on_main(runtime, lambda: _prepare(usecase.name, experiment, description, root, preset, resume,
+                                                params, data_tags))
+    tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
+            "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
+            **{key: value for key, value in config.tracking.model_dump().items() if value is not None},
+            **(client_tags(client) if client is not None else {"engine": "pandas"})}
+    checkpoint_dir = None
+    try:
+        with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
+                         run_name=f"{experiment}-{preset}", description=description) as tracker:
+            checkpoint_dir = root / _on_main(runtime, lambda: tracker.run_id)
+            if runtime.is_main:
+                write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
+                                  checkpoint_dir / STATE_FILE)
+            job = Job(runtime, tracker, checkpoint_dir, resume, client)
+            models = (usecase.benchmark if bench else usecase.run)(config, loaded, job)
+            result = {}
+            if runtime.is_main:
+                result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
+                                       None if bench else usecase.columns(config))
+                log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
+                if not bench:
+                    register(tracker, usecase, models, data_tags["data_sha256"])
+    except (KeyboardInterrupt, Terminated):
+        raise  # KILLED: its checkpoints stay for --resume
+    except BaseException:
+        if runtime.is_main and checkpoint_dir is not None:
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # FAILED: it can never be resumed
+        raise
+    if runtime.is_main:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+    if runtime.distributed:
+        dist.barrier()  # every rank done before any tears down its connections (gloo aborts otherwise)
+    return result
+
+
+def _engine(settings, runtime):
+    """The Dask client the run uses; one process per job for now (under torchrun, ranks would each start one)."""
+    from common.engine import dask_client
+
+    if runtime.distributed:
+        raise UserError("runtime.engine=dask: start the run without torchrun (the Dask engine drives its cluster "
+                        "from one process for now)")
+    return dask_client(settings.cluster, settings.workers)
 
 
 def _prepare(name: str, experiment: str, description: str, root: Path, preset: str, resume: bool, params: dict,

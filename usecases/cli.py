@@ -126,6 +126,13 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
                         help="override a config key, e.g. --set train.epochs=5 (repeatable)")
     parser.add_argument("--data", type=Path, help="a data file or folder of your own instead of the preset's data")
     parser.add_argument("--summary", type=Path, metavar="FILE", help="also write summary.json here")
+    parser.add_argument("--engine", choices=["pandas", "dask"],
+                        help="where per-series and data work runs (runtime.engine; default: the preset's, pandas)")
+    parser.add_argument("--cluster", metavar="ADDRESS", help="a Dask scheduler, e.g. tcp://10.0.0.5:8786 "
+                                                              "(runtime.cluster; default: $DASK_SCHEDULER_ADDRESS, "
+                                                              "else a local cluster)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="processes of the local Dask cluster (runtime.workers; default: one per core)")
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +140,15 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="where torch runs: auto picks CUDA when there is a GPU")
     parser.add_argument("--frames", default="auto", choices=["auto", "pandas"],
                         help="DataFrame backend: auto uses cuDF through cudf.pandas on a GPU; pandas forces the CPU")
+
+
+def _engine_overrides(args: argparse.Namespace) -> list[str]:
+    """--engine, --cluster and --workers are the config's runtime keys, so the run records them as params."""
+    given = {"engine": args.engine, "cluster": args.cluster, "workers": args.workers}
+    overrides = [f"runtime.{key}={value}" for key, value in given.items() if value is not None]
+    if (args.cluster or args.workers) and not args.engine:
+        overrides.append("runtime.engine=dask")
+    return overrides
 
 
 def _found() -> dict:
@@ -319,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         from common.runtime import use_gpu_frames
 
         use_gpu_frames(args.frames)  # before the use case's package is imported, so cudf.pandas can take over pandas
-        run_usecase(_usecase(args.name), args.preset, args.overrides, args.device, args.frames, args.data,
+        run_usecase(_usecase(args.name), args.preset, args.overrides + _engine_overrides(args), args.device,
+                    args.frames, args.data,
                     args.summary, getattr(args, "resume", False), bench=args.command == "bench")
         return EXIT_OK
     except UserError as exc:

@@ -108,3 +108,13 @@ BASELINES = {
     "gjr_garch_t": lambda frame, blocks, horizon, config: garch(frame, blocks, horizon, asymmetric=True, dist="t"),
     "har": lambda frame, blocks, horizon, config: har(frame, blocks, horizon),
 }
+
+
+def fit_baselines(rows: pd.DataFrame, blocks: Blocks, horizon: int, settings, models: list[str]) -> list[pd.DataFrame]:
+    """One ticker's forecasts by each of `models`, refit at each block. A ticker's fits depend on no other ticker,
+    so this is one Dask task; it lives here, away from torch, so that a worker imports only arch and pandas."""
+    parts = []
+    for name in models:
+        stop_point()
+        parts.append(BASELINES[name](rows, blocks, horizon, settings).assign(model=name))
+    return parts

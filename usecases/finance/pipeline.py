@@ -8,6 +8,7 @@ origin only. Models are refit at the start of each block of test days: the basel
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from common.job import Job
 from common.runtime import Runtime
 from common.sharding import gather_objects, my_share
 from common.training import TensorBatches, Trainer, supervised
-from .baselines import BASELINES, VAR_LEVELS, forecast_frame
+from .baselines import VAR_LEVELS, fit_baselines, forecast_frame
 from .config import Config
 from .data import Panel, load_panel
 from .evaluate import evaluate, forecast_figure, var_figure
@@ -124,19 +125,28 @@ def ticker_blocks(rows: pd.DataFrame, mask: pd.Series, starts: list[pd.Timestamp
             if len(chunk)]
 
 
-def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config,
-                       runtime: Runtime | None = None) -> pd.DataFrame | None:
-    """Every baseline's walk-forward forecasts, the tickers shared out among the ranks of a DDP job (each ticker's
-    fits are independent); all of them on rank 0, None on the others."""
+def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
+                       client=None) -> pd.DataFrame | None:
+    """Every baseline's walk-forward forecasts; each ticker's fits are independent, so the tickers are shared out:
+    as tasks on the Dask `client`'s workers, else among the ranks of a DDP job. All of them on rank 0 (in the
+    panel's ticker order, whatever the engine), None on the other ranks."""
     starts = block_starts(frame, mask, config.evaluation.refit_every)
-    series = list(frame.groupby("ticker", sort=False))
+    tasks = [(ticker, rows, ticker_blocks(rows, mask[rows.index], starts))
+             for ticker, rows in frame.groupby("ticker", sort=False)]
+    settings = {"horizon": config.evaluation.horizon, "settings": config.baselines,
+                "models": config.baselines.models}
+    if client is not None:
+        futures = client.map(fit_baselines, [rows for _, rows, _ in tasks], [blocks for *_, blocks in tasks],
+                             **settings, pure=False)
+        for (ticker, *_), future in zip(tasks, futures):
+            while not future.done():  # Ctrl-C and SIGTERM still stop the run within a second
+                stop_point()
+                time.sleep(0.1)
+            log.info("baselines: %s done", ticker)
+        return pd.concat([part for parts in client.gather(futures) for part in parts])
     parts = []
-    for ticker, rows in series[my_share(len(series), runtime)]:
-        blocks = ticker_blocks(rows, mask[rows.index], starts)
-        for name in config.baselines.models:
-            stop_point()
-            forecasts = BASELINES[name](rows, blocks, config.evaluation.horizon, config.baselines)
-            parts.append(forecasts.assign(model=name))
+    for ticker, rows, blocks in tasks[my_share(len(tasks), runtime)]:
+        parts.extend(fit_baselines(rows, blocks, **settings))
         log.info("baselines: %s done (%d refits)", ticker, len(blocks))
     gathered = gather_objects(parts, runtime)
     return None if gathered is None else pd.concat([part for rank in gathered for part in rank])
@@ -228,9 +238,11 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
 def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]:
     frame, mask = data.frame, data.test
     neural, latest = neural_forecasts(frame, mask, config, job)
-    baselines = baseline_forecasts(frame, mask, config, job.runtime)
+    started = time.perf_counter()
+    baselines = baseline_forecasts(frame, mask, config, job.runtime, job.dask)
     if not job.runtime.is_main:
         return {}
+    job.tracker.log_metrics({"time/baselines_s": time.perf_counter() - started})
     realised = frame[["ticker", "target_date", "target", "target_ret"]].rename(
         columns={"target_date": "date", "target": "parkinson", "target_ret": "ret"})
     forecasts = pd.concat([baselines, neural]).join(realised)

@@ -1,0 +1,84 @@
+"""The execution engine for work that outgrows one process: pandas in this process, or a Dask cluster.
+
+`runtime.engine: dask` connects to the scheduler at `runtime.cluster` (or `$DASK_SCHEDULER_ADDRESS`), else starts a
+`LocalCluster` on this machine: `runtime.workers` processes (one per core by default) of one thread each, each with
+an equal share of the free memory as its limit, spilling to disk under the project's cache before it is reached.
+Dask is an optional extra (`pip install 'gpu-usecases[dask]'`); the pandas engine needs nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psutil
+
+from common.errors import UserError
+from common.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5
+MEMORY_SHARE = 0.8  # of the free memory, split among the local workers: the rest for this process and the OS
+
+
+def scheduler_address(configured: str | None) -> str | None:
+    return configured or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+
+
+@contextmanager
+def quiet_distributed() -> Iterator[None]:
+    """distributed logs every worker start and stop at INFO: kept to warnings while the run uses it."""
+    logger = logging.getLogger("distributed")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextmanager
+def dask_client(cluster: str | None = None, workers: int | None = None) -> Iterator[Any]:
+    """A `distributed.Client` on the scheduler at `cluster`, else on a local cluster sized to this machine; closed
+    (and the local cluster shut down) on exit."""
+    try:
+        from distributed import Client, LocalCluster  # configures its loggers: before they are quietened
+    except ImportError:
+        raise UserError("runtime.engine=dask needs Dask: pip install 'gpu-usecases[dask]' "
+                        "(dask and distributed)") from None
+    with quiet_distributed():
+        yield from _client(Client, LocalCluster, cluster, workers)
+
+
+def _client(Client, LocalCluster, cluster: str | None, workers: int | None) -> Iterator[Any]:
+    address = scheduler_address(cluster)
+    if address is not None:
+        try:
+            client = Client(address, timeout=f"{CONNECT_TIMEOUT_S}s")
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise UserError(f"runtime.cluster {address}: no Dask scheduler answers there within "
+                            f"{CONNECT_TIMEOUT_S} s ({type(exc).__name__})") from None
+        with client:
+            log.info("dask: %d workers at %s (dashboard %s)", len(client.scheduler_info()["workers"]), address,
+                     client.dashboard_link)
+            yield client
+        return
+    count = workers or os.cpu_count() or 1
+    memory_limit = int(psutil.virtual_memory().available * MEMORY_SHARE / count)
+    with LocalCluster(n_workers=count, threads_per_worker=1, memory_limit=memory_limit,
+                      dashboard_address="127.0.0.1:0", host="127.0.0.1",
+                      local_directory=str(cache_dir("dask-spill")), silence_logs=logging.WARNING) as local, Client(local) as client:
+        log.info("dask: a local cluster of %d workers, %.1f GB each (dashboard %s)", count, memory_limit / 2**30,
+                 client.dashboard_link)
+        yield client
+
+
+def client_tags(client: Any) -> dict[str, str]:
+    """What the run records of the cluster it used."""
+    workers = client.scheduler_info()["workers"].values()
+    return {"engine": "dask", "dask_workers": str(len(workers)), "dask_dashboard": str(client.dashboard_link),
+            "dask_threads": str(sum(worker["nthreads"] for worker in workers))}
