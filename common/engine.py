@@ -22,6 +22,7 @@ from common.paths import cache_dir
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5
+WORKERS_TIMEOUT_S = 30
 MEMORY_SHARE = 0.8  # of the free memory, split among the local workers: the rest for this process and the OS
 
 
@@ -63,6 +64,11 @@ def _client(Client, LocalCluster, cluster: str | None, workers: int | None) -> I
             raise UserError(f"runtime.cluster {address}: no Dask scheduler answers there within "
                             f"{CONNECT_TIMEOUT_S} s ({type(exc).__name__})") from None
         with client:
+            try:
+                client.wait_for_workers(1, timeout=WORKERS_TIMEOUT_S)
+            except TimeoutError:
+                raise UserError(f"runtime.cluster {address}: the scheduler has no workers after {WORKERS_TIMEOUT_S} "
+                                f"s (start some with `dask worker {address}`)") from None
             log.info("dask: %d workers at %s (dashboard %s)", len(client.scheduler_info()["workers"]), address,
                      client.dashboard_link)
             yield client

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _requested: int | None = None
+_deferred = 0
 
 
 class Terminated(BaseException):
@@ -43,6 +46,19 @@ def stop_requested() -> bool:
 
 
 def stop_point() -> None:
-    """Raise KeyboardInterrupt or Terminated here if a stop was requested."""
-    if _requested is not None:
+    """Raise KeyboardInterrupt or Terminated here if a stop was requested (and stops are not deferred)."""
+    if _requested is not None and not _deferred:
         raise _exception_for(_requested)
+
+
+@contextmanager
+def stops_deferred(active: bool = True) -> Iterator[None]:
+    """Within the block `stop_point()` does nothing: for work that each DDP rank does alone before a collective,
+    after which the ranks agree to stop together. A rank that stopped alone would leave the others waiting in the
+    collective (for an hour, or until gloo reports a lost peer and the run looks FAILED)."""
+    global _deferred
+    _deferred += active
+    try:
+        yield
+    finally:
+        _deferred -= active

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "run.json"
 HOST_TAG, PID_TAG, PID_STARTED_TAG, HEARTBEAT_TAG = "host", "pid", "pid_started", "heartbeat"
+PID_NAMESPACE_TAG = "pid_namespace"  # containers sharing a hostname (host networking) do not share their pids
+RESUME_FREE_KEYS = {"runtime.engine", "runtime.cluster", "runtime.workers"}  # where it runs, not what it computes
 HEARTBEAT_EVERY_S = 60
 STALE_AFTER_S = 900  # a quarter of an hour without a heartbeat: a run on another host is taken for dead
 
@@ -43,13 +45,26 @@ def checkpoint_root(experiment: str, preset: str) -> Path:
 
 def process_tags() -> dict[str, str]:
     """Who runs this run, for the next start to tell whether it is still alive."""
-    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()),
+    return {HOST_TAG: socket.gethostname(), PID_NAMESPACE_TAG: pid_namespace(), PID_TAG: str(os.getpid()),
             PID_STARTED_TAG: f"{psutil.Process().create_time():.3f}", HEARTBEAT_TAG: f"{time.time():.0f}"}
 
 
+def pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:  # no /proc (macOS): the hostname alone tells
+        return "-"
+
+
+def stale_after_s() -> float:
+    return float(os.environ.get("USECASES_STALE_AFTER_S", STALE_AFTER_S))
+
+
 @contextmanager
-def heartbeat(run_id: str, every_s: float = HEARTBEAT_EVERY_S) -> Iterator[None]:
-    """Refresh the run's heartbeat tag in the background while the block runs."""
+def heartbeat(run_id: str, every_s: float | None = None) -> Iterator[None]:
+    """Refresh the run's heartbeat tag in the background while the block runs, three times per stale period at
+    least, so that a live run is never taken for dead."""
+    every_s = every_s or min(HEARTBEAT_EVERY_S, stale_after_s() / 3)
     stop = threading.Event()
     client = mlflow.MlflowClient()
 
@@ -72,14 +87,15 @@ def heartbeat(run_id: str, every_s: float = HEARTBEAT_EVERY_S) -> Iterator[None]
 def why_dead(tags: dict[str, str], start_time_ms: int, now: float | None = None) -> str | None:
     """Why a RUNNING run is known to be dead, or None while it may be alive."""
     now = time.time() if now is None else now
-    if tags.get(HOST_TAG) == socket.gethostname() and PID_TAG in tags:
+    same_host = tags.get(HOST_TAG) == socket.gethostname() and tags.get(PID_NAMESPACE_TAG, "-") == pid_namespace()
+    if same_host and PID_TAG in tags:
         pid = int(tags[PID_TAG])
         try:
             alive = abs(psutil.Process(pid).create_time() - float(tags.get(PID_STARTED_TAG, "nan"))) < 1.0
         except psutil.NoSuchProcess:
             alive = False
         return None if alive else f"its process {pid} on this host is gone"
-    stale_after = float(os.environ.get("USECASES_STALE_AFTER_S", STALE_AFTER_S))
+    stale_after = stale_after_s()
     last_beat = float(tags.get(HEARTBEAT_TAG, start_time_ms / 1000))
     if now - last_beat > stale_after:
         host = tags.get(HOST_TAG, "an unknown host")
@@ -92,18 +108,20 @@ def _runs_of(experiment_id: str, preset: str, status: str | None = None) -> list
     return mlflow.MlflowClient().search_runs([experiment_id], filter_string=query, order_by=["attributes.start_time DESC"])
 
 
-def mark_dead_runs(experiment_id: str, name: str, preset: str) -> list[str]:
-    """End as KILLED every RUNNING run of this preset whose process is gone, saying so; returns their ids."""
+def mark_dead_runs(experiment_id: str, name: str | None, preset: str) -> list[str]:
+    """End as KILLED every RUNNING run of this preset whose process is gone, saying so (and, given the use case's
+    `name`, how to resume it; benchmarks do not resume); returns their ids."""
     client = mlflow.MlflowClient()
     marked = []
     for run in _runs_of(experiment_id, preset, "RUNNING"):
         reason = why_dead(run.data.tags, run.info.start_time)
-        if reason is None:
+        if reason is None or client.get_run(run.info.run_id).info.status != "RUNNING":  # it may have ended since
             continue
         client.set_terminated(run.info.run_id, "KILLED")
         marked.append(run.info.run_id)
-        log.warning("run %s of preset '%s' was left RUNNING (%s): marked KILLED; `usecases run %s --preset %s "
-                    "--resume` continues it", run.info.run_id, preset, reason, name, preset)
+        resume = f"; `usecases run {name} --preset {preset} --resume` continues it" if name else ""
+        log.warning("run %s of preset '%s' was left RUNNING (%s): marked KILLED%s", run.info.run_id, preset, reason,
+                    resume)
     return marked
 
 
@@ -146,7 +164,7 @@ def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, dat
 
 
 def check_same_job(state: dict, params: dict, data_tags: dict) -> None:
-    for key in sorted(set(params) | set(state["params"])):
+    for key in sorted((set(params) | set(state["params"])) - RESUME_FREE_KEYS):
         if params.get(key) != state["params"].get(key):
             raise UserError(f"--resume: config key '{key}' is {params.get(key)!r} now but was "
                             f"{state['params'].get(key)!r} in the interrupted run")

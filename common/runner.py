@@ -150,31 +150,39 @@ def _prepare(name: str, experiment: str, description: str, root: Path, preset: s
     """Before the run starts: end the runs of this preset whose process died, pick the run to resume, and drop the
     checkpoints no run can resume any more."""
     from common.lifecycle import mark_dead_runs, prune_checkpoints, resumable_run
-    from common.tracking import ensure_experiment
+    from common.tracking import check_project_run, ensure_experiment
 
     experiment_id = ensure_experiment(experiment, description)
-    mark_dead_runs(experiment_id, name, preset)
+    check_project_run(experiment, experiment_id, resuming=resume)  # here, where every rank hears of its refusal
+    mark_dead_runs(experiment_id, name if experiment == name else None, preset)
     run_id = resumable_run(experiment_id, root, preset, params, data_tags) if resume else None
     prune_checkpoints(root, keep=run_id)
     return run_id
 
 
 def _on_main(runtime, compute: Callable[[], Any]) -> Any:
-    """`compute()` on rank 0, its value (or its UserError) on every rank of a DDP job."""
+    """`compute()` on rank 0, its value on every rank of a DDP job. Whatever rank 0 raises is raised on every rank
+    (a UserError as itself, anything else as a RuntimeError naming it), so no rank is left in the broadcast."""
     if not runtime.distributed:
         return compute()
     from torch import distributed as dist
 
     shared: list[Any] = [None]
+    failure = None
     if runtime.is_main:
         try:
             shared[0] = ("value", compute())
-        except UserError as exc:
-            shared[0] = ("error", str(exc))
+        except BaseException as exc:
+            failure = exc
+            shared[0] = ("user" if isinstance(exc, UserError) else "error", f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(shared, src=0)
+    if failure is not None:
+        raise failure
     kind, value = shared[0]
+    if kind == "user":
+        raise UserError(value.removeprefix("UserError: "))
     if kind == "error":
-        raise UserError(value)
+        raise RuntimeError(f"rank 0 failed: {value}")
     return value
 
 

@@ -238,7 +238,14 @@ def log_dataset(tags: dict[str, Any], context: str = "training") -> None:
         schema = Schema([ColSpec(kind, name) for name, kind in
                          (pair.split(":") for pair in str(tags["data_schema"]).split(","))])
     dataset = MetaDataset(source, name=str(tags["data_source"]), digest=str(tags["data_sha256"])[:12], schema=schema)
-    mlflow.log_input(dataset, context=context)
+    try:
+        mlflow.log_input(dataset, context=context)
+    except mlflow.exceptions.MlflowException as exc:
+        if "UNIQUE constraint" not in str(exc):
+            raise
+        # Runs started together on the same data each insert the experiment's new dataset; the store keeps the
+        # first and refuses the others. Logged again, it is found and linked.
+        mlflow.log_input(dataset, context=context)
 
 
 def check_project_run(usecase: str, experiment_id: str, resuming: bool) -> None:

@@ -1,5 +1,6 @@
 """Run by test_sharding.py under torchrun (2 CPU processes, gloo): the sharded helpers and the recsys full-ranking
-evaluation, each rank doing its share; every rank saves what it got."""
+evaluation, each rank doing its share; how a failure or a stop on one rank reaches the other; every rank saves what
+it got."""
 
 import sys
 from pathlib import Path
@@ -9,8 +10,13 @@ import scipy.sparse as sp
 import torch
 import torch.distributed as dist
 
+from common import interrupt
+from common.errors import UserError
+from common.interrupt import Terminated, stop_point, stops_deferred
+from common.runner import _on_main
 from common.runtime import make_runtime, shutdown
 from common.sharding import all_reduce_max, gather_objects, gather_rows, my_share, shared_predictions
+from common.training import stop_if_any_rank_asked
 from usecases.recsys.evaluate import full_ranking
 
 
@@ -22,6 +28,10 @@ class FixedScores:
 
     def score(self, users: torch.Tensor) -> torch.Tensor:
         return self.scores[users]
+
+
+def refuse():
+    raise UserError("a bad key")
 
 
 def interactions(n_users: int, n_items: int, seed: int) -> sp.csr_matrix:
@@ -39,6 +49,19 @@ def main(outdir: Path) -> None:
         "max": all_reduce_max(float(runtime.rank), runtime),
         "ranking": full_ranking(FixedScores(50, 40), truth, exclude, [5, 10], runtime.device, 8, runtime),
     }
+    for name, failing in (("user_error", refuse), ("bug", lambda: 1 / 0)):
+        try:
+            _on_main(runtime, failing)
+        except (UserError, ZeroDivisionError, RuntimeError) as exc:
+            outcome[name] = f"{type(exc).__name__}: {exc}"
+    with stops_deferred():
+        if runtime.rank == 1:
+            interrupt._requested = 15  # as SIGTERM to rank 1 alone would
+        stop_point()  # deferred: rank 1 goes on to the collective with rank 0
+    try:
+        stop_if_any_rank_asked(runtime)
+    except Terminated:
+        outcome["stopped"] = True
     torch.save(outcome, outdir / f"rank{runtime.rank}.pt")
     dist.barrier()
     shutdown(runtime)

@@ -50,3 +50,13 @@ def test_sharded_full_ranking_equals_the_single_process_one(ranks):
         for metric in alone:
             if metric != "users_per_s":
                 assert together[metric] == pytest.approx(alone[metric], rel=1e-12), metric
+
+
+def test_what_rank_0_raises_reaches_every_rank(ranks):
+    assert [rank["user_error"] for rank in ranks] == ["UserError: a bad key"] * 2
+    assert ranks[0]["bug"] == "ZeroDivisionError: division by zero"
+    assert ranks[1]["bug"] == "RuntimeError: rank 0 failed: ZeroDivisionError: division by zero"
+
+
+def test_a_stop_asked_of_one_rank_in_its_own_work_stops_both_together(ranks):
+    assert [rank.get("stopped") for rank in ranks] == [True, True]

@@ -27,14 +27,14 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_runs(server):
-    """Four smoke runs started at once, each with its own checkpoint folder (as four machines would have)."""
+    """Four smoke runs of one preset started at once on this machine, sharing its checkpoint folder (each run keeps
+    its checkpoints under its own run id)."""
     uri, env = server
 
     def one(index: int):
         return usecases("run", "finance", "--preset", "smoke", "--set", "tracking.instance_type=test-box",
                         "--set", "tracking.price_per_hour=2.5", "--set", "data.synthetic.tickers=1",
-                        "--set", "train.epochs=3", "--set", "baselines.models=[ewma,har]",
-                        env={**env, "USECASES_CHECKPOINT_DIR": f"{env['USECASES_CHECKPOINT_DIR']}{index}"})
+                        "--set", "train.epochs=3", "--set", "baselines.models=[ewma,har]", env=env)
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, range(4)))

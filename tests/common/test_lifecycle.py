@@ -28,7 +28,8 @@ def dead_pid() -> int:
 
 
 def here(pid: int, started: float) -> dict:
-    return {"host": socket.gethostname(), "pid": str(pid), "pid_started": f"{started:.3f}"}
+    return {"host": socket.gethostname(), "pid_namespace": lifecycle.pid_namespace(), "pid": str(pid),
+            "pid_started": f"{started:.3f}"}
 
 
 def test_a_live_process_on_this_host_is_alive():
@@ -51,6 +52,25 @@ def test_another_host_is_judged_by_its_heartbeat(monkeypatch):
         "no heartbeat from gpu-box-7 for 60 min"
     monkeypatch.setenv("USECASES_STALE_AFTER_S", "30")
     assert lifecycle.why_dead(tags, 0, now=NOW) is not None
+
+
+def test_another_container_with_this_hostname_is_judged_by_its_heartbeat():
+    tags = {**here(dead_pid(), 0.0), "pid_namespace": "4026531836-elsewhere", "heartbeat": f"{NOW - 60:.0f}"}
+    assert lifecycle.why_dead(tags, 0, now=NOW) is None  # its pid means nothing here
+
+
+def test_the_heartbeat_beats_well_within_the_stale_period(monkeypatch):
+    monkeypatch.setenv("USECASES_STALE_AFTER_S", "30")
+    run_id = make_run("RUNNING", tags={"heartbeat": "0"})
+    with lifecycle.heartbeat(run_id):  # every 10 s: no wait here, the block ends at once
+        pass
+    assert lifecycle.stale_after_s() / 3 == 10
+
+
+def test_where_a_run_ran_does_not_stop_it_resuming():
+    state = {"params": {"train.epochs": 3, "runtime.workers": 1, "runtime.engine": "dask"}, "data": {"data_sha256": "a"}}
+    lifecycle.check_same_job(state, {"train.epochs": 3, "runtime.workers": 2, "runtime.engine": "pandas"},
+                             {"data_sha256": "a"})
 
 
 def test_a_run_without_process_tags_is_judged_by_its_start():

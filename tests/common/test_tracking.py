@@ -200,3 +200,18 @@ def test_champions_are_compared_on_the_same_data_only_and_champion_follows_the_l
     alias, aliases = register("registry", 0.90, a)
     assert alias == "champion" and aliases["champion"] == aliases[f"champion-{'a' * 12}"] == 4
     assert aliases[f"champion-{'b' * 12}"] == 2
+
+
+def test_a_dataset_two_runs_insert_at_once_is_linked_on_the_second_try(monkeypatch):
+    from common import tracking
+
+    calls = []
+
+    def log_input(dataset, context):
+        calls.append(dataset.digest)
+        if len(calls) == 1:
+            raise mlflow.exceptions.MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets")
+
+    monkeypatch.setattr(tracking.mlflow, "log_input", log_input)
+    tracking.log_dataset({"data_source": "synthetic:seed=1", "data_sha256": "b" * 64})
+    assert calls == ["b" * 12] * 2

@@ -1,10 +1,14 @@
-"""The walk-forward baselines on a Dask cluster give the pandas engine's forecasts exactly, row for row."""
+"""The Dask engine: the walk-forward baselines on a cluster give the pandas engine's forecasts exactly, row for row;
+a scheduler that does not answer or has no workers, or Dask not installed, is one line and no run."""
+
+import sys
 
 import pandas as pd
 import pytest
 
 from common.config import load_config
-from tests.cli_helpers import runs, usecases
+from tests.cli_helpers import assert_rejected, free_port, runs, usecases
+from usecases import cli
 from usecases.finance import USECASE, Config
 from usecases.finance.pipeline import baseline_forecasts, load_data
 
@@ -13,7 +17,7 @@ distributed = pytest.importorskip("distributed")
 
 @pytest.fixture(scope="module")
 def client():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as \
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as \
             cluster, distributed.Client(cluster) as connected:
         yield connected
 
@@ -35,3 +39,35 @@ def test_a_run_on_a_local_cluster_records_it():
     (run,) = runs("finance")
     assert run.data.tags["engine"] == "dask" and run.data.tags["dask_workers"] == "2"
     assert run.data.params["runtime.engine"] == "dask" and run.data.metrics["time/baselines_s"] > 0
+
+
+def test_an_unreachable_cluster_is_one_line_and_no_run(capsys):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    assert_rejected(capsys, "finance", "run", "finance", "--preset", "smoke", "--cluster", address,
+                    names=(f"runtime.cluster {address}", "no Dask scheduler answers there"))
+
+
+def test_a_scheduler_without_workers_is_one_line_and_no_run(capsys, monkeypatch):
+    from common import engine
+
+    monkeypatch.setattr(engine, "WORKERS_TIMEOUT_S", 1)
+    with distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty:
+        assert_rejected(capsys, "finance", "run", "finance", "--preset", "smoke", "--cluster", empty.scheduler_address,
+                        names=(f"runtime.cluster {empty.scheduler_address}", "has no workers after 1 s"))
+
+
+def test_the_dask_engine_without_dask_says_which_extra_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "distributed", None)  # `import distributed` now fails as if not installed
+    assert_rejected(capsys, "finance", "run", "finance", "--preset", "smoke", "--engine", "dask",
+                    names=("runtime.engine=dask needs Dask", "gpu-usecases[dask]"))
+
+
+@pytest.mark.parametrize("options, overrides", [
+    ([], []),
+    (["--engine", "dask"], ["runtime.engine=dask"]),
+    (["--workers", "2"], ["runtime.workers=2", "runtime.engine=dask"]),
+    (["--engine", "pandas", "--cluster", "tcp://h:8786"], ["runtime.engine=pandas", "runtime.cluster=tcp://h:8786"]),
+])
+def test_engine_options_are_the_config_s_runtime_keys(options, overrides):
+    args = cli._parser().parse_args(["run", "finance", *options])
+    assert cli._engine_overrides(args) == overrides

@@ -17,11 +17,11 @@ import pandas as pd
 import torch
 
 from common.errors import UserError
-from common.interrupt import stop_point
+from common.interrupt import stop_point, stops_deferred
 from common.job import Job
 from common.runtime import Runtime
 from common.sharding import gather_objects, my_share
-from common.training import TensorBatches, Trainer, supervised
+from common.training import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
 from .baselines import VAR_LEVELS, fit_baselines, forecast_frame
 from .config import Config
 from .data import Panel, load_panel
@@ -145,10 +145,14 @@ def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, run
             log.info("baselines: %s done", ticker)
         return pd.concat([part for parts in client.gather(futures) for part in parts])
     parts = []
-    for ticker, rows, blocks in tasks[my_share(len(tasks), runtime)]:
-        parts.extend(fit_baselines(rows, blocks, **settings))
-        log.info("baselines: %s done (%d refits)", ticker, len(blocks))
+    distributed = runtime is not None and runtime.distributed
+    with stops_deferred(distributed):
+        for ticker, rows, blocks in tasks[my_share(len(tasks), runtime)]:
+            parts.extend(fit_baselines(rows, blocks, **settings))
+            log.info("baselines: %s done (%d refits)", ticker, len(blocks))
     gathered = gather_objects(parts, runtime)
+    if distributed:
+        stop_if_any_rank_asked(runtime)
     return None if gathered is None else pd.concat([part for rank in gathered for part in rank])
 
 
