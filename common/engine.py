@@ -47,19 +47,19 @@ def dask_client(cluster: str | None = None, workers: int | None = None) -> Itera
     """A `distributed.Client` on the scheduler at `cluster`, else on a local cluster sized to this machine; closed
     (and the local cluster shut down) on exit."""
     try:
-        from distributed import Client, LocalCluster  # configures its loggers: before they are quietened
+        import distributed  # configures its loggers on import: before they are quietened
     except ImportError:
         raise UserError("runtime.engine=dask needs Dask: pip install 'gpu-usecases[dask]' "
                         "(dask and distributed)") from None
     with quiet_distributed():
-        yield from _client(Client, LocalCluster, cluster, workers)
+        yield from _client(distributed, cluster, workers)
 
 
-def _client(Client, LocalCluster, cluster: str | None, workers: int | None) -> Iterator[Any]:
+def _client(distributed, cluster: str | None, workers: int | None) -> Iterator[Any]:
     address = scheduler_address(cluster)
     if address is not None:
         try:
-            client = Client(address, timeout=f"{CONNECT_TIMEOUT_S}s")
+            client = distributed.Client(address, timeout=f"{CONNECT_TIMEOUT_S}s")
         except (OSError, TimeoutError, ValueError) as exc:
             raise UserError(f"runtime.cluster {address}: no Dask scheduler answers there within "
                             f"{CONNECT_TIMEOUT_S} s ({type(exc).__name__})") from None
@@ -75,9 +75,10 @@ def _client(Client, LocalCluster, cluster: str | None, workers: int | None) -> I
         return
     count = workers or os.cpu_count() or 1
     memory_limit = int(psutil.virtual_memory().available * MEMORY_SHARE / count)
-    with LocalCluster(n_workers=count, threads_per_worker=1, memory_limit=memory_limit,
-                      dashboard_address="127.0.0.1:0", host="127.0.0.1",
-                      local_directory=str(cache_dir("dask-spill")), silence_logs=logging.WARNING) as local, Client(local) as client:
+    cluster_here = distributed.LocalCluster(n_workers=count, threads_per_worker=1, memory_limit=memory_limit,
+                                            dashboard_address="127.0.0.1:0", host="127.0.0.1",
+                                            local_directory=str(cache_dir("dask-spill")), silence_logs=logging.WARNING)
+    with cluster_here, distributed.Client(cluster_here) as client:
         log.info("dask: a local cluster of %d workers, %.1f GB each (dashboard %s)", count, memory_limit / 2**30,
                  client.dashboard_link)
         yield client

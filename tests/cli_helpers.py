@@ -28,6 +28,20 @@ def usecases(*args, timeout=300, env=None):
                           timeout=timeout, env=env)
 
 
+def two_ranks(script: Path, outdir: Path, *args: str) -> list[dict]:
+    """`script OUTDIR ARGS` as 2 CPU processes under torchrun (gloo), and what each rank saved as OUTDIR/rank{R}.pt."""
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               str(outdir), *args]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return [torch.load(outdir / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+
+
 def runs(usecase, uri=None):
     mlflow.set_tracking_uri(uri or os.environ["MLFLOW_TRACKING_URI"])
     experiment = mlflow.get_experiment_by_name(f"gpu-usecases-{usecase}")

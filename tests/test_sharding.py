@@ -1,19 +1,14 @@
 """Work shared out among DDP ranks comes back whole and equal to doing it in one process."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from common.sharding import share_bounds
+from tests.cli_helpers import two_ranks
 from tests.sharding_worker import FixedScores, interactions
 from usecases.recsys.evaluate import full_ranking
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.parametrize("count, world, expected", [(7, 2, [(0, 4), (4, 7)]), (1, 2, [(0, 0), (0, 1)]),
                                                     (6, 3, [(0, 2), (2, 4), (4, 6)])])
@@ -23,14 +18,7 @@ def test_shares_cover_every_row_once(count, world, expected):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sharding")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "sharding_worker.py"), str(folder)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [torch.load(folder / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    return two_ranks(Path(__file__).with_name("sharding_worker.py"), tmp_path_factory.mktemp("sharding"))
 
 
 def test_gathered_rows_are_whole_and_in_order_on_every_rank(ranks):

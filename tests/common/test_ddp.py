@@ -2,40 +2,28 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.cli_helpers import two_ranks
+
 WORKER = Path(__file__).with_name("ddp_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
 
-def run_workers(tmp_path, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(ROOT), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(WORKER), str(tmp_path), *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
-
-
 def test_a_signal_to_one_rank_stops_both_at_the_same_epoch(tmp_path):
-    ranks = run_workers(tmp_path, "1")
+    ranks = two_ranks(WORKER, tmp_path, "1")
     assert [rank["stopped_after"] for rank in ranks] == [1, 1]
     for key in ranks[0]["state"]:
         assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key])
 
 
 def test_two_ranks_end_with_identical_learned_parameters(tmp_path):
-    ranks = run_workers(tmp_path)
+    ranks = two_ranks(WORKER, tmp_path)
     assert all(rank["world_size"] == 2 and rank["backend"] == "gloo" for rank in ranks)
     first, second = (rank["state"] for rank in ranks)
     assert first.keys() == second.keys()
