@@ -195,7 +195,7 @@ def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: floa
 
 def register(tracker, usecase: UseCase, models: dict, data_sha256: str) -> None:
     """Log the served model's primary metric and register the model as champion or challenger."""
-    from common.tracking import register_champion
+    from common.registry import register_champion
 
     metric, mode = usecase.primary_metric
     if tracker.model_uri is None or tracker.served_model not in models:

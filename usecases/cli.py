@@ -243,7 +243,8 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from common.tracking import check_reachable, data_alias, registered_name, tracking_uri
+    from common.registry import data_alias, registered_name
+    from common.tracking import check_reachable, tracking_uri
 
     _usecase(name)
     uri = tracking_uri()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import mlflow
 import pytest
@@ -170,36 +169,6 @@ def test_logged_models_pin_public_versions_and_name_the_index_of_a_cuda_build(mo
         "--extra-index-url https://download.pytorch.org/whl/cu130", "torch==2.14.1", "numpy==2.4.6", "mlflow==3.17.2"]
     versions["torch"] = "2.13.0+cpu"
     assert tracking.public_requirements(["torch"]) == ["torch==2.13.0"]
-
-
-class Constant(mlflow.pyfunc.PythonModel):
-    def predict(self, context, model_input: list[str], params=None) -> list[str]:
-        return model_input
-
-
-def register(usecase: str, value: float, data: str) -> tuple[str, str]:
-    from common.tracking import register_champion
-
-    with mlflow.start_run() as run:
-        info = mlflow.pyfunc.log_model(name="model", python_model=Constant())
-        tracker = Tracker(active=True, run_id=run.info.run_id)
-        tracker.model_uri = info.model_uri
-        alias = register_champion(tracker, usecase, "auc", "max", value, data)
-    return alias, mlflow.MlflowClient().get_registered_model(f"gpu-usecases-{usecase}").aliases
-
-
-def test_champions_are_compared_on_the_same_data_only_and_champion_follows_the_last_data():
-    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-    a, b = "a" * 64, "b" * 64
-    assert register("registry", 0.80, a)[0] == "champion"
-    alias, aliases = register("registry", 0.70, b)  # worse than A's, but on other data: B's first model
-    assert alias == "champion" and aliases["champion"] == aliases[f"champion-{'b' * 12}"] == 2
-    alias, aliases = register("registry", 0.75, a)  # worse than A's champion: a challenger there
-    assert alias == "challenger" and aliases["challenger"] == 3
-    assert aliases[f"champion-{'a' * 12}"] == aliases["champion"] == 1  # champion: the best on the data just used
-    alias, aliases = register("registry", 0.90, a)
-    assert alias == "champion" and aliases["champion"] == aliases[f"champion-{'a' * 12}"] == 4
-    assert aliases[f"champion-{'b' * 12}"] == 2
 
 
 def test_a_dataset_two_runs_insert_at_once_is_linked_on_the_second_try(monkeypatch):

@@ -1,0 +1,86 @@
+"""The registry's champion and challenger aliases, against a throwaway SQLite store, including runs that register
+at the same moment."""
+
+from __future__ import annotations
+
+import os
+
+import mlflow
+
+from common import registry
+from common.tracking import Tracker
+
+
+class Constant(mlflow.pyfunc.PythonModel):
+    def predict(self, context, model_input: list[str], params=None) -> list[str]:
+        return model_input
+
+
+def register(usecase: str, value: float, data: str) -> tuple[str, str]:
+    with mlflow.start_run(nested=mlflow.active_run() is not None) as run:
+        info = mlflow.pyfunc.log_model(name="model", python_model=Constant())
+        tracker = Tracker(active=True, run_id=run.info.run_id)
+        tracker.model_uri = info.model_uri
+        alias = registry.register_champion(tracker, usecase, "auc", "max", value, data)
+    return alias, mlflow.MlflowClient().get_registered_model(f"gpu-usecases-{usecase}").aliases
+
+
+def test_champions_are_compared_on_the_same_data_only_and_champion_follows_the_last_data():
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    a, b = "a" * 64, "b" * 64
+    assert register("registry", 0.80, a)[0] == "champion"
+    alias, aliases = register("registry", 0.70, b)  # worse than A's, but on other data: B's first model
+    assert alias == "champion" and aliases["champion"] == aliases[f"champion-{'b' * 12}"] == 2
+    alias, aliases = register("registry", 0.75, a)  # worse than A's champion: a challenger there
+    assert alias == "challenger" and aliases["challenger"] == 3
+    assert aliases[f"champion-{'a' * 12}"] == aliases["champion"] == 1  # champion: the best on the data just used
+    alias, aliases = register("registry", 0.90, a)
+    assert alias == "champion" and aliases["champion"] == aliases[f"champion-{'a' * 12}"] == 4
+    assert aliases[f"champion-{'b' * 12}"] == 2
+
+
+def _racing(monkeypatch, usecase: str, rival_value: float):
+    """Make another run take the data alias just after this run sets it, as a run finishing at the same moment
+    does."""
+    set_alias = registry._set_alias
+
+    def racing(client, name, alias, version):
+        set_alias(client, name, alias, version)
+        if alias.startswith("champion-") and not racing.done:
+            racing.done = True
+            monkeypatch.setattr(registry, "_set_alias", set_alias)
+            register(usecase, rival_value, "a" * 64)
+
+    racing.done = False
+    monkeypatch.setattr(registry, "_set_alias", racing)
+
+
+def test_a_better_run_that_takes_the_alias_at_the_same_moment_stays_champion(monkeypatch):
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    _racing(monkeypatch, "race-better", rival_value=0.95)
+    alias, aliases = register("race-better", 0.80, "a" * 64)  # version 1; version 2 (0.95) registers meanwhile
+    assert alias == "challenger"
+    assert aliases[f"champion-{'a' * 12}"] == aliases["champion"] == 2 and aliases["challenger"] == 1
+
+
+def test_a_worse_run_that_takes_the_alias_at_the_same_moment_gives_it_back(monkeypatch):
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    _racing(monkeypatch, "race-worse", rival_value=0.60)
+    alias, aliases = register("race-worse", 0.80, "a" * 64)  # version 2 (0.60) overwrites the alias meanwhile
+    assert alias == "champion"
+    assert aliases[f"champion-{'a' * 12}"] == aliases["champion"] == 1
+
+
+def test_an_alias_two_runs_insert_at_once_is_set_on_the_second_try(monkeypatch):
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    calls = []
+
+    def set_registered_model_alias(name, alias, version):
+        calls.append((name, alias, version))
+        if len(calls) == 1:
+            raise mlflow.exceptions.MlflowException(
+                "(sqlite3.IntegrityError) UNIQUE constraint failed: registered_model_aliases.workspace")
+
+    monkeypatch.setattr(client, "set_registered_model_alias", set_registered_model_alias)
+    registry._set_alias(client, "gpu-usecases-x", "champion", 3)
+    assert calls == [("gpu-usecases-x", "champion", 3)] * 2
