@@ -17,6 +17,7 @@ from typing import Any
 
 from common.errors import DataUnavailable, UserError
 from common.interrupt import Terminated
+from common.memory import PeakMemory
 from common.usecase import UseCase
 
 log = logging.getLogger(__name__)
@@ -24,12 +25,12 @@ log = logging.getLogger(__name__)
 QUIET_ON_OTHER_RANKS = ("usecases", "common")
 
 
-def _load_checked(usecase: UseCase, config, data: Path | None):
+def _load_checked(usecase: UseCase, config, data: Path | None, client=None):
     """The use case's data, with the warnings raised while reading it held back until it passed every check: a
     rejected input is reported in one line, not after the warnings it caused."""
     with warnings.catch_warnings(record=True) as held:
         warnings.simplefilter("always")
-        loaded = usecase.load_data(config, data)
+        loaded = usecase.load_data(config, data, client)
     for warning in held:  # the user's own filters (-W, PYTHONWARNINGS) decide now, as they would have then
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return loaded
@@ -71,15 +72,17 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
             logging.getLogger(logger).setLevel(logging.WARNING)
     try:
         with ExitStack() as engine:
+            memory = engine.enter_context(PeakMemory())
             client = engine.enter_context(_engine(config.runtime, runtime)) if config.runtime.engine == "dask" \
                 else None
-            return _tracked(usecase, config, preset, runtime, backend, client, data, summary, resume, bench, started)
+            return _tracked(usecase, config, preset, runtime, backend, client, data, summary, resume, bench, started,
+                            memory)
     finally:
         shutdown(runtime)
 
 
 def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, client, data: Path | None,
-             summary: Path | None, resume: bool, bench: bool, started: float) -> dict:
+             summary: Path | None, resume: bool, bench: bool, started: float, memory: PeakMemory) -> dict:
     from common.config import flatten
     from common.engine import client_tags
     from common.job import Job
@@ -90,7 +93,7 @@ def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, clien
     from torch import distributed as dist
 
     seed_everything(config.runtime.seed, config.runtime.deterministic)
-    loaded, data_tags = _load_checked(usecase, config, data)
+    loaded, data_tags = _load_checked(usecase, config, data, client)
     notice = precision_notice(runtime.device, config.runtime.precision)
     if notice and runtime.is_main:
         log.warning(notice)
@@ -119,7 +122,8 @@ def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, clien
             if runtime.is_main:
                 result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
                                        None if bench else usecase.columns(config))
-                log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started)
+                log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started,
+                                        memory.bytes)
                 if not bench:
                     register(tracker, usecase, models, data_tags["data_sha256"])
     except (KeyboardInterrupt, Terminated):
@@ -186,8 +190,10 @@ def _on_main(runtime, compute: Callable[[], Any]) -> Any:
     return value
 
 
-def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float) -> None:
-    metrics = {"time/total_s": seconds}
+def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float, peak_bytes: int) -> None:
+    """The run's wall time, its cost at the machine's price, and the peak resident memory of its process tree (this
+    process and its Dask or DataLoader workers) until then."""
+    metrics = {"time/total_s": seconds, "memory/peak_rss_gb": peak_bytes / 2**30}
     if price_per_hour is not None:
         metrics["cost"] = price_per_hour * seconds / 3600
     tracker.log_metrics(metrics)

@@ -53,11 +53,14 @@ class TensorBatches:
     Per-item indexing through a DataLoader costs more than the model itself for small tabular or image
     data that fits in memory; this shuffles indices once per epoch and slices, sharded by rank under DDP.
     With `weights`, each epoch draws as many rows with replacement in proportion to them (a weighted sampler).
+    With `max_batches`, an epoch stops after that many batches of its shuffled order (a fresh sample each epoch).
     """
 
     def __init__(self, *tensors: torch.Tensor, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, weights: torch.Tensor | None = None):
+                 rank: int = 0, world_size: int = 1, weights: torch.Tensor | None = None,
+                 max_batches: int | None = None):
         self.tensors = tensors
+        self.max_batches = max_batches
         self.weights = weights
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -83,10 +86,13 @@ class TensorBatches:
         return order[self.rank :: self.world_size].to(self.tensors[0].device)
 
     def __len__(self) -> int:
-        return math.ceil(math.ceil(len(self.tensors[0]) / self.world_size) / self.batch_size)
+        batches = math.ceil(math.ceil(len(self.tensors[0]) / self.world_size) / self.batch_size)
+        return min(batches, self.max_batches) if self.max_batches else batches
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         indices = self._indices()
+        if self.max_batches:
+            indices = indices[: self.max_batches * self.batch_size]
         for start in range(0, len(indices), self.batch_size):
             batch = indices[start : start + self.batch_size]
             yield tuple(tensor[batch] for tensor in self.tensors)

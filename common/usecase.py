@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import pkgutil
 import sys
 from collections.abc import Callable
@@ -68,8 +69,12 @@ class UseCase:
     def _module(self, name: str):
         return importlib.import_module(f"{self.package}.{name}")
 
-    def load_data(self, config, path: Path | None):
-        return self._module("pipeline").load_data(config, path)
+    def load_data(self, config, path: Path | None, client=None):
+        """With the run's Dask client, for a `load_data` that takes one (to prepare its data on the cluster)."""
+        load = self._module("pipeline").load_data
+        if client is not None and "client" in inspect.signature(load).parameters:
+            return load(config, path, client=client)
+        return load(config, path)
 
     def run(self, config, data, job):
         return self._module("pipeline").run(config, data, job)

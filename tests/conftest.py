@@ -39,3 +39,12 @@ def isolated_store(tmp_path, tmp_path_factory, monkeypatch, empty_store):
 
     while mlflow.active_run() is not None:
         mlflow.end_run()
+
+
+@pytest.fixture(scope="module")
+def dask_client():
+    """A two-worker Dask cluster in this process (threads: starts in a second), for the engine-equality tests."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as \
+            cluster, distributed.Client(cluster) as client:
+        yield client

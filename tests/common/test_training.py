@@ -59,6 +59,15 @@ def batches(**kwargs) -> TensorBatches:
     return TensorBatches(X, Y, batch_size=32, seed=0, **kwargs)
 
 
+def test_an_epoch_of_at_most_n_batches_draws_a_fresh_sample_each_epoch():
+    limited = batches(max_batches=2)
+    first = torch.cat([x for x, _ in limited])
+    limited.set_epoch(1)
+    second = torch.cat([x for x, _ in limited])
+    assert len(limited) == 2 and len(first) == len(second) == 64 < len(X)
+    assert not torch.equal(first, second)
+
+
 def test_learns_a_line():
     model = linear()
     result = make_trainer(model, epochs=15).fit(batches(), val_mse)

@@ -15,18 +15,11 @@ from usecases.finance.pipeline import baseline_forecasts, load_data
 distributed = pytest.importorskip("distributed")
 
 
-@pytest.fixture(scope="module")
-def client():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as \
-            cluster, distributed.Client(cluster) as connected:
-        yield connected
-
-
-def test_dask_baselines_equal_the_pandas_ones(client):
+def test_dask_baselines_equal_the_pandas_ones(dask_client):
     config = load_config(Config, USECASE.presets_dir, "smoke", ["data.synthetic.tickers=4"])
     prepared, _ = load_data(config, None)
     alone = baseline_forecasts(prepared.frame, prepared.test, config)
-    spread = baseline_forecasts(prepared.frame, prepared.test, config, client=client)
+    spread = baseline_forecasts(prepared.frame, prepared.test, config, client=dask_client)
     tickers = prepared.frame.loc[spread.index, "ticker"]  # forecasts are indexed by the panel's rows
     assert len(spread) > 0 and tickers.nunique() == 4 and not spread.reset_index().duplicated(["index", "model"]).any()
     pd.testing.assert_frame_equal(spread, alone)

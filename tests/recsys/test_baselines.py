@@ -7,7 +7,6 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from common.errors import UserError
 from usecases.recsys import baselines
 from usecases.recsys import config as cfg
 from usecases.recsys.baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity, als_available
@@ -147,10 +146,13 @@ def test_pruned_ease_keeps_each_columns_largest_weights(data):
     assert set(np.flatnonzero(pruned[:, column])) == set(np.argsort(-weights[:, column])[:5])
 
 
-def test_ease_refuses_a_huge_catalogue():
+def test_ease_and_itemknn_refuse_a_huge_catalogue_as_a_skippable_error():
     train = sp.csr_matrix((3, baselines.EASE_MAX_ITEMS + 1), dtype=np.float32)
-    with pytest.raises(UserError, match="too many; drop it from models or raise min_item_interactions"):
+    with pytest.raises(ModelUnavailable, match="ease: 50,001 items is too many for its items x items matrix"):
         EASE(train, cfg.EASE(), CPU)
+    train = sp.csr_matrix((3, baselines.ITEMKNN_MAX_ITEMS + 1), dtype=np.float32)
+    with pytest.raises(ModelUnavailable, match="itemknn: 200,001 items is too many"):
+        ItemKNN(train, cfg.ItemKNN(), CPU)
 
 
 def test_als_without_implicit_is_a_skippable_error(monkeypatch, data):

@@ -10,7 +10,7 @@ import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
-from usecases.recsys.evaluate import full_ranking, rows_as_dense, top_k
+from usecases.recsys.evaluate import full_ranking, rows_as_dense, sample_users, top_k
 
 CPU = torch.device("cpu")
 N_ITEMS = 11  # item 0 (unknown) and the catalogue 1..10
@@ -151,3 +151,12 @@ def test_rows_as_dense_matches_scipy():
     rows = np.array([4, 0, 4, 2])
     dense = rows_as_dense(matrix, torch.from_numpy(rows), CPU)
     np.testing.assert_array_equal(dense.numpy(), matrix[rows].toarray())
+
+
+def test_a_sample_of_users_keeps_their_whole_rows_and_is_seeded():
+    truth = sp.random(500, 40, density=0.1, format="csr", random_state=1, dtype=np.float32)
+    sampled = sample_users(truth, 50, seed=3)
+    kept = np.flatnonzero(np.diff(sampled.indptr))
+    assert len(kept) == 50 and (sampled[kept] != truth[kept]).nnz == 0
+    assert np.array_equal(kept, np.flatnonzero(np.diff(sample_users(truth, 50, seed=3).indptr)))
+    assert sample_users(truth, None, seed=3) is truth and sample_users(truth, 10_000, seed=3) is truth

@@ -17,12 +17,14 @@ from .evaluate import rows_as_dense
 
 DENSE_SIMILARITY_BYTES = 1 << 30
 SIMILARITY_BLOCK_VALUES = 1 << 26
-EASE_MAX_ITEMS = 50_000
+EASE_MAX_ITEMS = 50_000  # a dense items x items inverse: 10 GB of float32 here
+ITEMKNN_MAX_ITEMS = 200_000  # item x item similarities in blocks: the work grows with the square of the catalogue
 COSINE_EPSILON = 1e-6  # RecBole's, keeps items without interactions from dividing by zero
 
 
 class ModelUnavailable(UserError):
-    """An optional model whose package is missing: the pipeline logs the message and skips the model."""
+    """A model that cannot run here (its optional package is missing, or the catalogue is too large for it): the
+    pipeline logs the message and skips the model."""
 
 
 class Popularity:
@@ -47,9 +49,12 @@ class ItemKNN:
     """
 
     def __init__(self, train: sp.csr_matrix, config: cfg.ItemKNN, device: torch.device):
+        n_items = train.shape[1]
+        if n_items > ITEMKNN_MAX_ITEMS:
+            raise ModelUnavailable(f"itemknn: {n_items:,} items is too many for its item x item similarities (at most "
+                                   f"{ITEMKNN_MAX_ITEMS:,})")
         self.train = train.tocsr()
         self.device = device
-        n_items = train.shape[1]
         item_users = self.train.T.tocsr()
         norms = torch.from_numpy(np.sqrt(np.diff(item_users.indptr)).astype(np.float32)).to(device)
         keep = min(config.neighbours, n_items)
@@ -92,8 +97,8 @@ class EASE:
     def __init__(self, train: sp.csr_matrix, config: cfg.EASE, device: torch.device):
         n_items = train.shape[1]
         if n_items > EASE_MAX_ITEMS:
-            raise UserError(f"ease needs an items×items matrix: {n_items:,} items is too many; drop it from models or "
-                            "raise min_item_interactions")
+            raise ModelUnavailable(f"ease: {n_items:,} items is too many for its items x items matrix (at most "
+                                   f"{EASE_MAX_ITEMS:,}; raise data.min_item_interactions to keep fewer)")
         self.train = train.tocsr()
         self.device = device
         dtype = torch.float64 if device.type == "cpu" else torch.float32

@@ -40,6 +40,8 @@ class Synthetic(ConfigModel):
     interactions_per_user: int = Field(40, ge=5)
     factors: int = Field(8, ge=1)
     popularity_exponent: float = Field(1.0, ge=0, description="Zipf exponent of item popularity")
+    candidates: int | None = Field(None, ge=1, description="items each user scores, drawn by popularity; null: the "
+                                                          "whole catalogue (large catalogues: a few hundred)")
     seed: int = 0
 
 
@@ -58,6 +60,8 @@ class Evaluation(ConfigModel):
     ks: list[Annotated[int, Field(ge=1)]] = Field(
         [10, 20], min_length=1, description="must hold 10: validation and the registry's primary metric are NDCG@10")
     batch_users: int = Field(2048, ge=1, description="users ranked at once on the device")
+    sample_users: int | None = Field(None, ge=1, description="rank a seeded sample of this many validation and "
+                                                             "test users (logs of millions); null: every user")
 
     @field_validator("ks")
     @classmethod
@@ -93,6 +97,9 @@ class Learned(TrainConfig):
     checkpoint_every: int = Field(10, ge=1)
     dim: int = Field(64, ge=1)
     weight_decay: float = Field(0.0, ge=0, description="L2 on the embeddings of each batch")
+    steps_per_epoch: int | None = Field(None, ge=1, description="at most this many batches an epoch, drawn afresh "
+                                                                "each epoch (logs too large for whole epochs); null: "
+                                                                "every training pair")
 
 
 class LightGCNConfig(Learned):

@@ -11,14 +11,17 @@ every mistake is one `UserError` line naming the file, the column and the row), 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import psutil
 import scipy.sparse as sp
 
 from common.errors import UserError
+from common.paths import cache_dir
 from .config import Columns, Config, Data
 from .logs import RawLog, read_log
 from .movielens import movielens_folder, read_movielens
@@ -31,25 +34,31 @@ __all__ = ["UNKNOWN", "Interactions", "RawLog", "load_interactions", "read_path"
 log = logging.getLogger(__name__)
 
 UNKNOWN = 0  # the code of an unseen user or item; real ids are encoded from 1
+PANDAS_BASE_BYTES = 1.2 * 2**30  # a pandas-engine run's peak resident memory: this, plus per interaction of the log
+PANDAS_BYTES_PER_INTERACTION = 160  # (measured with the scale preset, 4 M and 16 M interactions: see the README)
+PANDAS_MEMORY_SHARE = 0.8  # of the free memory a run may plan to use
 
 
 @dataclass
 class Interactions:
     """Positives split into train, val and test; each frame has int64 columns `user` and `item` (codes from 1)
     and `timestamp` (int64 seconds, 0 when the log has none), and `rating` (float, NaN when the log has none).
+    The Dask engine gives the splits as `matrices` only (memory-mapped from its cache), and no frames.
 
     `user_ids[code]` and `item_ids[code]` give the raw ids back (index 0 is the unknown id: -1 for integer ids,
     None for text ids); `titles[code]` the item titles when the data has them ("" at index 0 and where missing).
     """
 
-    train: pd.DataFrame
-    val: pd.DataFrame
-    test: pd.DataFrame
+    train: pd.DataFrame | None
+    val: pd.DataFrame | None
+    test: pd.DataFrame | None
     user_ids: np.ndarray
     item_ids: np.ndarray
     titles: np.ndarray | None
     source: str
     sha256: str
+    matrices: dict[str, sp.csr_matrix] = field(default_factory=dict)
+    prepare_seconds: float | None = None  # reading, filtering, encoding and splitting, for the run's stage times
 
     @property
     def n_users(self) -> int:
@@ -62,6 +71,8 @@ class Interactions:
 
     def matrix(self, split: str) -> sp.csr_matrix:
         """Binary user x item CSR matrix of one split (repeated pairs count once)."""
+        if split in self.matrices:
+            return self.matrices[split]
         frame = getattr(self, split)
         users, items = np.asarray(frame["user"]), np.asarray(frame["item"])
         values = np.ones(len(users), dtype=np.float32)
@@ -69,28 +80,97 @@ class Interactions:
         matrix.data[:] = 1.0
         return matrix
 
+    def size(self, split: str) -> int:
+        frame = getattr(self, split)
+        return len(frame) if frame is not None else self.matrices[split].nnz
 
-def load_interactions(config: Config, path: Path | None = None) -> Interactions:
+
+def load_interactions(config: Config, path: Path | None = None, client=None) -> Interactions:
     """`--data PATH` decides the source when given: a MovieLens folder, or a CSV or Parquet log. What no run could
     learn from or be scored on (one user or item, an empty train, validation or test split) is refused here, before
-    a run is started."""
+    a run is started. With a Dask `client` the log is prepared on its cluster, out of core (`outofcore`)."""
+    started = time.perf_counter()
     ratios = check_ratios(config.split_ratios)
+    if client is not None:
+        data = _load_on_dask(config, path, client)
+        data.prepare_seconds = time.perf_counter() - started
+        return data
+    check_fits_in_memory(config, path)
     raw = read_source(config.data, path)
-    if config.split == "temporal" and not raw.has_timestamps:
-        raise UserError(f"split=temporal needs a timestamp column (data.columns.timestamp) but {raw.source} has "
-                        "none; use split=random")
+    _check_timestamps(config, raw.has_timestamps, raw.source)
     frame = filter_interactions(raw.frame, config.data, raw.source)
     _check_variety(frame, raw.source)
     frame, user_ids, item_ids, titles = encode(frame, raw.titles)
     train, held_out_val, held_out_test = split(frame, config.split, ratios, config.runtime.seed)
     val, test = drop_unrankable(train, held_out_val, held_out_test)
     check_evaluable(frame, config.split, (train, held_out_val, held_out_test), (val, test), raw.source)
-    data = Interactions(train, val, test, user_ids, item_ids, titles, raw.source, raw.sha256)
+    data = Interactions(train, val, test, user_ids, item_ids, titles, raw.source, raw.sha256,
+                        prepare_seconds=time.perf_counter() - started)
     density = len(frame) / max((data.n_users - 1) * (data.n_items - 1), 1)
     log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), density %.4f%%",
              raw.source, data.n_users - 1, data.n_items - 1, len(train), len(val), len(test), config.split,
              100 * density)
     return data
+
+
+def expected_interactions(config: Config, path: Path | None) -> int | None:
+    """How many rows the log has, from what is known before reading it: the generator's size, a Parquet file's
+    metadata, a CSV file's size over the length of its first lines; None when unknown (a MovieLens folder)."""
+    if path is None:
+        synthetic = config.data.synthetic
+        return synthetic.users * synthetic.interactions_per_user if config.data.source == "synthetic" else None
+    if not path.is_file():
+        return None
+    suffixes = "".join(path.suffixes).lower()
+    if suffixes.endswith((".parquet", ".pq")):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (OSError, pa.ArrowException):  # not Parquet after all: the reader says so in its own words
+            return None
+    with path.open("rb") as file:
+        head = file.read(1 << 20)
+    lines = head.count(b"\n")
+    return int(path.stat().st_size / (len(head) / lines)) if lines else None
+
+
+def check_fits_in_memory(config: Config, path: Path | None) -> None:
+    """The pandas engine holds the whole log, and its copies, in this process: refuse up front a log whose estimated
+    need exceeds the free memory, rather than meet the kernel's out-of-memory killer an hour in."""
+    rows = expected_interactions(config, path)
+    if rows is None:
+        return
+    needed = PANDAS_BASE_BYTES + rows * PANDAS_BYTES_PER_INTERACTION
+    free = psutil.virtual_memory().available
+    if needed > free * PANDAS_MEMORY_SHARE:
+        raise UserError(f"{path or 'data.synthetic'}: about {rows / 1e6:,.0f} M interactions need about "
+                        f"{needed / 2**30:.1f} GB with the pandas engine (an estimate), and this machine has "
+                        f"{free / 2**30:.1f} GB free; use --engine dask, which works out of core")
+
+
+def _check_timestamps(config: Config, has_timestamps: bool, source: str) -> None:
+    if config.split == "temporal" and not has_timestamps:
+        raise UserError(f"split=temporal needs a timestamp column (data.columns.timestamp) but {source} has "
+                        "none; use split=random")
+
+
+def _load_on_dask(config: Config, path: Path | None, client) -> Interactions:
+    from .outofcore import Source, prepare
+    from .synthetic import synthetic_digest, write_synthetic_shards
+
+    if path is None and config.data.source == "synthetic":
+        digest = synthetic_digest(config.data.synthetic)
+        shards = write_synthetic_shards(config.data.synthetic, cache_dir("recsys-synthetic") / digest[:20], client)
+        source = Source(shards, None, True, None, "synthetic", digest, True)
+    else:
+        raw = read_source(config.data, path)
+        source = Source(None, raw.frame, False, raw.titles, raw.source, raw.sha256, raw.has_timestamps)
+    _check_timestamps(config, source.has_timestamps, source.source)
+    prepared = prepare(source, config, client)
+    return Interactions(None, None, None, prepared.user_ids, prepared.item_ids, prepared.titles, prepared.source,
+                        prepared.sha256, prepared.matrices)
 
 
 def _check_variety(frame: pd.DataFrame, source: str) -> None:

@@ -76,6 +76,17 @@ def top_k(scorer: Scorer, users: torch.Tensor, exclude: sp.csr_matrix, k: int,
     return best_items, best_scores
 
 
+def sample_users(truth: sp.csr_matrix, count: int | None, seed: int) -> sp.csr_matrix:
+    """`truth` with the rows of a seeded sample of `count` of its users with relevant items, the others emptied:
+    full ranking of every item, for fewer users (None or more than there are: all of them)."""
+    users = np.flatnonzero(np.diff(truth.indptr))
+    if count is None or count >= len(users):
+        return truth
+    keep = np.zeros(truth.shape[0], dtype=np.float32)
+    keep[np.random.default_rng(seed).choice(users, size=count, replace=False)] = 1
+    return (sp.diags(keep) @ truth).tocsr()
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 
 from common.errors import UserError
 from common.job import Job
-from .baselines import ALS, EASE, ItemKNN, Popularity, als_available
+from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
 from .data import Interactions, load_interactions
-from .evaluate import full_ranking
+from .evaluate import full_ranking, sample_users
 from .models import PairwiseRanker
 from .serving import Recommender, log_recommender
 from .train import fit_ranker, seconds_per_epoch
@@ -24,27 +25,31 @@ log = logging.getLogger(__name__)
 LEARNED = ("bpr", "lightgcn")
 
 
-def load_data(config: Config, path: Path | None) -> tuple[Interactions, dict[str, str]]:
-    """Everything that can be wrong with the data is found here, before an MLflow run is started."""
-    data = load_interactions(config, path)
+def load_data(config: Config, path: Path | None, client=None) -> tuple[Interactions, dict[str, str]]:
+    """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
+    `client`, on its cluster."""
+    data = load_interactions(config, path, client)
     if data.n_items - 1 < max(config.evaluation.ks):
         raise UserError(f"{path or data.source}: evaluation.ks asks for the top {max(config.evaluation.ks)} of a "
                         f"catalogue of {data.n_items - 1} items (set evaluation.ks to K values up to that)")
-    sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
+    sizes = {split: data.size(split) for split in ("train", "val", "test")}
     return data, {"data_source": data.source, "data_sha256": data.sha256, "data_users": data.n_users - 1,
                   "data_items": data.n_items - 1, **{f"data_{split}_interactions": n for split, n in sizes.items()},
                   **({"data_path": str(path)} if path else {}),
                   "data_schema": "user_id:string,item_id:string,rating:double,timestamp:long"}
 
 
-def fit_model(name: str, data: Interactions, config: Config, job: Job):
-    """The fitted scorer and what its fit measured (seconds; per epoch for the learned models)."""
+def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.csr_matrix | None = None):
+    """The fitted scorer and what its fit measured (seconds; per epoch for the learned models). `val` is what the
+    learned models validate on (the validation split, or its sample of users)."""
     train, device = data.matrix("train"), job.runtime.device
     started = time.perf_counter()
     if name in LEARNED:
-        model, result = fit_ranker(name, train, data.matrix("val"), config, job)
+        model, result = fit_ranker(name, train, data.matrix("val") if val is None else val, config, job)
+        settings = getattr(config, name)
+        pairs = min(train.nnz, (settings.steps_per_epoch or train.nnz) * settings.batch_size)
         return model, {"fit_seconds": time.perf_counter() - started, "best_epoch": result.best_epoch + 1,
-                       "seconds_per_epoch": seconds_per_epoch(result.history, train.nnz)}
+                       "seconds_per_epoch": seconds_per_epoch(result.history, pairs)}
     scorer = {"pop": lambda: Popularity(train, device),
               "itemknn": lambda: ItemKNN(train, config.itemknn, device),
               "ease": lambda: EASE(train, config.ease, device),
@@ -56,21 +61,28 @@ def run(config: Config, data: Interactions, job: Job) -> dict[str, dict[str, flo
     """Under DDP every rank fits every model (the learned ones together, the baselines each alone: deterministic,
     and no rank waits in a collective while another fits) and ranks its share of the users; rank 0 logs."""
     runtime = job.runtime
-    train, val, test = data.matrix("train"), data.matrix("val"), data.matrix("test")
-    seen_before_test = (train + val).sign().tocsr()
+    train = data.matrix("train")
+    val = sample_users(data.matrix("val"), config.evaluation.sample_users, config.runtime.seed)
+    test = sample_users(data.matrix("test"), config.evaluation.sample_users, config.runtime.seed)
+    seen_before_test = (train + data.matrix("val")).sign().tocsr()
     models, scorers, validation = {}, {}, {}
+    if data.prepare_seconds is not None:
+        job.tracker.log_metrics({"time/preprocess_s": data.prepare_seconds})
 
     def ranking(scorer, truth, exclude, ks):
         return full_ranking(scorer, truth, exclude, ks, runtime.device, config.evaluation.batch_users, runtime)
 
     for name in config.models:
-        if name == "als" and not als_available():
-            log.warning("als: the implicit package is not installed (pip install implicit); skipped")
+        try:
+            scorer, fitted = fit_model(name, data, config, job, val)
+        except ModelUnavailable as exc:
+            log.warning("%s; skipped", exc)
             continue
-        scorer, fitted = fit_model(name, data, config, job)
+        started = time.perf_counter()
         validation[name] = ranking(scorer, val, train, [10])["ndcg@10"]
         metrics = ranking(scorer, test, seen_before_test, config.evaluation.ks)
-        models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name]}
+        models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name],
+                        "evaluate_seconds": time.perf_counter() - started}
         scorers[name] = scorer
         log.info("%s: test NDCG@10 %.4f, recall@10 %.4f", name, metrics["ndcg@10"], metrics["recall@10"])
     if not models:

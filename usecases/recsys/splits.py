@@ -46,12 +46,19 @@ def split_temporal(frame: pd.DataFrame, ratios: list[float]) -> tuple[pd.DataFra
     interactions at exactly a cut's timestamp go to the later split, so max(train) < min(val) <= max(val) <
     min(test), and a split can come out a little smaller than its ratio when many interactions share a time.
     """
-    ordered = frame["timestamp"].sort_values(ignore_index=True)
+    ordered = frame["timestamp"].sort_values(ignore_index=True).to_numpy()
     count = len(ordered)
-    cuts = []
-    for fraction in (ratios[0], ratios[0] + ratios[1]):
-        position = int(np.floor(fraction * count + 1e-9))
-        cuts.append(ordered.iloc[position] if position < count else ordered.iloc[-1] + 1)
+    cuts = [ordered[position] if position < count else ordered[-1] + 1
+            for position in cut_positions(count, ratios)]
+    return split_at(frame, cuts)
+
+
+def cut_positions(count: int, ratios: list[float]) -> list[int]:
+    """Where in the time-sorted log the validation and the test split start."""
+    return [int(np.floor(fraction * count + 1e-9)) for fraction in (ratios[0], ratios[0] + ratios[1])]
+
+
+def split_at(frame: pd.DataFrame, cuts: list[int]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     timestamps = frame["timestamp"].to_numpy()
     labels = (timestamps >= cuts[0]).astype(np.int8) + (timestamps >= cuts[1]).astype(np.int8)
     return _by_label(frame, labels)
@@ -74,13 +81,26 @@ def split_sizes(counts: np.ndarray, ratios: list[float]) -> np.ndarray:
 
 def split_random(frame: pd.DataFrame, ratios: list[float], seed: int
                  ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """Per user, a seeded shuffle cut by `split_sizes`: RecBole's `RS` with `group_by: user`, vectorised."""
+    """Per user, a seeded shuffle cut by `split_sizes`: RecBole's `RS` with `group_by: user`, vectorised. The
+    shuffle orders each user's items by a seeded hash of (user, item), so that a user's split does not depend on
+    the rest of the log, and any engine that holds all of a user's interactions together cuts it the same way."""
     frame = frame.reset_index(drop=True)
-    shuffled = frame[["user"]].assign(key=np.random.default_rng(seed).permutation(len(frame)))
-    rank = shuffled.sort_values(["user", "key"]).groupby("user").cumcount().sort_index().to_numpy()
+    keys = shuffle_keys(frame["user"].to_numpy(), frame["item"].to_numpy(), seed)
+    shuffled = pd.DataFrame({"user": frame["user"].to_numpy(), "key": keys})
+    rank = shuffled.sort_values(["user", "key"], kind="stable").groupby("user").cumcount().sort_index().to_numpy()
     sizes = split_sizes(frame.groupby("user")["user"].transform("size").to_numpy(), ratios)
     labels = (rank >= sizes[:, 0]).astype(np.int8) + (rank >= sizes[:, 0] + sizes[:, 1]).astype(np.int8)
     return _by_label(frame, labels)
+
+
+def shuffle_keys(users: np.ndarray, items: np.ndarray, seed: int) -> np.ndarray:
+    """SplitMix64 of (seed, user, item): a random order of a user's (distinct) items, fixed by the seed."""
+    with np.errstate(over="ignore"):
+        mixed = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + users.astype(np.uint64) * np.uint64(1_000_003)
+                 + items.astype(np.uint64))
+        mixed = (mixed ^ (mixed >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        mixed = (mixed ^ (mixed >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return mixed ^ (mixed >> np.uint64(31))
 
 
 def split_leave_last_out(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:

@@ -1,8 +1,14 @@
-"""A seeded synthetic interaction log: learnable by construction, with popularity skew and timestamps."""
+"""A seeded synthetic interaction log: learnable by construction, with popularity skew and timestamps.
+
+The log is made of blocks of users, each drawn from its own seed (the run's seed and the block's number), so a block
+can be drawn anywhere: the pandas engine draws them one after another in this process, the Dask engine one task per
+block on its workers, each written as a Parquet shard, and both get the same log.
+"""
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -17,42 +23,108 @@ SYNTHETIC_SPAN_S = 365 * 86_400
 SYNTHETIC_CHUNK_SCORES = 4_000_000  # user x item scores held at once (float32): bounded memory at any size
 
 
+def synthetic_digest(config: Synthetic) -> str:
+    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+
+
 def synthetic_log(config: Synthetic) -> RawLog:
-    """Users and items with normal latent factors; each user picks `interactions_per_user` distinct items with
+    """The whole log in one DataFrame (the pandas engine)."""
+    _check(config)
+    frame = pd.concat([synthetic_block(config, block) for block in range(block_count(config))], ignore_index=True)
+    return RawLog(frame, None, "synthetic", synthetic_digest(config), has_timestamps=True)
+
+
+def _check(config: Synthetic) -> None:
+    if config.interactions_per_user > config.items:
+        raise UserError(f"data.synthetic.interactions_per_user={config.interactions_per_user} exceeds "
+                        f"data.synthetic.items={config.items} (each user picks distinct items)")
+    if config.candidates is not None and config.candidates < config.interactions_per_user:
+        raise UserError(f"data.synthetic.candidates={config.candidates} is fewer than "
+                        f"data.synthetic.interactions_per_user={config.interactions_per_user}")
+
+
+def _scored_items(config: Synthetic) -> int:
+    return min(config.candidates or config.items, config.items)
+
+
+def users_per_block(config: Synthetic) -> int:
+    return max(1, SYNTHETIC_CHUNK_SCORES // _scored_items(config))
+
+
+def block_count(config: Synthetic) -> int:
+    return -(-config.users // users_per_block(config))
+
+
+def _items(config: Synthetic) -> tuple[np.ndarray, np.ndarray]:
+    """Item factors and log-popularity, shared by every block."""
+    rng = np.random.default_rng(config.seed)
+    item_factors = rng.standard_normal((config.items, config.factors), dtype=np.float32)
+    popularity_rank = rng.permutation(config.items) + 1
+    return item_factors, (-config.popularity_exponent * np.log(popularity_rank)).astype(np.float32)
+
+
+def synthetic_block(config: Synthetic, block: int) -> pd.DataFrame:
+    """One block of users with normal latent factors; each picks `interactions_per_user` distinct items with
     probability proportional to exp(affinity / temperature) x Zipf popularity, without replacement (Gumbel top-k).
 
-    Times are uniform over a year and independent of taste, so every split sees the same preferences; ratings
-    1..5 rise with the affinity (centred near 3.5, as MovieLens's are). Users are drawn in chunks, so memory stays
-    bounded for any number of them.
+    With `candidates`, each user scores by affinity alone that many items drawn by popularity (with replacement;
+    repeats are left out) instead of the whole catalogue: about the same preferences, at a cost that does not grow
+    with the catalogue.
+    Times are uniform over a year and independent of taste, so every split sees the same preferences; ratings 1..5
+    rise with the affinity (centred near 3.5, as MovieLens's are).
     """
-    users, items, per_user = config.users, config.items, config.interactions_per_user
-    if per_user > items:
-        raise UserError(f"data.synthetic.interactions_per_user={per_user} exceeds data.synthetic.items={items} "
-                        "(each user picks distinct items)")
-    rng = np.random.default_rng(config.seed)
+    item_factors, log_popularity = _items(config)
+    per_block, per_user = users_per_block(config), config.interactions_per_user
+    first = block * per_block
+    users = min(per_block, config.users - first)
+    rng = np.random.default_rng([config.seed, block])
     scale = np.float32(1 / np.sqrt(config.factors))  # unit-variance affinities whatever the number of factors
     user_factors = rng.standard_normal((users, config.factors), dtype=np.float32) * scale
-    item_factors = rng.standard_normal((items, config.factors), dtype=np.float32)
-    popularity_rank = rng.permutation(items) + 1
-    log_popularity = (-config.popularity_exponent * np.log(popularity_rank)).astype(np.float32)
-    picked = np.empty((users, per_user), dtype=np.int64)
-    affinity_picked = np.empty((users, per_user), dtype=np.float32)
-    chunk = max(1, SYNTHETIC_CHUNK_SCORES // items)
-    for start in range(0, users, chunk):
-        affinity = user_factors[start:start + chunk] @ item_factors.T
-        with np.errstate(divide="ignore"):  # a uniform draw of exactly 0 only rules that one item out
-            scores = -np.log(-np.log(rng.random(affinity.shape, dtype=np.float32)))
-        scores += affinity / np.float32(SYNTHETIC_TEMPERATURE)
+    if config.candidates is None:
+        candidates = np.broadcast_to(np.arange(config.items), (users, config.items))
+        affinity = user_factors @ item_factors.T
+    else:
+        popularity = np.exp(log_popularity - log_popularity.max())
+        candidates = np.sort(rng.choice(config.items, size=(users, config.candidates), p=popularity / popularity.sum()),
+                             axis=1)
+        affinity = np.einsum("uf,ucf->uc", user_factors, item_factors[candidates])
+    with np.errstate(divide="ignore"):  # a uniform draw of exactly 0 only rules that one item out
+        scores = -np.log(-np.log(rng.random(affinity.shape, dtype=np.float32)))
+    scores += affinity / np.float32(SYNTHETIC_TEMPERATURE)
+    if config.candidates is None:
         scores += log_popularity
-        top = np.argpartition(scores, items - per_user, axis=1)[:, items - per_user:]
-        picked[start:start + chunk] = top
-        affinity_picked[start:start + chunk] = np.take_along_axis(affinity, top, axis=1)
+    else:  # popularity already drew the candidates
+        scores[:, 1:][candidates[:, 1:] == candidates[:, :-1]] = -np.inf  # each item once per user
+    width = candidates.shape[1]
+    top = np.argpartition(scores, width - per_user, axis=1)[:, width - per_user:]
+    drawn = np.isfinite(np.take_along_axis(scores, top, axis=1)).ravel()
+    picked = np.take_along_axis(candidates, top, axis=1)
+    affinity_picked = np.take_along_axis(affinity, top, axis=1)
     standardised = (affinity_picked - affinity_picked.mean()) / max(float(affinity_picked.std()), 1e-6)
     noise = rng.standard_normal(affinity_picked.shape, dtype=np.float32)
     ratings = np.clip(np.rint(3.5 + standardised + 0.5 * noise), 1, 5)
     timestamps = SYNTHETIC_START + rng.integers(0, SYNTHETIC_SPAN_S, size=users * per_user)
-    frame = pd.DataFrame({"user": np.repeat(np.arange(1, users + 1, dtype=np.int64), per_user),
-                          "item": picked.ravel() + 1, "rating": ratings.ravel().astype(np.float64),
+    frame = pd.DataFrame({"user": np.repeat(np.arange(first + 1, first + users + 1, dtype=np.int64), per_user),
+                          "item": picked.ravel().astype(np.int64) + 1, "rating": ratings.ravel().astype(np.float64),
                           "timestamp": timestamps.astype(np.int64)})
-    digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()
-    return RawLog(frame, None, "synthetic", digest, has_timestamps=True)
+    return frame[drawn].reset_index(drop=True) if not drawn.all() else frame
+
+
+def write_synthetic_shards(config: Synthetic, folder: Path, client) -> list[Path]:
+    """The log as one Parquet shard per block, drawn on the Dask workers; a folder already complete is kept."""
+    _check(config)
+    done = folder / "_SUCCESS"
+    paths = [folder / f"part-{block:05d}.parquet" for block in range(block_count(config))]
+    if done.exists():
+        return paths
+    folder.mkdir(parents=True, exist_ok=True)
+    futures = client.map(_write_block, [config] * len(paths), range(len(paths)), paths, pure=False)
+    client.gather(futures)
+    done.write_text(synthetic_digest(config))
+    return paths
+
+
+def _write_block(config: Synthetic, block: int, path: Path) -> None:
+    partial = path.with_suffix(".tmp")
+    synthetic_block(config, block).to_parquet(partial, index=False)
+    partial.replace(path)

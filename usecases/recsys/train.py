@@ -37,8 +37,8 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
     coo = train.tocoo()
     users = torch.from_numpy(coo.row.astype(np.int64)).to(runtime.device)
     items = torch.from_numpy(coo.col.astype(np.int64)).to(runtime.device)
-    batches = TensorBatches(users, items, batch_size=settings.batch_size,
-                            seed=config.runtime.seed, rank=runtime.rank, world_size=runtime.world_size)
+    batches = TensorBatches(users, items, batch_size=settings.batch_size, seed=config.runtime.seed, rank=runtime.rank,
+                            world_size=runtime.world_size, max_batches=settings.steps_per_epoch)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
 
     def validate(network: PairwiseRanker) -> dict[str, float]:
@@ -73,7 +73,7 @@ def _prefixed(job: Job, name: str):
     return log_metrics
 
 
-def seconds_per_epoch(history: list[dict[str, float]], interactions: int) -> float:
+def seconds_per_epoch(history: list[dict[str, float]], pairs_per_epoch: int) -> float:
     """Training time per epoch from the loop's own throughput (validation excluded)."""
     rates = [row["throughput/samples_per_s"] for row in history if "throughput/samples_per_s" in row]
-    return float(np.mean([interactions / rate for rate in rates]))
+    return float(np.mean([pairs_per_epoch / rate for rate in rates]))

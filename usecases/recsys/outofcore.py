@@ -1,0 +1,330 @@
+"""The Dask engine's preprocessing: the steps of `preprocess` and `splits`, over a log that never meets in one
+process, written as CSR matrices in a cache that the next run starts from.
+
+1. The log in partitions (Parquet shards of the synthetic generator, drawn on the workers, or any source read with
+   the pandas readers and partitioned), each row numbered in log order; the rating threshold.
+2. A shuffle by user (skipped for the generator's shards, already one block of users each), then in each partition
+   the time sort and the de-duplication: positives as Parquet shards, one set of users each.
+3. Ids: the sorted unique users and items; the k-core as passes of counts over the shards until nothing changes
+   (its result is the largest sub-log meeting both minimums, so it is the pandas engine's, whatever the order);
+   codes 1..n in the order of the sorted raw ids of what is left.
+4. The splits: per-user ones (random, leave-last-out) in each shard; the temporal cut from a histogram of days,
+   then the timestamps of the one day each cut falls in. Val and test lose the users without training rows.
+5. Train, val and test as CSR matrices (memory-mapped `.npy`, filled shard by shard).
+
+Only counts, ids and the cut days come back to this process; the client never holds a DataFrame of the log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from common.errors import UserError
+from common.paths import cache_dir, write_json_atomic
+from .config import Config
+from .preprocess import _with_placeholder
+from .splits import TEST, TRAIN, VAL, cut_positions, drop_unrankable, split_at, split_leave_last_out, split_random
+
+log = logging.getLogger(__name__)
+
+PREPARED_FORMAT = 1  # bump when what the cache holds changes
+ROWS_PER_PARTITION = 1_000_000
+DAY_S = 86_400
+SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class Source:
+    """A log as the Dask engine reads it: Parquet shards (one set of users each when `by_user`), or a pandas frame
+    that a reader already checked."""
+
+    shards: list[Path] | None
+    frame: pd.DataFrame | None
+    by_user: bool
+    titles: pd.Series | None
+    source: str
+    sha256: str
+    has_timestamps: bool
+
+
+@dataclass
+class Prepared:
+    matrices: dict[str, sp.csr_matrix]
+    user_ids: np.ndarray
+    item_ids: np.ndarray
+    titles: np.ndarray | None
+    source: str
+    sha256: str
+
+
+def prepared_key(config: Config, sha256: str) -> str:
+    """What the cached matrices depend on: the data, and the preprocessing and split settings."""
+    data = config.data
+    settings = {"format": PREPARED_FORMAT, "data": sha256, "threshold": data.rating_threshold,
+                "min_user": data.min_user_interactions, "min_item": data.min_item_interactions, "split": config.split,
+                "ratios": config.split_ratios, "seed": config.runtime.seed}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def prepare(source: Source, config: Config, client) -> Prepared:
+    """The cached matrices of this data and these settings, else computed on the cluster and cached."""
+    folder = cache_dir("recsys-prepared") / prepared_key(config, source.sha256)
+    if (folder / "meta.json").exists():
+        log.info("data %s: the prepared matrices from %s", source.source, folder)
+        return _load(folder)
+    work = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        _compute(source, config, client, work)
+        shutil.rmtree(work / "positives", ignore_errors=True)
+        shutil.rmtree(work / "splits", ignore_errors=True)
+        if not (folder / "meta.json").exists():  # another run may have finished the same folder meanwhile
+            shutil.rmtree(folder, ignore_errors=True)
+            work.rename(folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return _load(folder)
+
+
+def _compute(source: Source, config: Config, client, work: Path) -> None:
+    import dask.dataframe as dd
+
+    data = config.data
+    if source.shards is not None:
+        frame = dd.read_parquet([str(path) for path in source.shards])
+    else:
+        partitions = max(2, len(source.frame) // ROWS_PER_PARTITION)
+        frame = dd.from_pandas(source.frame[["user", "item", "rating", "timestamp"]], npartitions=partitions,
+                               sort=False)
+    lengths = np.asarray(frame.map_partitions(len).compute())
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    frame = frame.map_partitions(_numbered, offsets, meta={**frame.dtypes.to_dict(), "order": "int64"})
+    if data.rating_threshold is not None:
+        rated, highest = client.compute([frame["rating"].count(), frame["rating"].max()], sync=True)
+        threshold = data.rating_threshold
+        if not rated:
+            raise UserError(f"{source.source}: data.rating_threshold={threshold} needs ratings but there are none "
+                            "(data.columns.rating names the column); set data.rating_threshold=null")
+        if highest < threshold:
+            raise UserError(f"{source.source}: nothing left after data.rating_threshold={threshold}: the highest "
+                            f"rating is {highest:g}; lower it, or set data.rating_threshold=null to keep every rating")
+        frame = frame[frame["rating"] >= threshold]
+    if not source.by_user:
+        frame = frame.shuffle(on="user", npartitions=frame.npartitions)
+    positives = work / "positives"
+    frame.map_partitions(_deduplicated, meta=frame._meta).to_parquet(str(positives), write_index=False,
+                                                                     compute_kwargs={"scheduler": client})
+    shards = sorted(positives.glob("*.parquet"))
+    users = np.sort(dd.read_parquet([str(path) for path in shards], columns=["user"])["user"].unique().compute()
+                    .to_numpy())
+    items = np.sort(dd.read_parquet([str(path) for path in shards], columns=["item"])["item"].unique().compute()
+                    .to_numpy())
+    keep_users, keep_items = _k_core(client, shards, users, items, data.min_user_interactions,
+                                     data.min_item_interactions)
+    if not keep_users.any():
+        raise UserError(f"{source.source}: nothing left after the k-core filter (data.min_user_interactions="
+                        f"{data.min_user_interactions}, data.min_item_interactions={data.min_item_interactions}); "
+                        "relax the filters")
+    for key, kept, ids in (("user", keep_users, users), ("item", keep_items, items)):
+        if kept.sum() == 1:
+            raise UserError(f"{source.source}: every interaction is of one {key} ('{ids[kept][0]}') after "
+                            f"de-duplication and the data.* filters; a recommender needs several: is the {key} "
+                            f"column the right one (data.columns.{key})?")
+    user_codes = np.where(keep_users, np.cumsum(keep_users), 0)
+    item_codes = np.where(keep_items, np.cumsum(keep_items), 0)
+    coded = client.scatter({"users": users, "items": items, "user_codes": user_codes, "item_codes": item_codes},
+                           broadcast=True, hash=False)
+    cuts = _temporal_cuts(client, shards, coded, config) if config.split == "temporal" else None
+    counts = client.gather(client.map(_split_shard, shards, range(len(shards)), coded=coded, config=config, cuts=cuts,
+                                      out=work / "splits", pure=False))
+    sizes = {name: sum(shard[name][1].sum() for shard in counts) for name in SPLITS}
+    held_out = {name: sum(shard[f"{name}_held_out"] for shard in counts) for name in ("val", "test")}
+    for name in ("val", "test"):
+        if held_out[name] > sizes[name]:
+            log.info("data: dropped %d %s interactions of users without training interactions",
+                     held_out[name] - sizes[name], name)
+    empty = [name for name in SPLITS if not sizes[name]]
+    if empty:
+        raise UserError(f"{source.source}: split={config.split} leaves the {' and '.join(empty)} split empty; "
+                        "--engine pandas says why in detail")
+    n_users, n_items = int(keep_users.sum()) + 1, int(keep_items.sum()) + 1
+    for name in SPLITS:
+        _write_csr(work, name, counts, n_users, n_items)
+    pd.DataFrame({"id": users[keep_users]}).to_parquet(work / "user_ids.parquet")
+    pd.DataFrame({"id": items[keep_items]}).to_parquet(work / "item_ids.parquet")
+    if source.titles is not None:
+        titles = source.titles[~source.titles.index.duplicated()]
+        pd.DataFrame({"title": titles.reindex(items[keep_items]).fillna("").astype(str).to_numpy()}).to_parquet(
+            work / "titles.parquet")
+    write_json_atomic({"source": source.source, "sha256": source.sha256, "users": n_users - 1, "items": n_items - 1,
+                       **{f"{name}_interactions": int(sizes[name]) for name in SPLITS}}, work / "meta.json")
+    log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), prepared on Dask in %s",
+             source.source, n_users - 1, n_items - 1, sizes["train"], sizes["val"], sizes["test"], config.split, work)
+
+
+def _numbered(partition: pd.DataFrame, offsets: np.ndarray, partition_info=None) -> pd.DataFrame:
+    first = offsets[partition_info["number"]] if partition_info else 0
+    return partition.assign(order=np.arange(first, first + len(partition), dtype=np.int64))
+
+
+def _deduplicated(partition: pd.DataFrame) -> pd.DataFrame:
+    """Each (user, item) once, at its earliest time (ties in log order), the rows in that order."""
+    ordered = partition.sort_values(["timestamp", "order"], kind="stable")
+    return ordered.drop_duplicates(["user", "item"], keep="first")
+
+
+def _codes(shard: pd.DataFrame, users: np.ndarray, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the shard's raw ids in the sorted unique ids."""
+    return np.searchsorted(users, shard["user"].to_numpy()), np.searchsorted(items, shard["item"].to_numpy())
+
+
+def _shard_counts(path: Path, users, items, keep_users, keep_items) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    shard = pd.read_parquet(path, columns=["user", "item"])
+    user, item = _codes(shard, users, items)
+    kept = keep_users[user] & keep_items[item]
+    present, per_user = np.unique(user[kept], return_counts=True)
+    return present, per_user, np.bincount(item[kept], minlength=len(items))
+
+
+def _k_core(client, shards: list[Path], users: np.ndarray, items: np.ndarray, min_user: int, min_item: int
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Passes of counts until every user and item left meets its minimum; what has no interaction left is out."""
+    from distributed import as_completed
+
+    keep_users, keep_items = np.ones(len(users), dtype=bool), np.ones(len(items), dtype=bool)
+    if not min_user and not min_item:
+        return keep_users, keep_items  # every id left has an interaction
+    users_there, items_there = client.scatter([users, items], broadcast=True, hash=False)
+    while True:
+        users_kept, items_kept = client.scatter([keep_users, keep_items], broadcast=True, hash=False)
+        user_counts, item_counts = np.zeros(len(users), dtype=np.int64), np.zeros(len(items), dtype=np.int64)
+        for future in as_completed(client.map(_shard_counts, shards, users=users_there, items=items_there,
+                                              keep_users=users_kept, keep_items=items_kept, pure=False)):
+            present, per_user, per_item = future.result()
+            user_counts[present] += per_user
+            item_counts += per_item
+        drop_users = keep_users & (user_counts < max(min_user, 1))
+        drop_items = keep_items & (item_counts < max(min_item, 1))
+        if not drop_users.any() and not drop_items.any():
+            return keep_users, keep_items
+        keep_users &= ~drop_users
+        keep_items &= ~drop_items
+
+
+def _kept_rows(path: Path, coded: dict, columns: list[str]) -> pd.DataFrame:
+    """A shard's rows that survived the filters, with codes 1..n for users and items, in time order."""
+    shard = pd.read_parquet(path, columns=columns)
+    user, item = _codes(shard, coded["users"], coded["items"])
+    user, item = coded["user_codes"][user], coded["item_codes"][item]
+    kept = (user > 0) & (item > 0)
+    return shard[kept].assign(user=user[kept].astype(np.int64), item=item[kept].astype(np.int64))
+
+
+def _shard_days(path: Path, coded: dict) -> pd.Series:
+    return (_kept_rows(path, coded, ["user", "item", "timestamp"])["timestamp"] // DAY_S).value_counts()
+
+
+def _shard_times_on(path: Path, coded: dict, days: list[int]) -> np.ndarray:
+    times = _kept_rows(path, coded, ["user", "item", "timestamp"])["timestamp"].to_numpy()
+    return times[np.isin(times // DAY_S, days)]
+
+
+def _temporal_cuts(client, shards: list[Path], coded: dict, config: Config) -> list[int]:
+    """The timestamps at the cut positions of the time-sorted log, as `split_temporal` takes them: a histogram of
+    days finds the day of each position, and only that day's timestamps come back to be sorted."""
+    histogram = pd.concat(client.gather(client.map(_shard_days, shards, coded=coded, pure=False)))
+    histogram = histogram.groupby(level=0).sum().sort_index()
+    total, ends = int(histogram.sum()), np.cumsum(histogram.to_numpy())
+    positions = cut_positions(total, config.split_ratios)
+    wanted = {}
+    for position in positions:
+        if position < total:
+            day_index = int(np.searchsorted(ends, position, side="right"))
+            wanted[position] = (int(histogram.index[day_index]), position - (ends[day_index - 1] if day_index else 0))
+    days = sorted({day for day, _ in wanted.values()} | {int(histogram.index[-1])})
+    times = np.sort(np.concatenate(client.gather(client.map(_shard_times_on, shards, coded=coded, days=days,
+                                                            pure=False))))
+    cuts = []
+    for position in positions:
+        if position >= total:
+            cuts.append(int(times.max()) + 1)
+            continue
+        day, rank = wanted[position]
+        on_day = times[times // DAY_S == day]
+        cuts.append(int(on_day[rank]))
+    return cuts
+
+
+def _split_shard(path: Path, index: int, coded: dict, config: Config, cuts: list[int] | None, out: Path) -> dict:
+    """One shard's train, val and test as (user, item) code arrays on disk; per split its users and their counts."""
+    rows = _kept_rows(path, coded, ["user", "item", "timestamp", "order"]).reset_index(drop=True)
+    if config.split == "temporal":
+        parts = split_at(rows, cuts)
+    elif config.split == "random":
+        parts = split_random(rows, config.split_ratios, config.runtime.seed)
+    else:
+        parts = split_leave_last_out(rows)
+    val, test = drop_unrankable(parts[TRAIN], parts[VAL], parts[TEST])
+    result = {"val_held_out": len(parts[VAL]), "test_held_out": len(parts[TEST])}
+    for name, part in zip(SPLITS, (parts[TRAIN], val, test)):
+        ordered = part.sort_values(["user", "item"])
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / f"{index:05d}-users.npy", ordered["user"].to_numpy(np.int64))
+        np.save(folder / f"{index:05d}-items.npy", ordered["item"].to_numpy(np.int32))
+        result[name] = np.unique(ordered["user"].to_numpy(np.int64), return_counts=True)
+    return result
+
+
+def _write_csr(work: Path, name: str, counts: list[dict], n_users: int, n_items: int) -> None:
+    """Fill one split's CSR arrays shard by shard: a user's rows all come from one shard, sorted by item."""
+    per_user = np.zeros(n_users, dtype=np.int64)
+    for shard in counts:
+        present, how_many = shard[name]
+        per_user[present] += how_many
+    nnz = int(per_user.sum())
+    index_type = np.int32 if nnz < 2**31 else np.int64
+    indptr = np.concatenate([[0], np.cumsum(per_user)]).astype(index_type)
+    np.save(work / f"{name}-indptr.npy", indptr)
+    indices = np.lib.format.open_memmap(work / f"{name}-indices.npy", mode="w+", dtype=index_type, shape=(nnz,))
+    folder = work / "splits" / name
+    for users_file in sorted(folder.glob("*-users.npy")):
+        users = np.load(users_file)
+        items = np.load(users_file.with_name(users_file.name.replace("-users", "-items")))
+        if not len(users):
+            continue
+        starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+        within = np.arange(len(users)) - np.repeat(starts, np.diff(np.r_[starts, len(users)]))
+        indices[indptr[users] + within] = items
+    indices.flush()
+    del indices
+
+
+def _load(folder: Path) -> Prepared:
+    meta = json.loads((folder / "meta.json").read_text())
+    n_users, n_items = meta["users"] + 1, meta["items"] + 1
+    matrices = {}
+    for name in SPLITS:
+        indptr = np.load(folder / f"{name}-indptr.npy")
+        indices = np.load(folder / f"{name}-indices.npy", mmap_mode="c")  # copy-on-write: nothing changes the cache
+        matrix = sp.csr_matrix((np.ones(len(indices), dtype=np.float32), indices, indptr), shape=(n_users, n_items),
+                               copy=False)
+        matrix.has_sorted_indices = True
+        matrices[name] = matrix
+    user_ids = _with_placeholder(pd.Index(pd.read_parquet(folder / "user_ids.parquet")["id"]))
+    item_ids = _with_placeholder(pd.Index(pd.read_parquet(folder / "item_ids.parquet")["id"]))
+    titles = None
+    if (folder / "titles.parquet").exists():
+        titles = np.concatenate([[""], pd.read_parquet(folder / "titles.parquet")["title"].to_numpy(object)]
+                                ).astype(object)
+    return Prepared(matrices, user_ids, item_ids, titles, meta["source"], meta["sha256"])
