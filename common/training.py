@@ -77,12 +77,16 @@ class TensorBatches:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         if self.weights is not None:
             order = torch.multinomial(self.weights.double().cpu(), n, replacement=True, generator=generator)
+        elif self.shuffle and self.max_batches and self.max_batches * self.batch_size * self.world_size < n:
+            # a sample of the rows, without the permutation of all of them (800 MB at 100 M rows)
+            order = torch.randint(n, (self.max_batches * self.batch_size * self.world_size,), generator=generator)
         elif self.shuffle:
             order = torch.randperm(n, generator=generator)
         else:
             order = torch.arange(n)
-        per_rank = math.ceil(n / self.world_size)
-        order = torch.cat([order, order[: per_rank * self.world_size - n]])  # pad as DistributedSampler does
+        padding = math.ceil(len(order) / self.world_size) * self.world_size - len(order)
+        if padding:
+            order = torch.cat([order, order[:padding]])  # pad as DistributedSampler does
         return order[self.rank :: self.world_size].to(self.tensors[0].device)
 
     def __len__(self) -> int:

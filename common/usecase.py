@@ -40,19 +40,21 @@ class UseCase:
     requirements: tuple[str, ...] = ()
     optional_requirements: dict[str, tuple[str, ...]] = field(default_factory=dict)
     has_benchmark: bool = False
+    scale: tuple[str, int] | None = None  # the config key `bench --scale` multiplies, and its base value
 
     @classmethod
     def declare(cls, package: str, *, description: str, config: type[ConfigModel],
                 primary_metric: tuple[str, Literal["min", "max"]], summary_columns=None,
                 requirements: tuple[str, ...] = (), optional_requirements: dict[str, tuple[str, ...]] | None = None,
-                has_benchmark: bool = False) -> UseCase:
+                has_benchmark: bool = False, scale: tuple[str, int] | None = None) -> UseCase:
         """For a package's `__init__.py`: its name is the package's last component, its files are beside it.
 
         `requirements` are what the use case needs beyond common/ (pip specifiers), `optional_requirements` the
-        extras it can use when present (an extra's name, its specifiers); `usecases export` writes both."""
+        extras it can use when present (an extra's name, its specifiers); `usecases export` writes both. `scale`
+        names the size key of the `scale` preset that `usecases bench --scale` multiplies, and its 1x value."""
         folder = Path(sys.modules[package].__file__).resolve().parent
         return cls(package.rsplit(".", 1)[-1], package, description, config, folder, primary_metric,
-                   summary_columns, tuple(requirements), dict(optional_requirements or {}), has_benchmark)
+                   summary_columns, tuple(requirements), dict(optional_requirements or {}), has_benchmark, scale)
 
     @property
     def presets_dir(self) -> Path:

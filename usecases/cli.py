@@ -41,10 +41,19 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure a use case's pipeline against a plain baseline loop",
                                 description="Run a use case's benchmark: our pipeline and a plain loop on the "
-                                            "same data in one run, throughputs and their ratio.")
+                                            "same data in one run, throughputs and their ratio. With --scale: its "
+                                            "`scale` preset at several sizes on each engine, wall time and peak "
+                                            "memory against size.")
     bench.add_argument("name", help="use case with a benchmark (see `usecases list`)")
     _add_run_options(bench)
     _add_config_options(bench)
+    bench.add_argument("--scale", action="store_true", help="the cost-growth benchmark (a NAME-scale run)")
+    bench.add_argument("--sizes", default="1,4,16", help="with --scale: multiples of the base size (default 1,4,16)")
+    bench.add_argument("--scale-engines", default="pandas,dask", metavar="ENGINES",
+                       help="with --scale: the engines to compare (default pandas,dask)")
+    bench.add_argument("--base", type=int, help="with --scale: the 1x value of the use case's size key (default: "
+                                                "its declared one)")
+    bench.add_argument("--timeout-s", type=float, help="with --scale: stop a run after this long, a row saying so")
 
     demo = commands.add_parser("demo", help="run every use case on its default data",
                                description="Run every use case with its default preset; a data set that cannot "
@@ -332,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
             return _new(args.name, args.source)
         if args.command == "export":
             return _export(args.name, args.folder, args.force)
+        if args.command == "bench" and args.scale:
+            from common.scaling import parse_list, scale_bench
+
+            scale_bench(_usecase(args.name), args.overrides, parse_list(args.sizes, "--sizes", int),
+                        parse_list(args.scale_engines, "--scale-engines"), args.base, args.timeout_s)
+            return EXIT_OK
         from common.runner import run_usecase
         from common.runtime import use_gpu_frames
 

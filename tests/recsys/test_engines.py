@@ -109,3 +109,11 @@ def test_the_pandas_engine_refuses_a_log_larger_than_the_free_memory(capsys, mon
                     "--set", "data.synthetic.interactions_per_user=40",
                     names=("data.synthetic", "40 M interactions", "GB with the pandas engine", "4.0 GB free",
                            "--engine dask"))
+
+
+def test_ranks_under_torchrun_train_from_the_matrices_a_dask_run_prepared(dask_client, monkeypatch):
+    prepared = load_interactions(config(), None, dask_client)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    loaded = load_interactions(config())
+    assert loaded.train is None and loaded.matrices
+    assert_same(prepared, loaded)

@@ -22,6 +22,7 @@ import scipy.sparse as sp
 
 from common.errors import UserError
 from common.paths import cache_dir
+from common.runtime import distributed_env
 from .config import Columns, Config, Data
 from .logs import RawLog, read_log
 from .movielens import movielens_folder, read_movielens
@@ -34,8 +35,8 @@ __all__ = ["UNKNOWN", "Interactions", "RawLog", "load_interactions", "read_path"
 log = logging.getLogger(__name__)
 
 UNKNOWN = 0  # the code of an unseen user or item; real ids are encoded from 1
-PANDAS_BASE_BYTES = 1.2 * 2**30  # a pandas-engine run's peak resident memory: this, plus per interaction of the log
-PANDAS_BYTES_PER_INTERACTION = 160  # (measured with the scale preset, 4 M and 16 M interactions: see the README)
+PANDAS_BASE_BYTES = 1.4 * 2**30  # a pandas-engine run's peak resident memory: this, plus per interaction of the log
+PANDAS_BYTES_PER_INTERACTION = 110  # (the scale preset measured 1.8 GB at 4 M interactions, 3.0 GB at 16 M)
 PANDAS_MEMORY_SHARE = 0.8  # of the free memory a run may plan to use
 
 
@@ -88,13 +89,19 @@ class Interactions:
 def load_interactions(config: Config, path: Path | None = None, client=None) -> Interactions:
     """`--data PATH` decides the source when given: a MovieLens folder, or a CSV or Parquet log. What no run could
     learn from or be scored on (one user or item, an empty train, validation or test split) is refused here, before
-    a run is started. With a Dask `client` the log is prepared on its cluster, out of core (`outofcore`)."""
+    a run is started. With a Dask `client` the log is prepared on its cluster, out of core (`outofcore`); under
+    torchrun, where Dask does not run, the ranks train from the matrices an earlier Dask run prepared, if any."""
     started = time.perf_counter()
     ratios = check_ratios(config.split_ratios)
     if client is not None:
-        data = _load_on_dask(config, path, client)
-        data.prepare_seconds = time.perf_counter() - started
-        return data
+        return _load_on_dask(config, path, client, started)
+    if path is None and config.data.source == "synthetic" and distributed_env()[2] > 1:
+        from .outofcore import cached
+        from .synthetic import synthetic_digest
+
+        earlier = cached(config, synthetic_digest(config.data.synthetic))
+        if earlier is not None:
+            return _from_prepared(earlier, started)
     check_fits_in_memory(config, path)
     raw = read_source(config.data, path)
     _check_timestamps(config, raw.has_timestamps, raw.source)
@@ -156,7 +163,7 @@ def _check_timestamps(config: Config, has_timestamps: bool, source: str) -> None
                         "none; use split=random")
 
 
-def _load_on_dask(config: Config, path: Path | None, client) -> Interactions:
+def _load_on_dask(config: Config, path: Path | None, client, started: float) -> Interactions:
     from .outofcore import Source, prepare
     from .synthetic import synthetic_digest, write_synthetic_shards
 
@@ -168,9 +175,12 @@ def _load_on_dask(config: Config, path: Path | None, client) -> Interactions:
         raw = read_source(config.data, path)
         source = Source(None, raw.frame, False, raw.titles, raw.source, raw.sha256, raw.has_timestamps)
     _check_timestamps(config, source.has_timestamps, source.source)
-    prepared = prepare(source, config, client)
+    return _from_prepared(prepare(source, config, client), started)
+
+
+def _from_prepared(prepared, started: float) -> Interactions:
     return Interactions(None, None, None, prepared.user_ids, prepared.item_ids, prepared.titles, prepared.source,
-                        prepared.sha256, prepared.matrices)
+                        prepared.sha256, prepared.matrices, prepare_seconds=time.perf_counter() - started)
 
 
 def _check_variety(frame: pd.DataFrame, source: str) -> None:

@@ -24,8 +24,10 @@ class NegativeSampler:
     """
 
     def __init__(self, train: sp.csr_matrix, device: torch.device, retries: int = 1):
-        coo = train.tocoo()
-        keys = np.sort(coo.row.astype(np.int64) * train.shape[1] + coo.col)
+        train = train if train.has_sorted_indices else train.sorted_indices()
+        keys = np.repeat(np.arange(train.shape[0], dtype=np.int64), np.diff(train.indptr))
+        keys *= train.shape[1]
+        keys += train.indices  # row by row, items in order: already sorted
         self.keys = torch.from_numpy(keys).to(device)
         self.n_items = train.shape[1]
         self.retries = retries

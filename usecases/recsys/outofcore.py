@@ -76,12 +76,26 @@ def prepared_key(config: Config, sha256: str) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def cached(config: Config, sha256: str) -> Prepared | None:
+    """The matrices an earlier run prepared from this data with these settings, if any: what a run under torchrun
+    trains from after a Dask run prepared them."""
+    folder = _folder(config, sha256)
+    if not (folder / "meta.json").exists():
+        return None
+    log.info("data: the matrices prepared earlier, from %s", folder)
+    return _load(folder)
+
+
+def _folder(config: Config, sha256: str) -> Path:
+    return cache_dir("recsys-prepared") / prepared_key(config, sha256)
+
+
 def prepare(source: Source, config: Config, client) -> Prepared:
     """The cached matrices of this data and these settings, else computed on the cluster and cached."""
-    folder = cache_dir("recsys-prepared") / prepared_key(config, source.sha256)
-    if (folder / "meta.json").exists():
-        log.info("data %s: the prepared matrices from %s", source.source, folder)
-        return _load(folder)
+    earlier = cached(config, source.sha256)
+    if earlier is not None:
+        return earlier
+    folder = _folder(config, source.sha256)
     work = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     try:
@@ -101,14 +115,15 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
 
     data = config.data
     if source.shards is not None:
-        frame = dd.read_parquet([str(path) for path in source.shards])
+        import pyarrow.parquet as pq
+
+        lengths = [pq.ParquetFile(path).metadata.num_rows for path in source.shards]
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+        frame = dd.from_map(_numbered_shard, source.shards, offsets, meta=_numbered_shard(source.shards[0], 0)[:0])
     else:
-        partitions = max(2, len(source.frame) // ROWS_PER_PARTITION)
-        frame = dd.from_pandas(source.frame[["user", "item", "rating", "timestamp"]], npartitions=partitions,
-                               sort=False)
-    lengths = np.asarray(frame.map_partitions(len).compute())
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    frame = frame.map_partitions(_numbered, offsets, meta={**frame.dtypes.to_dict(), "order": "int64"})
+        numbered = source.frame[["user", "item", "rating", "timestamp"]].assign(
+            order=np.arange(len(source.frame), dtype=np.int64))
+        frame = dd.from_pandas(numbered, npartitions=max(2, len(numbered) // ROWS_PER_PARTITION), sort=False)
     if data.rating_threshold is not None:
         rated, highest = client.compute([frame["rating"].count(), frame["rating"].max()], sync=True)
         threshold = data.rating_threshold
@@ -125,10 +140,9 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
     frame.map_partitions(_deduplicated, meta=frame._meta).to_parquet(str(positives), write_index=False,
                                                                      compute_kwargs={"scheduler": client})
     shards = sorted(positives.glob("*.parquet"))
-    users = np.sort(dd.read_parquet([str(path) for path in shards], columns=["user"])["user"].unique().compute()
-                    .to_numpy())
-    items = np.sort(dd.read_parquet([str(path) for path in shards], columns=["item"])["item"].unique().compute()
-                    .to_numpy())
+    uniques = client.gather(client.map(_shard_ids, shards, pure=False))
+    users = np.unique(np.concatenate([shard_users for shard_users, _ in uniques]))
+    items = np.unique(np.concatenate([shard_items for _, shard_items in uniques]))
     keep_users, keep_items = _k_core(client, shards, users, items, data.min_user_interactions,
                                      data.min_item_interactions)
     if not keep_users.any():
@@ -172,15 +186,21 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
              source.source, n_users - 1, n_items - 1, sizes["train"], sizes["val"], sizes["test"], config.split, work)
 
 
-def _numbered(partition: pd.DataFrame, offsets: np.ndarray, partition_info=None) -> pd.DataFrame:
-    first = offsets[partition_info["number"]] if partition_info else 0
-    return partition.assign(order=np.arange(first, first + len(partition), dtype=np.int64))
+def _numbered_shard(path: Path, first: int) -> pd.DataFrame:
+    """A shard as one partition, its rows numbered in log order from `first`."""
+    shard = pd.read_parquet(path, columns=["user", "item", "rating", "timestamp"])
+    return shard.assign(order=np.arange(first, first + len(shard), dtype=np.int64))
 
 
 def _deduplicated(partition: pd.DataFrame) -> pd.DataFrame:
     """Each (user, item) once, at its earliest time (ties in log order), the rows in that order."""
     ordered = partition.sort_values(["timestamp", "order"], kind="stable")
     return ordered.drop_duplicates(["user", "item"], keep="first")
+
+
+def _shard_ids(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    shard = pd.read_parquet(path, columns=["user", "item"])
+    return shard["user"].unique(), shard["item"].unique()
 
 
 def _codes(shard: pd.DataFrame, users: np.ndarray, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

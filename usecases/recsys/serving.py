@@ -97,14 +97,14 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
 
 
 def safe(bundle: dict) -> dict:
-    """The bundle as torch's `weights_only` loader reads it, nothing pickled: sparse matrices as their CSR tensors,
-    NumPy arrays as lists with their dtype."""
+    """The bundle as torch's `weights_only` loader reads it, nothing pickled: sparse matrices as their CSR tensors
+    (in their own index type: int32 below 2**31 non-zeros), NumPy arrays as lists with their dtype."""
     stored = {}
     for key, value in bundle.items():
         if sp.issparse(value):
             csr = value.tocsr()
-            stored[key] = {"__csr__": [torch.from_numpy(csr.data), torch.from_numpy(csr.indices.astype(np.int64)),
-                                       torch.from_numpy(csr.indptr.astype(np.int64))], "shape": list(csr.shape)}
+            stored[key] = {"__csr__": [torch.from_numpy(np.ascontiguousarray(array)) for array in
+                                       (csr.data, csr.indices, csr.indptr)], "shape": list(csr.shape)}
         elif isinstance(value, np.ndarray):
             stored[key] = {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
         else:

@@ -1,0 +1,38 @@
+"""`usecases bench NAME --scale`: the scale preset at several sizes on each engine, each run its own process, and
+one NAME-scale run with the table and the log-log plot of cost against size."""
+
+import io
+
+import mlflow
+import pandas as pd
+import pytest
+
+from tests.cli_helpers import assert_rejected, usecases
+
+pytest.importorskip("distributed")
+
+
+def test_the_cost_growth_of_both_engines_is_one_run_with_its_table_and_plot(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    result = usecases("bench", "recsys", "--scale", "--sizes", "1,2", "--base", "200", "--set", "models=[pop]",
+                      "--set", "data.synthetic.items=2000", "--set", "runtime.workers=1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    experiment = mlflow.get_experiment_by_name("gpu-usecases-recsys-scale")
+    (run,) = mlflow.search_runs([experiment.experiment_id], output_format="list")
+    assert run.info.status == "FINISHED" and run.data.tags["scale_key"] == "data.synthetic.users"
+    artifacts = {item.path for item in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"scale.csv", "cost_vs_size.png"} <= artifacts
+    table = pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"{run.info.artifact_uri}/scale.csv")))
+    assert sorted(zip(table["engine"], table["data.synthetic.users"])) == [
+        ("dask", 200), ("dask", 400), ("pandas", 200), ("pandas", 400)]
+    assert (table["status"] == "finished").all() and (table["peak_rss_gb"] > 0).all()
+    assert run.data.metrics["scale/dask/x2/time_s"] > 0 and run.data.metrics["scale/pandas/x1/per_s"] > 0
+    sized = mlflow.search_runs(experiment_names=["gpu-usecases-recsys"], output_format="list")
+    assert len(sized) == 4 and {r.data.params["data.synthetic.users"] for r in sized} == {"200", "400"}
+
+
+def test_a_use_case_without_a_size_to_scale_or_bad_sizes_is_one_line(capsys):
+    assert_rejected(capsys, "medical", "bench", "medical", "--scale", names=("'medical' declares no size to scale",))
+    assert_rejected(capsys, "recsys", "bench", "recsys", "--scale", "--sizes", "1,x", names=("--sizes 1,x",))
+    assert_rejected(capsys, "recsys", "bench", "recsys", "--scale", "--scale-engines", "spark",
+                    names=("--scale-engines takes pandas, dask",))
