@@ -34,8 +34,10 @@ class RuntimeConfig(ConfigModel):
     tf32: bool = Field(False, description="fp32 matrix products on TF32 tensor cores (GPUs of compute capability 8+)")
     compile: bool = Field(False, description="torch.compile the trained model; its warm-up epoch is left out of "
                                              "the logged throughput")
-    engine: Literal["pandas", "dask"] = Field("pandas", description="where per-series and data work runs: this "
-                                                                    "process, or a Dask cluster (common/engine.py)")
+    engine: Literal["pandas", "dask", "auto"] = Field(
+        "pandas", description="where per-series and data work runs: this process, or a Dask cluster "
+                              "(common/engine.py); auto: Dask when the use case finds its data large (its README "
+                              "says above what) and Dask is installed")
     cluster: str | None = Field(None, description="Dask scheduler address, e.g. tcp://10.0.0.5:8786; null: "
                                                   "$DASK_SCHEDULER_ADDRESS, else a local cluster")
     workers: int | None = Field(None, ge=1, description="processes of the local Dask cluster; null: one per core")

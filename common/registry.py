@@ -38,7 +38,8 @@ def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, va
     champion_value = _primary_value(before)
     holder = before
     for _ in range(_ALIAS_ATTEMPTS):
-        if holder is not None and (str(holder.version) == str(version) or not _better(value, _primary_value(holder), mode)):
+        if holder is not None and (str(holder.version) == str(version)
+                                   or not _better(value, _primary_value(holder), mode)):
             break
         # Runs finishing together on the same data each read the old champion and set the alias, and the last write
         # wins: read it back, and compare again with whichever version took it in between.

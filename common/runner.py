@@ -73,8 +73,8 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
     try:
         with ExitStack() as engine:
             memory = engine.enter_context(PeakMemory())
-            client = engine.enter_context(_engine(config.runtime, runtime)) if config.runtime.engine == "dask" \
-                else None
+            client = engine.enter_context(_engine(config.runtime, runtime)) \
+                if resolve_engine(usecase, config, data, runtime) == "dask" else None
             return _tracked(usecase, config, preset, runtime, backend, client, data, summary, resume, bench, started,
                             memory)
     finally:
@@ -137,6 +137,25 @@ def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, clien
     if runtime.distributed:
         dist.barrier()  # every rank done before any tears down its connections (gloo aborts otherwise)
     return result
+
+
+def resolve_engine(usecase: UseCase, config, data: Path | None, runtime) -> str:
+    """The engine the run uses: `auto` asks the use case's `large_data(config, path)`, which says why its data
+    is large or returns None; it takes Dask only when installed (else says so and stays on pandas)."""
+    import importlib.util
+
+    engine = config.runtime.engine
+    if engine != "auto":
+        return engine
+    reason = usecase.large_data(config, data)
+    if reason is None or runtime.distributed:
+        return "pandas"
+    if importlib.util.find_spec("distributed") is None:
+        log.warning("runtime.engine=auto: %s, but Dask is not installed (pip install 'gpu-usecases[dask]'); "
+                    "running on pandas", reason)
+        return "pandas"
+    log.info("runtime.engine=auto: %s: running on Dask", reason)
+    return "dask"
 
 
 def _engine(settings, runtime):

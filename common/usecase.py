@@ -78,6 +78,12 @@ class UseCase:
             return load(config, path, client=client)
         return load(config, path)
 
+    def large_data(self, config, path: Path | None) -> str | None:
+        """Why this data is better prepared on Dask (for `runtime.engine: auto`), from the pipeline's optional
+        `large_data(config, path)`; None: it is not, or the use case does not say."""
+        judge = getattr(self._module("pipeline"), "large_data", None)
+        return judge(config, path) if judge is not None else None
+
     def run(self, config, data, job):
         return self._module("pipeline").run(config, data, job)
 

@@ -135,8 +135,9 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
                         help="override a config key, e.g. --set train.epochs=5 (repeatable)")
     parser.add_argument("--data", type=Path, help="a data file or folder of your own instead of the preset's data")
     parser.add_argument("--summary", type=Path, metavar="FILE", help="also write summary.json here")
-    parser.add_argument("--engine", choices=["pandas", "dask"],
-                        help="where per-series and data work runs (runtime.engine; default: the preset's, pandas)")
+    parser.add_argument("--engine", choices=["pandas", "dask", "auto"],
+                        help="where per-series and data work runs (runtime.engine; auto: Dask for large data; "
+                             "default: the preset's, pandas)")
     parser.add_argument("--cluster", metavar="ADDRESS", help="a Dask scheduler, e.g. tcp://10.0.0.5:8786 "
                                                               "(runtime.cluster; default: $DASK_SCHEDULER_ADDRESS, "
                                                               "else a local cluster)")

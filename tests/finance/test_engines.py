@@ -25,6 +25,15 @@ def test_dask_baselines_equal_the_pandas_ones(dask_client):
     pd.testing.assert_frame_equal(spread, alone)
 
 
+def test_dask_features_equal_the_pandas_ones(dask_client):
+    config = load_config(Config, USECASE.presets_dir, "smoke", ["data.synthetic.tickers=5"])
+    alone, _ = load_data(config, None)
+    spread, _ = load_data(config, None, client=dask_client)
+    assert spread.frame["ticker"].nunique() == 5
+    pd.testing.assert_frame_equal(spread.frame, alone.frame)
+    pd.testing.assert_series_equal(spread.test, alone.test)
+
+
 def test_a_run_on_a_local_cluster_records_it():
     result = usecases("run", "finance", "--preset", "smoke", "--workers", "2")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -49,7 +49,8 @@ def test_the_dask_splits_are_the_pandas_ones_to_the_last_interaction(dask_client
     assert_same(pandas, dask)
 
 
-def test_a_log_file_with_text_ids_and_repeats_is_prepared_alike(dask_client, tmp_path):
+def test_a_log_file_with_text_ids_and_repeats_is_prepared_alike(dask_client, tmp_path, monkeypatch):
+    monkeypatch.setattr(outofcore, "ROWS_PER_PARTITION", 1000)  # several shards, shuffled by user among them
     frame = synthetic_log(Synthetic(users=200, items=150, interactions_per_user=20, seed=4)).frame
     repeats = frame.sample(400, random_state=0).assign(timestamp=lambda rows: rows["timestamp"] + 5)
     log = pd.concat([frame, repeats], ignore_index=True)
@@ -117,3 +118,39 @@ def test_ranks_under_torchrun_train_from_the_matrices_a_dask_run_prepared(dask_c
     loaded = load_interactions(config())
     assert loaded.train is None and loaded.matrices
     assert_same(prepared, loaded)
+
+
+def test_engine_auto_takes_dask_for_a_large_log_only_where_dask_is_installed(monkeypatch, caplog):
+    import importlib.util
+    from types import SimpleNamespace
+
+    from common.runner import resolve_engine
+
+    alone = SimpleNamespace(distributed=False)
+    large = config("runtime.engine=auto", "data.synthetic.users=1000000")
+    assert resolve_engine(USECASE, config("runtime.engine=auto"), None, alone) == "pandas"
+    assert resolve_engine(USECASE, large, None, alone) == "dask"
+    assert resolve_engine(USECASE, large, None, SimpleNamespace(distributed=True)) == "pandas"
+    assert resolve_engine(USECASE, config("data.synthetic.users=1000000"), None, alone) == "pandas"  # as configured
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "distributed" else
+                        found(name, *rest))
+    assert resolve_engine(USECASE, large, None, alone) == "pandas"
+    assert "about 40 M interactions (more than 20 M), but Dask is not installed" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_log_larger_than_the_workers_memory_limit_is_prepared_out_of_core(tmp_path):
+    """About 30 M interactions (1.2 GB as a DataFrame) through one worker process limited to 700 MiB."""
+    import distributed
+    import pyarrow.parquet as pq
+
+    settings = config("data.synthetic.users=300000", "data.synthetic.items=5000", "data.synthetic.candidates=200",
+                      "data.synthetic.interactions_per_user=100", "split=random")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="700MiB",
+                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as client:
+        (limit,) = client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit).values()
+        data = load_interactions(settings, None, client)
+    drawn = sum(pq.ParquetFile(path).metadata.num_rows for path in (tmp_path / "cache").rglob("part-*.parquet"))
+    assert limit < drawn * 40 and drawn > 25_000_000  # user, item, rating, timestamp, row number: 8 bytes each
+    assert sum(data.size(split) for split in ("train", "val", "test")) == drawn  # every user has its val and test

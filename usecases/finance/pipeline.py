@@ -46,14 +46,37 @@ class Prepared:
     test: pd.Series
 
 
-def load_data(config: Config, path: Path | None) -> tuple[Prepared, dict[str, str]]:
-    """Everything that can be wrong with the data is found here, before an MLflow run is started."""
+def load_data(config: Config, path: Path | None, client=None) -> tuple[Prepared, dict[str, str]]:
+    """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
+    `client`, the features are computed on its workers."""
     panel = load_panel(config.data, path)
-    frame = add_features(panel.frame, config.evaluation.horizon)
+    frame = features_per_ticker(panel.frame, config.evaluation.horizon, client)
     prepared = Prepared(panel, frame, evaluation_window(frame, config, str(path) if path else panel.source))
     return prepared, {"data_source": panel.source, "data_sha256": panel.sha256,
                       "data_filled_rows": panel.filled_rows, **({"data_path": str(path)} if path else {}),
                       "data_schema": DATA_SCHEMA}
+
+
+def features_per_ticker(panel: pd.DataFrame, horizon: int, client=None) -> pd.DataFrame:
+    """`add_features`, whose every step is per ticker: on Dask one task per ticker, joined in the order that
+    `add_features` sorts the panel in (by ticker, then date), so both engines give the same frame."""
+    if client is None:
+        return add_features(panel, horizon)
+    tickers = panel["ticker"].drop_duplicates().sort_values(kind="stable")
+    parts = client.scatter([panel[panel["ticker"] == ticker] for ticker in tickers])
+    return pd.concat(client.gather(client.map(add_features, parts, horizon=horizon, pure=False)), ignore_index=True)
+
+
+AUTO_DASK_TICKERS = 50  # runtime.engine=auto fits the baselines on Dask above this many tickers
+
+
+def large_data(config: Config, path: Path | None) -> str | None:
+    """For `runtime.engine: auto`: a synthetic panel of more than AUTO_DASK_TICKERS tickers (a file's tickers are
+    known once read: give --engine dask for a large one)."""
+    tickers = config.data.synthetic.tickers
+    if path is None and config.data.source == "synthetic" and tickers > AUTO_DASK_TICKERS:
+        return f"{tickers} tickers (more than {AUTO_DASK_TICKERS})"
+    return None
 
 
 def evaluation_window(frame: pd.DataFrame, config: Config, where: str = "data") -> pd.Series:

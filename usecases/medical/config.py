@@ -48,6 +48,8 @@ class Synthetic(ConfigModel):
     val: int = Field(128, ge=4)
     test: int = Field(256, ge=4)
     noise: float = Field(0.25, ge=0)
+    as_files: bool = Field(False, description="write the set as PNG files with a manifest first, and read it back as "
+                                              "your own files are read (the scale preset)")
     seed: int = 0
 
 

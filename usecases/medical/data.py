@@ -23,20 +23,29 @@ from .config import Data, MedMNIST, Synthetic
 from .files import load_files
 from .images import SPLITS, ImageSet
 from .npz import load_medmnist_file
+from .shards import write_image_folder
 
 log = logging.getLogger(__name__)
 
 DOWNLOAD_TIMEOUT_S = 30
 
 
-def load_images(config: Data, path: Path | None, seed: int) -> ImageSet:
-    """`--data` decides the source when given: a `.npz` is MedMNIST, anything else your own files."""
+def load_images(config: Data, path: Path | None, seed: int, client=None) -> ImageSet:
+    """`--data` decides the source when given: a `.npz` is MedMNIST, anything else your own files. With a Dask
+    `client`, files are decoded on its cluster into memory-mapped shards (`shards.py`)."""
     if path is not None:
-        return load_medmnist_file(path) if path.suffix.lower() == ".npz" else load_files(path, config.files, seed)
+        if path.suffix.lower() == ".npz":
+            return load_medmnist_file(path)
+        return load_files(path, config.files, seed, client)
     if config.source == "files":
         raise UserError("data.source=files needs --data PATH (a CSV manifest or a folder of class folders)")
     if config.source == "synthetic":
-        return synthetic_images(config.synthetic)
+        generated = synthetic_images(config.synthetic)
+        if not config.synthetic.as_files:
+            return generated
+        folder = write_image_folder(config.synthetic, generated.images, generated.labels, generated.classes, client)
+        as_written = config.files.model_copy(update={"image_size": config.synthetic.size, "channels": 1})
+        return load_files(folder / "manifest.csv", as_written, seed, client)
     return load_medmnist_file(medmnist_path(config.medmnist))
 
 

@@ -44,8 +44,9 @@ class Listing:
     notices: list[str] = field(default_factory=list)  # warnings, logged once the data passed every check
 
 
-def load_files(path: Path, config: Files, seed: int) -> ImageSet:
-    """A CSV manifest, a folder holding `manifest.csv`, or a folder of class folders."""
+def load_files(path: Path, config: Files, seed: int, client=None) -> ImageSet:
+    """A CSV manifest, a folder holding `manifest.csv`, or a folder of class folders; with a Dask `client`, decoded
+    on its cluster into memory-mapped shards."""
     path = Path(path)
     if (config.window_center is None) != (config.window_width is None):
         raise UserError("data.files.window_center and data.files.window_width must be set together (or both null)")
@@ -75,14 +76,21 @@ def load_files(path: Path, config: Files, seed: int) -> ImageSet:
             raise UserError(f"{listing.where}: the {split} split has no images")
     assert_no_patient_leak({split: patients[members] for split, members in rows.items()}, listing.where)
 
-    images = np.stack([read_image(file, config) for file in listing.files])
+    sha256 = listing_sha256(listing)
+    if client is not None:
+        from .shards import decode_to_shards
+
+        images = decode_to_shards(listing.files, rows, config, sha256, client)
+    else:
+        decoded = np.stack([read_image(file, config) for file in listing.files])
+        images = {split: decoded[members] for split, members in rows.items()}
     data = ImageSet(
-        images={split: images[members] for split, members in rows.items()},
+        images=images,
         labels={split: labels[members] for split, members in rows.items()},
         task="binary" if len(classes) == 2 else "multi-class",
         classes=classes,
         source=f"files:{path.name}",
-        sha256=listing_sha256(listing),
+        sha256=sha256,
         patients={split: patients[members] for split, members in rows.items()},
     )
     check_classes(data, where=str(path))

@@ -27,9 +27,10 @@ from .train import channels_first, fit_network, predict_logits
 log = logging.getLogger(__name__)
 
 
-def load_data(config: Config, path: Path | None) -> tuple[ImageSet, dict[str, str]]:
-    """Everything that can be wrong with the data is found here, before an MLflow run is started."""
-    data = load_images(config.data, path, config.runtime.seed)
+def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet, dict[str, str]]:
+    """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
+    `client`, image files are decoded on its cluster."""
+    data = load_images(config.data, path, config.runtime.seed, client)
     check_positive_class(config.evaluation.positive_class, data.classes)
     if config.train.imbalance == "sampler" and data.task == "multi-label":
         raise UserError(f"train.imbalance: 'sampler' draws one class per image, but {data.source} is multi-label "
@@ -44,6 +45,19 @@ def load_data(config: Config, path: Path | None) -> tuple[ImageSet, dict[str, st
     return data, {"data_source": data.source, "data_sha256": data.sha256, "task": data.task,
                   **{f"data_{split}_images": count for split, count in sizes.items()},
                   **({"data_path": str(path)} if path else {}), "data_schema": schema}
+
+
+AUTO_DASK_IMAGES = 50_000  # runtime.engine=auto decodes image files on Dask above this many
+
+
+def large_data(config: Config, path: Path | None) -> str | None:
+    """For `runtime.engine: auto`: more than AUTO_DASK_IMAGES image files to decode (the synthetic set written as
+    files; a user's files are counted only once listed, so give --engine dask for those)."""
+    synthetic = config.data.synthetic
+    count = synthetic.train + synthetic.val + synthetic.test
+    if path is None and config.data.source == "synthetic" and synthetic.as_files and count > AUTO_DASK_IMAGES:
+        return f"{count:,} image files (more than {AUTO_DASK_IMAGES:,})"
+    return None
 
 
 def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]:

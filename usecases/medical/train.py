@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import psutil
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 PREDICT_BATCH = 512
 GPU_MEMORY_SHARE = 0.25
+MEMORY_SHARE = 0.25
 
 
 def channels_first(images: np.ndarray) -> torch.Tensor:
@@ -36,27 +38,29 @@ def label_tensor(labels: np.ndarray, task: str) -> torch.Tensor:
 
 
 class UInt8Images(Dataset):
-    """One uint8 image per item: the workers only index and the device does the float conversion and augmentation."""
+    """One uint8 (C, H, W) image per item from (N, H, W, C) arrays, memory-mapped shards included: the workers
+    only read and index, and the device does the float conversion and augmentation."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+    def __init__(self, images: np.ndarray, labels: torch.Tensor):
         self.images, self.labels = images, labels
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[index], self.labels[index]
+        return torch.from_numpy(np.ascontiguousarray(self.images[index].transpose(2, 0, 1))), self.labels[index]
 
 
 def fits_in_memory(data: ImageSet, runtime: Runtime, setting: bool | str) -> bool:
-    """On a CPU the arrays are in memory already; on a GPU, when the uint8 training set takes under a quarter of
-    its free memory."""
+    """On a GPU, when the uint8 training set takes under a quarter of its free memory; on a CPU, arrays in memory
+    already do, and memory-mapped shards (the Dask engine's) when they take under a quarter of the free RAM."""
     if setting != "auto":
         return bool(setting)
-    if runtime.device.type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(runtime.device)
-    return data.images["train"].nbytes < GPU_MEMORY_SHARE * free
+    images = data.images["train"]
+    if runtime.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(runtime.device)
+        return images.nbytes < GPU_MEMORY_SHARE * free
+    return not isinstance(images, np.memmap) or images.nbytes < MEMORY_SHARE * psutil.virtual_memory().available
 
 
 def class_weights(data: ImageSet) -> torch.Tensor:
@@ -114,16 +118,17 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     milestones = sorted({max(1, round(fraction * settings.epochs)) for fraction in settings.milestones})
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, settings.gamma)
-    train_images, train_labels = channels_first(data.images["train"]), label_tensor(data.labels["train"], data.task)
+    train_labels = label_tensor(data.labels["train"], data.task)
     weights = sample_weights(data) if settings.imbalance == "sampler" else None
     if fits_in_memory(data, runtime, config.data.in_memory):
-        batches = TensorBatches(train_images.to(runtime.device), train_labels.to(runtime.device),
-                                batch_size=settings.batch_size, seed=config.runtime.seed, rank=runtime.rank,
-                                world_size=runtime.world_size, weights=weights)
+        train_images = channels_first(data.images["train"]).to(runtime.device)
+        batches = TensorBatches(train_images, train_labels.to(runtime.device), batch_size=settings.batch_size,
+                                seed=config.runtime.seed, rank=runtime.rank, world_size=runtime.world_size,
+                                weights=weights)
     else:
-        batches = make_loader(UInt8Images(train_images, train_labels), settings.batch_size, runtime,
+        batches = make_loader(UInt8Images(data.images["train"], train_labels), settings.batch_size, runtime,
                               num_workers=settings.workers, seed=config.runtime.seed, weights=weights)
-    log.info("training %s on %d images (%s)", arch["name"], len(train_images),
+    log.info("training %s on %d images (%s)", arch["name"], len(train_labels),
              "in memory" if isinstance(batches, TensorBatches) else f"DataLoader, {settings.workers} workers")
     val_images = channels_first(data.images["val"]).to(runtime.device)
     val_labels = data.labels["val"]

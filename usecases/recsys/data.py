@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 UNKNOWN = 0  # the code of an unseen user or item; real ids are encoded from 1
 PANDAS_BASE_BYTES = 1.4 * 2**30  # a pandas-engine run's peak resident memory: this, plus per interaction of the log
-PANDAS_BYTES_PER_INTERACTION = 110  # (the scale preset measured 1.8 GB at 4 M interactions, 3.0 GB at 16 M)
+PANDAS_BYTES_PER_INTERACTION = 120  # (the scale preset: 1.8 GB at 4 M, 3.0 GB at 16 M, 13.4 GB at 100 M)
 PANDAS_MEMORY_SHARE = 0.8  # of the free memory a run may plan to use
 
 

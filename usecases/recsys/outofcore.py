@@ -100,8 +100,8 @@ def prepare(source: Source, config: Config, client) -> Prepared:
     shutil.rmtree(work, ignore_errors=True)
     try:
         _compute(source, config, client, work)
-        shutil.rmtree(work / "positives", ignore_errors=True)
-        shutil.rmtree(work / "splits", ignore_errors=True)
+        for stage in ("raw", "positives", "splits"):
+            shutil.rmtree(work / stage, ignore_errors=True)
         if not (folder / "meta.json").exists():  # another run may have finished the same folder meanwhile
             shutil.rmtree(folder, ignore_errors=True)
             work.rename(folder)
@@ -114,16 +114,12 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
     import dask.dataframe as dd
 
     data = config.data
-    if source.shards is not None:
-        import pyarrow.parquet as pq
+    import pyarrow.parquet as pq
 
-        lengths = [pq.ParquetFile(path).metadata.num_rows for path in source.shards]
-        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-        frame = dd.from_map(_numbered_shard, source.shards, offsets, meta=_numbered_shard(source.shards[0], 0)[:0])
-    else:
-        numbered = source.frame[["user", "item", "rating", "timestamp"]].assign(
-            order=np.arange(len(source.frame), dtype=np.int64))
-        frame = dd.from_pandas(numbered, npartitions=max(2, len(numbered) // ROWS_PER_PARTITION), sort=False)
+    shards = source.shards if source.shards is not None else _raw_shards(source.frame, work / "raw")
+    lengths = [pq.ParquetFile(path).metadata.num_rows for path in shards]
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+    frame = dd.from_map(_numbered_shard, shards, offsets, meta=_numbered_shard(shards[0], 0)[:0])
     if data.rating_threshold is not None:
         rated, highest = client.compute([frame["rating"].count(), frame["rating"].max()], sync=True)
         threshold = data.rating_threshold
@@ -184,6 +180,17 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
                        **{f"{name}_interactions": int(sizes[name]) for name in SPLITS}}, work / "meta.json")
     log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), prepared on Dask in %s",
              source.source, n_users - 1, n_items - 1, sizes["train"], sizes["val"], sizes["test"], config.split, work)
+
+
+def _raw_shards(frame: pd.DataFrame, folder: Path) -> list[Path]:
+    """A log read in this process, as Parquet shards for the workers to read (not sent inside the task graph)."""
+    folder.mkdir(parents=True)
+    paths = []
+    for start in range(0, len(frame), ROWS_PER_PARTITION):
+        paths.append(folder / f"part-{len(paths):05d}.parquet")
+        frame.iloc[start:start + ROWS_PER_PARTITION][["user", "item", "rating", "timestamp"]].to_parquet(
+            paths[-1], index=False)
+    return paths
 
 
 def _numbered_shard(path: Path, first: int) -> pd.DataFrame:

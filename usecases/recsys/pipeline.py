@@ -14,7 +14,7 @@ from common.errors import UserError
 from common.job import Job
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
-from .data import Interactions, load_interactions
+from .data import Interactions, expected_interactions, load_interactions
 from .evaluate import full_ranking, sample_users
 from .models import PairwiseRanker
 from .serving import Recommender, log_recommender
@@ -37,6 +37,18 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[Interacti
                   "data_items": data.n_items - 1, **{f"data_{split}_interactions": n for split, n in sizes.items()},
                   **({"data_path": str(path)} if path else {}),
                   "data_schema": "user_id:string,item_id:string,rating:double,timestamp:long"}
+
+
+AUTO_DASK_INTERACTIONS = 20_000_000  # runtime.engine=auto prepares logs of more than this on Dask
+
+
+def large_data(config: Config, path: Path | None) -> str | None:
+    """For `runtime.engine: auto`: a log of more than AUTO_DASK_INTERACTIONS interactions, when its size is known
+    before reading it."""
+    rows = expected_interactions(config, path)
+    if rows is not None and rows > AUTO_DASK_INTERACTIONS:
+        return f"about {rows / 1e6:,.0f} M interactions (more than {AUTO_DASK_INTERACTIONS / 1e6:,.0f} M)"
+    return None
 
 
 def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.csr_matrix | None = None):
