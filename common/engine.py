@@ -1,8 +1,9 @@
 """The execution engine for work that outgrows one process: pandas in this process, or a Dask cluster.
 
 `runtime.engine: dask` connects to the scheduler at `runtime.cluster` (or `$DASK_SCHEDULER_ADDRESS`), else starts a
-`LocalCluster` on this machine: `runtime.workers` processes (one per core by default) of one thread each, each with
-an equal share of the free memory as its limit, spilling to disk under the project's cache before it is reached.
+`LocalCluster` on this machine: `runtime.workers` processes (one per core by default; on a GPU run with dask-cuda
+installed, a `LocalCUDACluster` of one per GPU) of one thread each, each with an equal share of the free memory as
+its limit, spilling to disk under the project's cache before it is reached.
 Dask is an optional extra (`pip install 'gpu-usecases[dask]'`); the pandas engine needs nothing more.
 """
 
@@ -43,19 +44,20 @@ def quiet_distributed() -> Iterator[None]:
 
 
 @contextmanager
-def dask_client(cluster: str | None = None, workers: int | None = None) -> Iterator[Any]:
-    """A `distributed.Client` on the scheduler at `cluster`, else on a local cluster sized to this machine; closed
-    (and the local cluster shut down) on exit."""
+def dask_client(cluster: str | None = None, workers: int | None = None, gpus: bool = False) -> Iterator[Any]:
+    """A `distributed.Client` on the scheduler at `cluster`, else on a local cluster sized to this machine (with
+    `gpus` and dask-cuda installed, a `LocalCUDACluster`: one worker per GPU); closed (and the local cluster shut
+    down) on exit."""
     try:
         import distributed  # configures its loggers on import: before they are quietened
     except ImportError:
         raise UserError("runtime.engine=dask needs Dask: pip install 'gpu-usecases[dask]' "
                         "(dask and distributed)") from None
     with quiet_distributed():
-        yield from _client(distributed, cluster, workers)
+        yield from _client(distributed, cluster, workers, gpus)
 
 
-def _client(distributed, cluster: str | None, workers: int | None) -> Iterator[Any]:
+def _client(distributed, cluster: str | None, workers: int | None, gpus: bool) -> Iterator[Any]:
     address = scheduler_address(cluster)
     if address is not None:
         try:
@@ -73,15 +75,34 @@ def _client(distributed, cluster: str | None, workers: int | None) -> Iterator[A
                      client.dashboard_link)
             yield client
         return
-    count = workers or os.cpu_count() or 1
+    cuda = _local_cuda_cluster() if gpus else None
+    count = workers or (_gpu_count() if cuda else os.cpu_count()) or 1
     memory_limit = int(psutil.virtual_memory().available * MEMORY_SHARE / count)
-    cluster_here = distributed.LocalCluster(n_workers=count, threads_per_worker=1, memory_limit=memory_limit,
-                                            dashboard_address="127.0.0.1:0", host="127.0.0.1",
-                                            local_directory=str(cache_dir("dask-spill")), silence_logs=logging.WARNING)
+    make = cuda or distributed.LocalCluster
+    cluster_here = make(n_workers=count, threads_per_worker=1, memory_limit=memory_limit,
+                        dashboard_address="127.0.0.1:0", host="127.0.0.1",
+                        local_directory=str(cache_dir("dask-spill")), silence_logs=logging.WARNING)
     with cluster_here, distributed.Client(cluster_here) as client:
-        log.info("dask: a local cluster of %d workers, %.1f GB each (dashboard %s)", count, memory_limit / 2**30,
-                 client.dashboard_link)
+        log.info("dask: a local %scluster of %d workers, %.1f GB each (dashboard %s)", "CUDA " if cuda else "", count,
+                 memory_limit / 2**30, client.dashboard_link)
         yield client
+
+
+def _local_cuda_cluster():
+    """dask-cuda's `LocalCUDACluster` (one worker process per GPU, each seeing its own), where installed; the
+    `cuda12`/`cuda13` extras bring it."""
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError:
+        log.info("dask: dask-cuda is not installed (the cuda13 or cuda12 extra): a CPU cluster")
+        return None
+    return LocalCUDACluster
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def client_tags(client: Any) -> dict[str, str]:

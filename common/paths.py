@@ -5,8 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 PROJECT_NAME = "gpu-usecases"
@@ -55,6 +61,38 @@ def write_json_atomic(data: dict, path: Path) -> None:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
         json.dump(data, handle, indent=2, allow_nan=True)
     os.replace(handle.name, path)
+
+
+STALE_PARTIAL_S = 24 * 3600
+
+
+@contextmanager
+def building(folder: Path, marker: str) -> Iterator[Path | None]:
+    """Build a cache folder out of sight and publish it whole: yields a fresh work folder to fill (`marker`, the
+    file that says it is complete, written last), or None when `folder` is complete already. The work folder is
+    renamed into place; when another process (here, or on another machine of a shared file system) published the
+    same folder first, theirs is kept. Work folders left for a day by killed processes are removed."""
+    if (folder / marker).exists():
+        yield None
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for stale in folder.parent.glob(f"{folder.name}.partial-*"):
+        if time.time() - stale.stat().st_mtime > STALE_PARTIAL_S:
+            shutil.rmtree(stale, ignore_errors=True)
+    work = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    work.mkdir()
+    try:
+        yield work
+        if not (work / marker).exists():
+            raise RuntimeError(f"{work}: built without its {marker}")
+        try:
+            work.rename(folder)
+        except OSError:
+            if not (folder / marker).exists():  # a half folder in the way, not another process's finished one
+                shutil.rmtree(folder, ignore_errors=True)
+                work.rename(folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def git(folder: Path, *args: str) -> str:

@@ -6,7 +6,7 @@ import math
 
 import mlflow
 
-from common.tracking import EXPERIMENT_PREFIX, Tracker
+from common.tracking import EXPERIMENT_PREFIX, Tracker, is_unique_violation
 
 log = logging.getLogger(__name__)
 
@@ -22,34 +22,35 @@ def data_alias(data_sha256: str) -> str:
 
 def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, value: float,
                       data_sha256: str) -> str:
-    """Register the run's model as a new version of `gpu-usecases-<usecase>` and compare it with the champion on the
-    same data only (the version aliased `champion-<sha12>`): it takes that alias when it is better or the first,
-    else it is the `challenger`. `champion` then points at the champion of this run's data, so `usecases serve`
-    serves the best model for the data trained on last, and `--data-sha256` any other. Returns champion or
-    challenger; the decision and both values go to the run."""
+    """Register the run's model as a new version of `gpu-usecases-<usecase>` and compare it with the models on the
+    same data only: the best of every version registered on this data (by the primary metric, the earlier on a
+    tie) takes the alias `champion-<sha12>`; the run's model is the champion when that is it, else the
+    `challenger`. `champion` then points at the champion of this run's data, so `usecases serve` serves the best
+    model for the data trained on last, and `--data-sha256` any other. Returns champion or challenger; the decision
+    and both values go to the run.
+
+    The best is looked up among all the versions, not taken from the alias, and looked up again after the aliases
+    are written, so that runs finishing at the same moment agree on the best of them."""
     client = mlflow.MlflowClient()
     name = registered_name(usecase)
-    version = mlflow.register_model(tracker.model_uri, name).version
+    version = str(mlflow.register_model(tracker.model_uri, name).version)
     for key, tag in (("primary_metric", metric), ("primary_value", value), ("data_sha256", data_sha256),
                      ("run_id", tracker.run_id)):
         client.set_model_version_tag(name, version, key, str(tag))
     same_data = data_alias(data_sha256)
     before = _version_by_alias(client, name, same_data)
     champion_value = _primary_value(before)
-    holder = before
-    for _ in range(_ALIAS_ATTEMPTS):
-        if holder is not None and (str(holder.version) == str(version)
-                                   or not _better(value, _primary_value(holder), mode)):
+    best = _best_on(client, name, data_sha256, mode) or version
+    for _ in range(ALIAS_ATTEMPTS):
+        _set_alias(client, name, same_data, best)
+        if best != version:
+            _set_alias(client, name, "challenger", version)
+        _set_alias(client, name, "champion", best)
+        now = _best_on(client, name, data_sha256, mode) or version
+        if now == best:  # else a version registered meanwhile is better: write again
             break
-        # Runs finishing together on the same data each read the old champion and set the alias, and the last write
-        # wins: read it back, and compare again with whichever version took it in between.
-        _set_alias(client, name, same_data, version)
-        holder = _version_by_alias(client, name, same_data)
-    won = holder is None or str(holder.version) == str(version)
-    alias = "champion" if won else "challenger"
-    if not won:
-        _set_alias(client, name, "challenger", version)
-    _set_alias(client, name, "champion", version if won else holder.version)
+        best = now
+    alias = "champion" if best == version else "challenger"
     tracker.set_tags({"registry_model": name, "registry_version": version, "registry_alias": alias,
                       "registry_data_alias": same_data,
                       "registry_champion_version": before.version if before else "none"})
@@ -59,7 +60,20 @@ def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, va
     return alias
 
 
-_ALIAS_ATTEMPTS = 5
+ALIAS_ATTEMPTS = 5
+
+
+def _best_on(client, name: str, data_sha256: str, mode: str) -> str | None:
+    """The version with the best primary value among those registered on this data (NaN last, the earliest on a
+    tie)."""
+    versions = [found for found in client.search_model_versions(f"name='{name}'")
+                if found.tags.get("data_sha256") == data_sha256]
+
+    def rank(found) -> tuple:
+        value = _primary_value(found)
+        return math.isnan(value), -value if mode == "max" else value, int(found.version)
+
+    return str(min(versions, key=rank).version) if versions else None
 
 
 def _version_by_alias(client, name: str, alias: str):
@@ -67,7 +81,9 @@ def _version_by_alias(client, name: str, alias: str):
 
     try:
         return client.get_model_version_by_alias(name, alias)
-    except MlflowException:
+    except MlflowException as exc:
+        if "not found" not in str(exc):  # only a missing alias means no champion; an unreachable store is an error
+            raise
         return None
 
 
@@ -75,18 +91,14 @@ def _primary_value(model_version) -> float:
     return float(model_version.tags.get("primary_value", "nan")) if model_version else math.nan
 
 
-def _better(value: float, other: float, mode: str) -> bool:
-    return value < other if mode == "min" else value > other
-
-
 def _set_alias(client, name: str, alias: str, version) -> None:
-    """Set an alias; two processes inserting the same new alias at once make the store refuse the second (UNIQUE
-    constraint), and set again it is an update."""
+    """Set an alias; two processes inserting the same new alias at once make the store refuse the second, and set
+    again it is an update."""
     from mlflow.exceptions import MlflowException
 
     try:
         client.set_registered_model_alias(name, alias, version)
     except MlflowException as exc:
-        if "UNIQUE constraint" not in str(exc):
+        if not is_unique_violation(exc):
             raise
         client.set_registered_model_alias(name, alias, version)

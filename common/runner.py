@@ -165,7 +165,7 @@ def _engine(settings, runtime):
     if runtime.distributed:
         raise UserError("runtime.engine=dask: start the run without torchrun (the Dask engine drives its cluster "
                         "from one process for now)")
-    return dask_client(settings.cluster, settings.workers)
+    return dask_client(settings.cluster, settings.workers, gpus=runtime.device.type == "cuda")
 
 
 def _prepare(name: str, experiment: str, description: str, root: Path, preset: str, resume: bool, params: dict,

@@ -114,14 +114,18 @@ def _plot(table: pd.DataFrame, key: str, path: Path) -> None:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     figure, (times, memory) = plt.subplots(1, 2, figsize=(10, 4))
     for engine, rows in table[table["status"] == "finished"].groupby("engine"):
         times.plot(rows[key], rows["time_s"], marker="o", label=engine)
         memory.plot(rows[key], rows["peak_rss_gb"], marker="o", label=engine)
+    sizes = sorted(table[key].unique())
     for axis, label in ((times, "wall time (s)"), (memory, "peak resident memory, process tree (GB)")):
         axis.set_xscale("log")
         axis.set_yscale("log")
+        axis.set_xticks(sizes, [f"{size:,}" for size in sizes])
+        axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_xlabel(key)
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)

@@ -241,11 +241,19 @@ def log_dataset(tags: dict[str, Any], context: str = "training") -> None:
     try:
         mlflow.log_input(dataset, context=context)
     except mlflow.exceptions.MlflowException as exc:
-        if "UNIQUE constraint" not in str(exc):
+        if not is_unique_violation(exc):
             raise
         # Runs started together on the same data each insert the experiment's new dataset; the store keeps the
         # first and refuses the others. Logged again, it is found and linked.
         mlflow.log_input(dataset, context=context)
+
+
+UNIQUE_VIOLATIONS = ("unique constraint", "duplicate entry", "duplicate key")  # SQLite, MySQL, PostgreSQL
+
+
+def is_unique_violation(exc: Exception) -> bool:
+    """A row that another process inserted a moment before: what the tracking stores say then, in their words."""
+    return any(words in str(exc).lower() for words in UNIQUE_VIOLATIONS)
 
 
 def check_project_run(usecase: str, experiment_id: str, resuming: bool) -> None:

@@ -40,8 +40,8 @@ def test_champions_are_compared_on_the_same_data_only_and_champion_follows_the_l
 
 
 def _racing(monkeypatch, usecase: str, rival_value: float):
-    """Make another run take the data alias just after this run sets it, as a run finishing at the same moment
-    does."""
+    """Make another run register and set its aliases just after this run first sets the data alias, as a run
+    finishing at the same moment does."""
     set_alias = registry._set_alias
 
     def racing(client, name, alias, version):
@@ -55,7 +55,7 @@ def _racing(monkeypatch, usecase: str, rival_value: float):
     monkeypatch.setattr(registry, "_set_alias", racing)
 
 
-def test_a_better_run_that_takes_the_alias_at_the_same_moment_stays_champion(monkeypatch):
+def test_a_better_run_registered_at_the_same_moment_becomes_the_champion(monkeypatch):
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     _racing(monkeypatch, "race-better", rival_value=0.95)
     alias, aliases = register("race-better", 0.80, "a" * 64)  # version 1; version 2 (0.95) registers meanwhile

@@ -12,14 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from common.paths import cache_dir
+from common.paths import building, cache_dir
 from .config import Files, Synthetic
 from .images import SPLITS
 from .pixels import read_image
@@ -33,27 +31,21 @@ SHARDS_FORMAT = 1  # bump when what the cache holds changes
 def decode_to_shards(files: list[Path], rows: dict[str, np.ndarray], config: Files, sha256: str,
                      client) -> dict[str, np.ndarray]:
     """Each split's images as a memory-mapped (N, size, size, channels) uint8 array, in `rows` order."""
-    settings = {"format": SHARDS_FORMAT, "data": sha256, "size": config.image_size, "channels": config.channels,
-                "window": [config.window_center, config.window_width]}
+    order = hashlib.sha256(b"".join(rows[split].astype(np.int64).tobytes() + b"|" for split in SPLITS)).hexdigest()
+    settings = {"format": SHARDS_FORMAT, "data": sha256, "rows": order, "size": config.image_size,
+                "channels": config.channels, "window": [config.window_center, config.window_width]}
     folder = cache_dir("medical-decoded") / hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:20]
-    if not (folder / "done").exists():
-        work = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-        shutil.rmtree(work, ignore_errors=True)
-        try:
+    with building(folder, "done") as work:
+        if work is None:
+            log.info("data: the images decoded earlier, from %s", folder)
+        else:
             _decode(files, rows, config, client, work)
-            if not (folder / "done").exists():
-                shutil.rmtree(folder, ignore_errors=True)
-                work.rename(folder)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    else:
-        log.info("data: the images decoded earlier, from %s", folder)
     # copy-on-write: writable views for torch, while nothing can change the cached files
     return {split: np.load(folder / f"{split}.npy", mmap_mode="c") for split in SPLITS}
 
 
 def _decode(files: list[Path], rows: dict[str, np.ndarray], config: Files, client, work: Path) -> None:
-    (work / "parts").mkdir(parents=True)
+    (work / "parts").mkdir()
     shape = (config.image_size, config.image_size, config.channels)
     for split in SPLITS:
         members = rows[split]
@@ -71,6 +63,7 @@ def _decode(files: list[Path], rows: dict[str, np.ndarray], config: Files, clien
             part.unlink()
         joined.flush()
         del joined
+    (work / "parts").rmdir()
     log.info("data: %d images decoded on Dask into %s", sum(len(rows[split]) for split in SPLITS), work)
     (work / "done").write_text("")
 
@@ -85,32 +78,29 @@ def write_image_folder(config: Synthetic, images: dict[str, np.ndarray], labels:
     image its own patient); written once per setting, on the Dask workers when there is a client."""
     digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:20]
     folder = cache_dir("medical-synthetic") / digest
-    if (folder / "manifest.csv").exists():
-        return folder
-    work = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    try:
-        rows, tasks = [], []
-        for split in SPLITS:
-            for start in range(0, len(labels[split]), FILES_PER_TASK):
-                names = [f"{split}/{classes[label]}/{split}-{start + offset:07d}.png"
-                         for offset, label in enumerate(labels[split][start:start + FILES_PER_TASK])]
-                tasks.append((images[split][start:start + FILES_PER_TASK], names))
-                rows += [{"path": name, "label": classes[label], "split": split, "patient_id": Path(name).stem}
-                         for name, label in zip(names, labels[split][start:start + FILES_PER_TASK])]
-        if client is None:
-            for batch, names in tasks:
-                _write_pngs(batch, names, work)
-        else:
-            batches, names = zip(*tasks)  # the pixels go to the workers as data, not inside the task graph
-            client.gather(client.map(_write_pngs, client.scatter(list(batches)), names, root=work, pure=False))
-        pd.DataFrame(rows).to_csv(work / "manifest.csv", index=False)
-        if not (folder / "manifest.csv").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            work.rename(folder)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with building(folder, "manifest.csv") as work:
+        if work is not None:
+            _write_folder(images, labels, classes, client, work)
     return folder
+
+
+def _write_folder(images: dict[str, np.ndarray], labels: dict[str, np.ndarray], classes: list[str], client,
+                  work: Path) -> None:
+    rows, tasks = [], []
+    for split in SPLITS:
+        for start in range(0, len(labels[split]), FILES_PER_TASK):
+            names = [f"{split}/{classes[label]}/{split}-{start + offset:07d}.png"
+                     for offset, label in enumerate(labels[split][start:start + FILES_PER_TASK])]
+            tasks.append((images[split][start:start + FILES_PER_TASK], names))
+            rows += [{"path": name, "label": classes[label], "split": split, "patient_id": Path(name).stem}
+                     for name, label in zip(names, labels[split][start:start + FILES_PER_TASK])]
+    if client is None:
+        for batch, names in tasks:
+            _write_pngs(batch, names, work)
+    else:
+        batches, names = zip(*tasks)  # the pixels go to the workers as data, not inside the task graph
+        client.gather(client.map(_write_pngs, client.scatter(list(batches)), names, root=work, pure=False))
+    pd.DataFrame(rows).to_csv(work / "manifest.csv", index=False)
 
 
 def _write_pngs(batch: np.ndarray, names: list[str], root: Path) -> None:

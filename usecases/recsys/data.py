@@ -11,6 +11,7 @@ every mistake is one `UserError` line naming the file, the column and the row), 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ UNKNOWN = 0  # the code of an unseen user or item; real ids are encoded from 1
 PANDAS_BASE_BYTES = 1.4 * 2**30  # a pandas-engine run's peak resident memory: this, plus per interaction of the log
 PANDAS_BYTES_PER_INTERACTION = 120  # (the scale preset: 1.8 GB at 4 M, 3.0 GB at 16 M, 13.4 GB at 100 M)
 PANDAS_MEMORY_SHARE = 0.8  # of the free memory a run may plan to use
+COMPRESSED = (".gz", ".bz2", ".zip", ".xz", ".zst")  # a CSV's size says nothing of its rows then
 
 
 @dataclass
@@ -126,9 +128,9 @@ def expected_interactions(config: Config, path: Path | None) -> int | None:
     if path is None:
         synthetic = config.data.synthetic
         return synthetic.users * synthetic.interactions_per_user if config.data.source == "synthetic" else None
-    if not path.is_file():
-        return None
     suffixes = "".join(path.suffixes).lower()
+    if not path.is_file() or not os.access(path, os.R_OK) or suffixes.endswith(COMPRESSED):
+        return None  # unknown: the reader says what is wrong, in its own words
     if suffixes.endswith((".parquet", ".pq")):
         import pyarrow as pa
         import pyarrow.parquet as pq

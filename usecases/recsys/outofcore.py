@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +29,11 @@ import pandas as pd
 import scipy.sparse as sp
 
 from common.errors import UserError
-from common.paths import cache_dir, write_json_atomic
+from common.paths import building, cache_dir, write_json_atomic
 from .config import Config
 from .preprocess import _with_placeholder
-from .splits import TEST, TRAIN, VAL, cut_positions, drop_unrankable, split_at, split_leave_last_out, split_random
+from .splits import (TEST, TRAIN, VAL, check_ratios, cut_positions, drop_unrankable, split_at, split_leave_last_out,
+                     split_random)
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,13 @@ class Prepared:
 
 
 def prepared_key(config: Config, sha256: str) -> str:
-    """What the cached matrices depend on: the data, and the preprocessing and split settings."""
+    """What the cached matrices depend on: the data, the columns read from it, and the preprocessing and split
+    settings."""
     data = config.data
-    settings = {"format": PREPARED_FORMAT, "data": sha256, "threshold": data.rating_threshold,
-                "min_user": data.min_user_interactions, "min_item": data.min_item_interactions, "split": config.split,
-                "ratios": config.split_ratios, "seed": config.runtime.seed}
+    settings = {"format": PREPARED_FORMAT, "data": sha256, "columns": data.columns.model_dump(),
+                "threshold": data.rating_threshold, "min_user": data.min_user_interactions,
+                "min_item": data.min_item_interactions, "split": config.split,
+                "ratios": check_ratios(config.split_ratios), "seed": config.runtime.seed}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -92,21 +94,14 @@ def _folder(config: Config, sha256: str) -> Path:
 
 def prepare(source: Source, config: Config, client) -> Prepared:
     """The cached matrices of this data and these settings, else computed on the cluster and cached."""
-    earlier = cached(config, source.sha256)
-    if earlier is not None:
-        return earlier
     folder = _folder(config, source.sha256)
-    work = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    try:
-        _compute(source, config, client, work)
-        for stage in ("raw", "positives", "splits"):
-            shutil.rmtree(work / stage, ignore_errors=True)
-        if not (folder / "meta.json").exists():  # another run may have finished the same folder meanwhile
-            shutil.rmtree(folder, ignore_errors=True)
-            work.rename(folder)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with building(folder, "meta.json") as work:
+        if work is None:
+            log.info("data: the matrices prepared earlier, from %s", folder)
+        else:
+            _compute(source, config, client, work)
+            for stage in ("raw", "positives", "splits"):
+                shutil.rmtree(work / stage, ignore_errors=True)
     return _load(folder)
 
 
@@ -272,7 +267,7 @@ def _temporal_cuts(client, shards: list[Path], coded: dict, config: Config) -> l
     histogram = pd.concat(client.gather(client.map(_shard_days, shards, coded=coded, pure=False)))
     histogram = histogram.groupby(level=0).sum().sort_index()
     total, ends = int(histogram.sum()), np.cumsum(histogram.to_numpy())
-    positions = cut_positions(total, config.split_ratios)
+    positions = cut_positions(total, check_ratios(config.split_ratios))
     wanted = {}
     for position in positions:
         if position < total:
@@ -298,7 +293,7 @@ def _split_shard(path: Path, index: int, coded: dict, config: Config, cuts: list
     if config.split == "temporal":
         parts = split_at(rows, cuts)
     elif config.split == "random":
-        parts = split_random(rows, config.split_ratios, config.runtime.seed)
+        parts = split_random(rows, check_ratios(config.split_ratios), config.runtime.seed)
     else:
         parts = split_leave_last_out(rows)
     val, test = drop_unrankable(parts[TRAIN], parts[VAL], parts[TEST])

@@ -59,7 +59,8 @@ def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.c
     if name in LEARNED:
         model, result = fit_ranker(name, train, data.matrix("val") if val is None else val, config, job)
         settings = getattr(config, name)
-        pairs = min(train.nnz, (settings.steps_per_epoch or train.nnz) * settings.batch_size)
+        world = job.runtime.world_size  # every rank draws its own batches of the epoch
+        pairs = min(train.nnz, (settings.steps_per_epoch or train.nnz) * settings.batch_size * world)
         return model, {"fit_seconds": time.perf_counter() - started, "best_epoch": result.best_epoch + 1,
                        "seconds_per_epoch": seconds_per_epoch(result.history, pairs)}
     scorer = {"pop": lambda: Popularity(train, device),

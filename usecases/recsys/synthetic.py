@@ -8,6 +8,7 @@ block on its workers, each written as a Parquet shard, and both get the same log
 from __future__ import annotations
 
 import hashlib
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,6 @@ def write_synthetic_shards(config: Synthetic, folder: Path, client) -> list[Path
 
 
 def _write_block(config: Synthetic, block: int, path: Path) -> None:
-    partial = path.with_suffix(".tmp")
+    partial = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # runs drawing the same log at once
     synthetic_block(config, block).to_parquet(partial, index=False)
     partial.replace(path)
