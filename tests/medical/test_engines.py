@@ -59,3 +59,24 @@ def test_a_run_streams_the_shards_to_dataloader_workers(tmp_path):
     assert run.info.status == "FINISHED" and run.data.tags["engine"] == "dask"
     assert run.data.metrics["test/resnet18/auc"] > 0.5
     assert list((tmp_path / "cache" / "gpu-usecases" / "medical-decoded").glob("*/train.npy"))
+
+
+def test_another_split_of_the_same_files_is_decoded_anew(dask_client, tmp_path):
+    """Class folders carry no split: the seed draws it, and the shards must follow the rows of each draw."""
+    from PIL import Image
+
+    from usecases.medical.config import Files
+    from usecases.medical.files import load_files
+
+    rng = np.random.default_rng(0)
+    for label in ("benign", "malignant"):
+        (tmp_path / "scans" / label).mkdir(parents=True)
+        for index in range(30):
+            Image.fromarray(rng.integers(0, 255, (12, 12), dtype=np.uint8)).save(
+                tmp_path / "scans" / label / f"{index}.png")
+    for seed in (0, 1):
+        alone = load_files(tmp_path / "scans", Files(), seed)
+        spread = load_files(tmp_path / "scans", Files(), seed, dask_client)
+        for split in SPLITS:
+            np.testing.assert_array_equal(spread.images[split], alone.images[split])
+    assert len(list((tmp_path / "cache" / "gpu-usecases" / "medical-decoded").iterdir())) == 2

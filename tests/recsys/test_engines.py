@@ -4,6 +4,8 @@ memory in one line."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -85,8 +87,6 @@ def test_a_second_run_starts_from_the_cache_of_its_data_and_settings(dask_client
 
 
 def test_a_run_on_the_dask_engine_logs_its_stages(tmp_path):
-    import os
-
     result = usecases("run", "recsys", "--preset", "smoke", "--engine", "dask", "--workers", "2", "--set",
                       "models=[pop,bpr]", "--set", "bpr.epochs=2", "--set", "evaluation.sample_users=200",
                       env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
@@ -154,3 +154,27 @@ def test_a_log_larger_than_the_workers_memory_limit_is_prepared_out_of_core(tmp_
     drawn = sum(pq.ParquetFile(path).metadata.num_rows for path in (tmp_path / "cache").rglob("part-*.parquet"))
     assert limit < drawn * 40 and drawn > 25_000_000  # user, item, rating, timestamp, row number: 8 bytes each
     assert sum(data.size(split) for split in ("train", "val", "test")) == drawn  # every user has its val and test
+
+
+def test_the_cache_key_holds_the_columns_read_and_the_normalised_ratios():
+    assert outofcore.prepared_key(config(), "a" * 64) != outofcore.prepared_key(
+        config("data.columns.rating=null"), "a" * 64)
+    assert outofcore.prepared_key(config("split=random"), "a" * 64) != outofcore.prepared_key(config(), "a" * 64)
+
+
+def test_a_size_unknown_before_reading_is_no_estimate(tmp_path):
+    import gzip
+
+    from usecases.recsys.data import expected_interactions
+
+    packed = tmp_path / "log.csv.gz"
+    with gzip.open(packed, "wt") as file:
+        file.write("user_id,item_id\n" + "1,2\n" * 1000)
+    plain = tmp_path / "log.csv"
+    plain.write_text("user_id,item_id\n" + "1,2\n" * 1000)
+    settings = config("data.source=file")
+    assert expected_interactions(settings, packed) is None
+    assert 990 <= expected_interactions(settings, plain) <= 1010
+    plain.chmod(0)
+    if not os.access(plain, os.R_OK):  # root reads anything
+        assert expected_interactions(settings, plain) is None
