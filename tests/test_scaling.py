@@ -7,7 +7,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from tests.cli_helpers import assert_rejected, usecases
+from tests.cli_helpers import assert_rejected, runs, usecases
 
 pytest.importorskip("distributed")
 
@@ -17,8 +17,7 @@ def test_the_cost_growth_of_both_engines_is_one_run_with_its_table_and_plot(tmp_
     result = usecases("bench", "recsys", "--scale", "--sizes", "1,2", "--base", "200", "--set", "models=[pop]",
                       "--set", "data.synthetic.items=2000", "--set", "runtime.workers=1")
     assert result.returncode == 0, result.stderr[-2000:]
-    experiment = mlflow.get_experiment_by_name("gpu-usecases-recsys-scale")
-    (run,) = mlflow.search_runs([experiment.experiment_id], output_format="list")
+    (run,) = runs("recsys-scale")
     assert run.info.status == "FINISHED" and run.data.tags["scale_key"] == "data.synthetic.users"
     artifacts = {item.path for item in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"scale.csv", "cost_vs_size.png"} <= artifacts
@@ -27,7 +26,7 @@ def test_the_cost_growth_of_both_engines_is_one_run_with_its_table_and_plot(tmp_
         ("dask", 200), ("dask", 400), ("pandas", 200), ("pandas", 400)]
     assert (table["status"] == "finished").all() and (table["peak_rss_gb"] > 0).all()
     assert run.data.metrics["scale/dask/x2/time_s"] > 0 and run.data.metrics["scale/pandas/x1/per_s"] > 0
-    sized = mlflow.search_runs(experiment_names=["gpu-usecases-recsys"], output_format="list")
+    sized = runs("recsys")
     assert len(sized) == 4 and {r.data.params["data.synthetic.users"] for r in sized} == {"200", "400"}
 
 

@@ -47,6 +47,7 @@ def test_a_second_run_starts_from_the_decoded_shards(dask_client, monkeypatch):
     np.testing.assert_array_equal(again.images["train"], first.images["train"])
 
 
+@pytest.mark.slow
 def test_a_run_streams_the_shards_to_dataloader_workers(tmp_path):
     import os
 
