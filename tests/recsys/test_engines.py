@@ -141,13 +141,13 @@ def test_engine_auto_takes_dask_for_a_large_log_only_where_dask_is_installed(mon
 
 @pytest.mark.slow
 def test_a_log_larger_than_the_workers_memory_limit_is_prepared_out_of_core(tmp_path):
-    """About 30 M interactions (1.2 GB as a DataFrame) through one worker process limited to 700 MiB."""
+    """About 30 M interactions (1.2 GB as a DataFrame) through one worker process limited to 1 GiB."""
     import distributed
     import pyarrow.parquet as pq
 
     settings = config("data.synthetic.users=300000", "data.synthetic.items=5000", "data.synthetic.candidates=200",
                       "data.synthetic.interactions_per_user=100", "split=random")
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="700MiB",
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="1GiB",
                                   dashboard_address=":0") as cluster, distributed.Client(cluster) as client:
         (limit,) = client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit).values()
         data = load_interactions(settings, None, client)

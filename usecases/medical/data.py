@@ -40,10 +40,9 @@ def load_images(config: Data, path: Path | None, seed: int, client=None) -> Imag
     if config.source == "files":
         raise UserError("data.source=files needs --data PATH (a CSV manifest or a folder of class folders)")
     if config.source == "synthetic":
-        generated = synthetic_images(config.synthetic)
         if not config.synthetic.as_files:
-            return generated
-        folder = write_image_folder(config.synthetic, generated.images, generated.labels, generated.classes, client)
+            return synthetic_images(config.synthetic)
+        folder = write_image_folder(config.synthetic, lambda: synthetic_images(config.synthetic), client)
         as_written = config.files.model_copy(update={"image_size": config.synthetic.size, "channels": 1})
         return load_files(folder / "manifest.csv", as_written, seed, client)
     return load_medmnist_file(medmnist_path(config.medmnist))

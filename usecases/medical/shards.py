@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import pandas as pd
 
 from common.paths import building, cache_dir
 from .config import Files, Synthetic
-from .images import SPLITS
+from .images import SPLITS, ImageSet
 from .pixels import read_image
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,16 @@ def _decode_batch(files: list[Path], path: Path, config: Files) -> None:
     np.save(path, np.stack([read_image(file, config) for file in files]))
 
 
-def write_image_folder(config: Synthetic, images: dict[str, np.ndarray], labels: dict[str, np.ndarray],
-                       classes: list[str], client=None) -> Path:
-    """The synthetic set as PNG files under the cache, with `manifest.csv` (path, label, split, patient_id; each
-    image its own patient); written once per setting, on the Dask workers when there is a client."""
+def write_image_folder(config: Synthetic, generate: Callable[[], ImageSet], client=None) -> Path:
+    """The synthetic set that `generate` draws, as PNG files under the cache with `manifest.csv` (path, label,
+    split, patient_id; each image its own patient); drawn and written once per setting, on the Dask workers when
+    there is a client."""
     digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:20]
     folder = cache_dir("medical-synthetic") / digest
     with building(folder, "manifest.csv") as work:
         if work is not None:
-            _write_folder(images, labels, classes, client, work)
+            generated = generate()
+            _write_folder(generated.images, generated.labels, generated.classes, client, work)
     return folder
 
 
