@@ -74,6 +74,7 @@ def test_a_failed_run_keeps_no_checkpoint_and_is_not_resumed(monkeypatch, capsys
            f"can be resumed" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 80 s; tests/finance/test_end_to_end.py resumes after SIGTERM in the default suite
 def test_sigterm_then_resume_gives_the_test_auc_of_an_uninterrupted_run(tmp_path):
     straight = usecases("run", "medical", "--preset", "smoke", *LONG_MEDICAL, "--summary",
                         str(tmp_path / "straight.json"))

@@ -20,6 +20,8 @@ from tests.cli_helpers import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 USECASES = ("finance", "medical", "recsys")
+# The medical copy runs the same scaffold code at twice the cost: its new and export runs are in the slow suite.
+IN_DEFAULT_SUITE = [name if name != "medical" else pytest.param(name, marks=pytest.mark.slow) for name in USECASES]
 FAST_TESTS = {"finance": "test_features.py", "medical": "test_models.py", "recsys": "test_models.py"}
 
 
@@ -71,7 +73,7 @@ def test_new_refuses_an_unknown_source(clone):
     assert not (clone / "usecases" / "churn").exists() and not (clone / "tests" / "churn").exists()
 
 
-@pytest.mark.parametrize("source", USECASES)
+@pytest.mark.parametrize("source", IN_DEFAULT_SUITE)
 def test_a_use_case_made_by_new_runs_and_passes_its_tests(clone, source):
     name = f"my{source}"
     result = in_folder(clone, "-m", "usecases", "new", name, "--from", source)
@@ -154,7 +156,7 @@ def test_an_export_needs_only_its_own_dependencies(exports):
     assert "mlflow" in dependencies("recsys") and "pytest" in dependencies("recsys")
 
 
-@pytest.mark.parametrize("name", USECASES)
+@pytest.mark.parametrize("name", IN_DEFAULT_SUITE)
 def test_an_export_runs_its_smoke_preset_and_its_tests(exports, name):
     export = exports[name]
     modules = ["common.runner", "common.scaffold", "common.tracking", "usecases.cli", f"usecases.{name}.pipeline",
