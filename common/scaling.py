@@ -1,7 +1,7 @@
 """`usecases bench NAME --scale`: how a use case's cost grows with its data, on each engine.
 
-The use case's `scale` preset runs at 1x, 4x and 16x of a base size (its declared size key, such as
-`data.synthetic.users`), once per engine, each run a fresh `usecases run` process, so that its wall time and the
+The use case's `scale` preset runs at 1x, 4x and 16x of a base size (its declared size keys, such as
+`data.synthetic.users`, multiplied together; the first names the size), once per engine, each run a fresh `usecases run` process, so that its wall time and the
 peak resident memory of its process tree (workers included) are its own and nothing leaks from one size to the
 next. Each run is tracked in the use case's experiment as usual; the comparison goes to a `NAME-scale` run: a
 table (`scale.csv`, and metrics per engine and size) and a log-log plot of time and memory against size
@@ -51,7 +51,7 @@ def scale_bench(usecase: UseCase, overrides: list[str], sizes: list[int], engine
 
     if usecase.scale is None:
         raise UserError(f"use case '{usecase.name}' declares no size to scale (UseCase.declare(scale=...))")
-    key, declared_base = usecase.scale
+    key, declared_base = next(iter(usecase.scale.items()))
     base = base or declared_base
     if "scale" not in [path.stem for path in usecase.presets_dir.glob("*.yaml")]:
         raise UserError(f"use case '{usecase.name}' has no `scale` preset")
@@ -64,7 +64,8 @@ def scale_bench(usecase: UseCase, overrides: list[str], sizes: list[int], engine
     with tempfile.TemporaryDirectory(prefix="scale-") as folder:
         for engine in engines:
             for size in sizes:
-                rows.append(_one(usecase, overrides, key, base * size, size, engine, Path(folder), timeout_s))
+                values = {name: round(value * size * base / declared_base) for name, value in usecase.scale.items()}
+                rows.append(_one(usecase, overrides, values, size, engine, Path(folder), timeout_s))
     table = pd.DataFrame(rows)
     tags = {"preset": "scale", "scale_key": key, "scale_base": base, "engines": ",".join(engines)}
     with tracked_run(f"{usecase.name}-scale", config, tags, run_name=f"{usecase.name}-scale",
@@ -81,14 +82,17 @@ def scale_bench(usecase: UseCase, overrides: list[str], sizes: list[int], engine
     return table
 
 
-def _one(usecase: UseCase, overrides: list[str], key: str, value: int, multiple: int, engine: str, folder: Path,
+def _one(usecase: UseCase, overrides: list[str], values: dict[str, int], multiple: int, engine: str, folder: Path,
          timeout_s: float | None) -> dict:
+    """One run of the scale preset with the size keys at `values`; its throughput counts them all (users, tickers,
+    or images of every split) per second."""
     summary = folder / f"{engine}-{multiple}.json"
     command = [sys.executable, "-m", "usecases", "run", usecase.name, "--preset", "scale", "--engine", engine,
                "--summary", str(summary), *[item for override in overrides for item in ("--set", override)],
-               "--set", f"{key}={value}"]
-    row = {"engine": engine, "multiple": multiple, key: value}
-    log.info("scale: %s engine, %s=%d", engine, key, value)
+               *[item for name, value in values.items() for item in ("--set", f"{name}={value}")]]
+    row = {"engine": engine, "multiple": multiple, **values}
+    size = ", ".join(f"{name}={value}" for name, value in values.items())
+    log.info("scale: %s engine, %s", engine, size)
     started = time.perf_counter()
     try:
         finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
@@ -100,13 +104,13 @@ def _one(usecase: UseCase, overrides: list[str], key: str, value: int, multiple:
     if finished.returncode != 0 or not summary.exists():
         last = (finished.stderr.strip().splitlines() or ["(no output)"])[-1]
         status = last.removeprefix("error: ") if finished.returncode == 2 else f"failed (exit {finished.returncode})"
-        log.warning("scale: %s engine, %s=%d: %s", engine, key, value, status)
+        log.warning("scale: %s engine, %s: %s", engine, size, status)
         return {**row, "status": status, "time_s": math.nan, "peak_rss_gb": math.nan, "per_s": math.nan}
     run_id = json.loads(summary.read_text())["run_id"]
     metrics = mlflow.get_run(run_id).data.metrics
     seconds = metrics.get("time/total_s", elapsed)
     return {**row, "status": "finished", "time_s": seconds, "peak_rss_gb": metrics.get("memory/peak_rss_gb", math.nan),
-            "per_s": value / seconds, "run_id": run_id}
+            "per_s": sum(values.values()) / seconds, "run_id": run_id}
 
 
 def _plot(table: pd.DataFrame, key: str, path: Path) -> None:

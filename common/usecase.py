@@ -40,18 +40,19 @@ class UseCase:
     requirements: tuple[str, ...] = ()
     optional_requirements: dict[str, tuple[str, ...]] = field(default_factory=dict)
     has_benchmark: bool = False
-    scale: tuple[str, int] | None = None  # the config key `bench --scale` multiplies, and its base value
+    scale: dict[str, int] | None = None  # the config keys `bench --scale` multiplies together, and their 1x values
 
     @classmethod
     def declare(cls, package: str, *, description: str, config: type[ConfigModel],
                 primary_metric: tuple[str, Literal["min", "max"]], summary_columns=None,
                 requirements: tuple[str, ...] = (), optional_requirements: dict[str, tuple[str, ...]] | None = None,
-                has_benchmark: bool = False, scale: tuple[str, int] | None = None) -> UseCase:
+                has_benchmark: bool = False, scale: dict[str, int] | None = None) -> UseCase:
         """For a package's `__init__.py`: its name is the package's last component, its files are beside it.
 
         `requirements` are what the use case needs beyond common/ (pip specifiers), `optional_requirements` the
         extras it can use when present (an extra's name, its specifiers); `usecases export` writes both. `scale`
-        names the size key of the `scale` preset that `usecases bench --scale` multiplies, and its 1x value."""
+        names the size keys of the `scale` preset that `usecases bench --scale` multiplies together (the first
+        names the size in its table and plot), with their 1x values."""
         folder = Path(sys.modules[package].__file__).resolve().parent
         return cls(package.rsplit(".", 1)[-1], package, description, config, folder, primary_metric,
                    summary_columns, tuple(requirements), dict(optional_requirements or {}), has_benchmark, scale)

@@ -7,6 +7,7 @@ import mlflow
 import pandas as pd
 import pytest
 
+from common.errors import UserError
 from tests.cli_helpers import assert_rejected, runs, usecases
 
 pytest.importorskip("distributed")
@@ -30,8 +31,35 @@ def test_the_cost_growth_of_both_engines_is_one_run_with_its_table_and_plot(tmp_
     assert len(sized) == 4 and {r.data.params["data.synthetic.users"] for r in sized} == {"200", "400"}
 
 
+def test_several_size_keys_grow_together_and_the_throughput_counts_them_all(monkeypatch):
+    """Medical scales its three splits at once: --base sets the first key's 1x value, the others keep their share."""
+    from common import scaling
+    from usecases.medical import USECASE
+
+    asked = []
+
+    def run_one(usecase, overrides, values, multiple, engine, folder, timeout_s):
+        asked.append((engine, values))
+        return {"engine": engine, "multiple": multiple, **values, "status": "finished", "time_s": 2.0,
+                "peak_rss_gb": 1.0, "per_s": sum(values.values()) / 2.0}
+
+    monkeypatch.setattr(scaling, "_one", run_one)
+    table = scaling.scale_bench(USECASE, ["train.epochs=1"], [1, 4], ["pandas"], 400, None)
+    assert asked == [("pandas", {"data.synthetic.train": 400, "data.synthetic.val": 50, "data.synthetic.test": 50}),
+                     ("pandas", {"data.synthetic.train": 1600, "data.synthetic.val": 200, "data.synthetic.test": 200})]
+    assert list(table["per_s"]) == [250.0, 1000.0]
+    (run,) = runs("medical-scale")
+    assert run.data.tags["scale_key"] == "data.synthetic.train" and run.data.tags["scale_base"] == "400"
+
+
 def test_a_use_case_without_a_size_to_scale_or_bad_sizes_is_one_line(capsys):
-    assert_rejected(capsys, "medical", "bench", "medical", "--scale", names=("'medical' declares no size to scale",))
+    from dataclasses import replace
+
+    from common.scaling import scale_bench
+    from usecases.medical import USECASE
+
+    with pytest.raises(UserError, match="'medical' declares no size to scale"):
+        scale_bench(replace(USECASE, scale=None), [], [1], ["pandas"], None, None)
     assert_rejected(capsys, "recsys", "bench", "recsys", "--scale", "--sizes", "1,x", names=("--sizes 1,x",))
     assert_rejected(capsys, "recsys", "bench", "recsys", "--scale", "--scale-engines", "spark",
                     names=("--scale-engines takes pandas, dask",))

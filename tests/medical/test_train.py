@@ -62,3 +62,26 @@ def test_tta_averages_an_image_and_its_mirror(data):
     averaged = predict_logits(LeftBright(), images, CPU, tta=True)
     assert plain[0, 0] == pytest.approx(200) and averaged[0, 0] == pytest.approx(100)
     assert averaged[1, 0] == pytest.approx(0)
+
+
+def test_memory_mapped_splits_are_scored_a_batch_at_a_time_alike(data, tmp_path, monkeypatch):
+    """Val and test shards that do not fit in memory are read in batches, with the logits of the whole array."""
+    from usecases.medical import baselines, train
+    from usecases.medical.train import channels_first
+
+    images = data.images["test"]
+    mapped = np.lib.format.open_memmap(tmp_path / "test.npy", mode="w+", dtype=np.uint8, shape=images.shape)
+    mapped[:] = images
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.Linear(int(np.prod(images.shape[1:])), 2)
+
+        def forward(self, batch):
+            return self.weights(batch.flatten(1).float() / 255)
+
+    network = Linear()
+    expected = predict_logits(network, channels_first(images), CPU)
+    monkeypatch.setattr(train, "PREDICT_BATCH", 5)
+    assert np.allclose(predict_logits(network, mapped, CPU), expected, atol=1e-6)
+    assert np.allclose(baselines.pixel_features(mapped, 8, batch=7), baselines.pixel_features(images, 8))

@@ -19,4 +19,6 @@ USECASE = UseCase.declare(
     summary_columns=summary_columns,
     requirements=("torchvision>=0.19", "pillow>=10", "pydicom>=3.0", "medmnist>=3.0", "captum>=0.7"),
     has_benchmark=True,
+    # the images as PNG files: 5,000, 20,000 and 80,000 for bench --scale, 80 % of them for training
+    scale={"data.synthetic.train": 4_000, "data.synthetic.val": 500, "data.synthetic.test": 500},
 )

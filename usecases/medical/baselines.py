@@ -16,12 +16,17 @@ from .images import ImageSet
 EPSILON = 1e-7
 
 
-def pixel_features(images: np.ndarray, size: int) -> np.ndarray:
-    """uint8 (N, H, W, C) images, area-resized to `size` and flattened to [0, 1] floats."""
-    tensor = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
-    if tensor.shape[-1] != size:
-        tensor = F.interpolate(tensor, size=(size, size), mode="area")
-    return tensor.flatten(1).numpy()
+def pixel_features(images: np.ndarray, size: int, batch: int = 4096) -> np.ndarray:
+    """uint8 (N, H, W, C) images, area-resized to `size` and flattened to [0, 1] floats; a batch at a time, so that
+    memory-mapped shards are read in pieces and only the small features are held."""
+    features = []
+    for start in range(0, len(images), batch):
+        tensor = torch.from_numpy(np.ascontiguousarray(images[start : start + batch])).permute(0, 3, 1, 2).float()
+        tensor = tensor / 255
+        if tensor.shape[-1] != size:
+            tensor = F.interpolate(tensor, size=(size, size), mode="area")
+        features.append(tensor.flatten(1).numpy())
+    return np.concatenate(features)
 
 
 def logreg_logits(data: ImageSet, config: Baselines, seed: int) -> dict[str, np.ndarray]:

@@ -65,11 +65,11 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
     started = time.perf_counter()
     model, arch, result = fit_network(config, data, job)
     train_seconds = time.perf_counter() - started
-    images = {split: channels_first(data.images[split]) for split in ("val", "test")}
     as_served = replace(runtime, amp_dtype=None)  # scored in fp32, as the logged model predicts
-    logits = {split: shared_predictions(lambda rows: predict_logits(model, images[split][rows], as_served,
-                                                                    tta=evaluation.tta), len(images[split]), runtime)
-              for split in images}
+    logits = {split: shared_predictions(lambda rows: predict_logits(model, data.images[split][rows], as_served,
+                                                                    tta=evaluation.tta), len(data.images[split]),
+                                        runtime)
+              for split in ("val", "test")}
     if not runtime.is_main:
         return {}
     metrics, details = evaluate_model(logits["val"], data.labels["val"], logits["test"], data.labels["test"],
@@ -77,7 +77,7 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
     metrics.update(best_epoch=result.best_epoch + 1, epochs_run=result.epochs_run, train_seconds=train_seconds)
     models = {arch["name"]: metrics}
     _log_figures(arch["name"], details, job)
-    _log_gradcam(model, data, images["test"], details, evaluation.gradcam_examples, job)
+    _log_gradcam(model, data, details, evaluation.gradcam_examples, job)
     log_classifier(model, arch, data, {"operating_threshold": metrics["threshold"],
                                        "positive_class": data.classes[evaluation.positive_class],
                                        "target_sensitivity": evaluation.target_sensitivity,
@@ -101,8 +101,7 @@ def _log_figures(name: str, details, job: Job) -> None:
         plt.close(figure)
 
 
-def _log_gradcam(model: torch.nn.Module, data: ImageSet, test_images: torch.Tensor, details, count: int,
-                 job: Job) -> None:
+def _log_gradcam(model: torch.nn.Module, data: ImageSet, details, count: int, job: Job) -> None:
     """Where the network looked, for its most confident true positives, false positives and false negatives."""
     import matplotlib.pyplot as plt
 
@@ -113,10 +112,11 @@ def _log_gradcam(model: torch.nn.Module, data: ImageSet, test_images: torch.Tens
     network = model.cpu().float()
     target = details.positive_class
     for group, indices in examples.items():
-        batch = test_images[torch.from_numpy(np.ascontiguousarray(indices))].float() / 255
-        heatmaps = grad_cam(network, batch, target) if len(indices) else np.zeros((0, data.size, data.size))
+        images = data.images["test"][indices]
+        heatmaps = (grad_cam(network, channels_first(images).float() / 255, target) if len(indices)
+                    else np.zeros((0, data.size, data.size)))
         titles = [f"p={details.score[index]:.2f}" for index in indices]
-        rows[group] = (data.images["test"][indices], heatmaps, titles)
+        rows[group] = (images, heatmaps, titles)
     figure = overlay_figure(rows)
     job.tracker.log_figure(figure, "plots/gradcam.png")
     plt.close(figure)

@@ -87,13 +87,18 @@ def loss_function(data: ImageSet, imbalance: str, device: torch.device) -> nn.Mo
 
 
 @torch.no_grad()
-def predict_logits(model: nn.Module, images: torch.Tensor, runtime: Runtime, tta: bool = False) -> np.ndarray:
-    """Logits in fp32 for uint8 (N, C, H, W) images, in batches; with `tta` the logits of the image and its mirror
-    image are averaged (for multi-class, averaging logits ranks as averaging log-probabilities up to a constant)."""
+def predict_logits(model: nn.Module, images: torch.Tensor | np.ndarray, runtime: Runtime, tta: bool = False
+                   ) -> np.ndarray:
+    """Logits in fp32 for uint8 images, in batches: (N, C, H, W) tensors, or (N, H, W, C) arrays (memory-mapped
+    shards among them) turned to tensors one batch at a time, so a split never has to fit in memory. With `tta`
+    the logits of the image and its mirror image are averaged (for multi-class, averaging logits ranks as averaging
+    log-probabilities up to a constant)."""
     model.eval()
     outputs = []
     for start in range(0, len(images), PREDICT_BATCH):
-        batch = images[start : start + PREDICT_BATCH].to(runtime.device, non_blocking=True)
+        batch = images[start : start + PREDICT_BATCH]
+        batch = (channels_first(batch) if isinstance(batch, np.ndarray) else batch).to(runtime.device,
+                                                                                      non_blocking=True)
         with torch.autocast(runtime.device.type, dtype=runtime.amp_dtype, enabled=runtime.amp_dtype is not None):
             logits = model(batch).float()
             if tta:
@@ -130,7 +135,8 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
                               num_workers=settings.workers, seed=config.runtime.seed, weights=weights)
     log.info("training %s on %d images (%s)", arch["name"], len(train_labels),
              "in memory" if isinstance(batches, TensorBatches) else f"DataLoader, {settings.workers} workers")
-    val_images = channels_first(data.images["val"]).to(runtime.device)
+    in_memory = isinstance(batches, TensorBatches)
+    val_images = channels_first(data.images["val"]).to(runtime.device) if in_memory else data.images["val"]
     val_labels = data.labels["val"]
 
     def validate(network: nn.Module) -> dict[str, float]:

@@ -18,5 +18,5 @@ USECASE = UseCase.declare(
     summary_columns=summary_columns,
     optional_requirements={"als": ("implicit>=0.7",)},  # implicit's ALS baseline; skipped without it
     has_benchmark=True,
-    scale=("data.synthetic.users", 25_000),  # x 100 interactions each: 2.5 M, 10 M and 40 M for bench --scale
+    scale={"data.synthetic.users": 25_000},  # x 100 interactions each: 2.5 M, 10 M and 40 M for bench --scale
 )
