@@ -3,7 +3,8 @@
 `runtime.engine: dask` connects to the scheduler at `runtime.cluster` (or `$DASK_SCHEDULER_ADDRESS`), else starts a
 `LocalCluster` on this machine: `runtime.workers` processes (one per core by default; on a GPU run with dask-cuda
 installed, a `LocalCUDACluster` of one per GPU) of one thread each, each with an equal share of the free memory as
-its limit, spilling to disk under the project's cache before it is reached.
+its limit, spilling to disk under the project's cache before it is reached. Where every worker has a GPU and
+dask-cudf, the DataFrame steps run on cuDF (`worker_frames`), the rest as NumPy on the workers' CPUs.
 Dask is an optional extra (`pip install 'gpu-usecases[dask]'`); the pandas engine needs nothing more.
 """
 
@@ -105,8 +106,26 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def _has_gpu_frames() -> bool:
+    """On a worker: dask-cudf installed and a GPU assigned (dask-cuda's workers each see their own)."""
+    import importlib.util
+
+    return importlib.util.find_spec("dask_cudf") is not None and os.environ.get("CUDA_VISIBLE_DEVICES", "-1") \
+        not in ("", "-1")
+
+
+def worker_frames(client: Any) -> str:
+    """The DataFrame library the workers' frames are on: "cudf" when every worker has a GPU and dask-cudf (and
+    this process dask-cudf, for the graph's metadata), else "pandas"."""
+    answers = client.run(_has_gpu_frames)
+    import importlib.util
+
+    here = importlib.util.find_spec("dask_cudf") is not None
+    return "cudf" if here and answers and all(answers.values()) else "pandas"
+
+
 def client_tags(client: Any) -> dict[str, str]:
     """What the run records of the cluster it used."""
     workers = client.scheduler_info()["workers"].values()
     return {"engine": "dask", "dask_workers": str(len(workers)), "dask_dashboard": str(client.dashboard_link),
-            "dask_threads": str(sum(worker["nthreads"] for worker in workers))}
+            "dask_threads": str(sum(worker["nthreads"] for worker in workers)), "dask_frames": worker_frames(client)}

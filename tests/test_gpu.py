@@ -54,3 +54,17 @@ def test_recsys_smoke_on_the_gpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["device"] == "cuda" and summary["models"]["lightgcn"]["ndcg@10"] > 0.05
+
+
+@pytest.mark.skipif(importlib.util.find_spec("dask_cudf") is None, reason="the cuda13/cuda12 extra is not installed")
+def test_recsys_on_the_dask_engine_prepares_on_cudf_what_pandas_prepares(tmp_path):
+    """A LocalCUDACluster, its frames on cuDF: the same log after de-duplication, so the same popularity scores."""
+    from tests.cli_helpers import runs
+
+    for engine in ("pandas", "dask"):
+        result = usecases("run", "recsys", "--preset", "smoke", "--device", "cuda", "--engine", engine, "--set",
+                          "models=[pop]", "--summary", str(tmp_path / f"{engine}.json"))
+        assert result.returncode == 0, result.stderr[-3000:]
+    by_engine = {run.data.tags["engine"]: run for run in runs("recsys")}
+    assert by_engine["dask"].data.tags["dask_frames"] == "cudf"
+    assert by_engine["dask"].data.metrics["test/pop/ndcg@10"] == by_engine["pandas"].data.metrics["test/pop/ndcg@10"]

@@ -44,3 +44,16 @@ def test_a_cpu_run_or_no_dask_cuda_gets_a_cpu_cluster(monkeypatch, caplog):
     with engine.dask_client(workers=1, gpus=True) as client:
         assert len(client.scheduler_info()["workers"]) == 1
     assert not made and "dask-cuda is not installed" in caplog.text
+
+
+def test_frames_are_on_cudf_only_where_every_worker_has_a_gpu_and_dask_cudf(dask_client, monkeypatch):
+    import importlib.util
+
+    assert engine.worker_frames(dask_client) == "pandas" and engine.client_tags(dask_client)["dask_frames"] == "pandas"
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: object() if name == "dask_cudf" else
+                        found(name, *rest))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the workers are threads of this process: they see it too
+    assert engine.worker_frames(dask_client) == "pandas"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert engine.worker_frames(dask_client) == "cudf"

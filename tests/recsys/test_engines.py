@@ -1,5 +1,5 @@
 """The Dask engine prepares the pandas engine's train, val and test to the last id and interaction, from the
-generator's shards or from a log file, and caches them; the pandas engine refuses a log too large for this machine's
+generator's shards (a log file read in parts: test_partitions.py), and caches them; the pandas engine refuses a log too large for this machine's
 memory in one line."""
 
 from __future__ import annotations
@@ -49,18 +49,6 @@ def test_the_dask_splits_are_the_pandas_ones_to_the_last_interaction(dask_client
     pandas, dask = load_interactions(settings), load_interactions(settings, None, dask_client)
     assert 1 < pandas.n_users - 1 < 600 and 1 < pandas.n_items - 1 < 1000, "the k-core removed users and items"
     assert_same(pandas, dask)
-
-
-def test_a_log_file_with_text_ids_and_repeats_is_prepared_alike(dask_client, tmp_path, monkeypatch):
-    monkeypatch.setattr(outofcore, "ROWS_PER_PARTITION", 1000)  # several shards, shuffled by user among them
-    frame = synthetic_log(Synthetic(users=200, items=150, interactions_per_user=20, seed=4)).frame
-    repeats = frame.sample(400, random_state=0).assign(timestamp=lambda rows: rows["timestamp"] + 5)
-    log = pd.concat([frame, repeats], ignore_index=True)
-    path = tmp_path / "log.csv"
-    log.assign(user="u" + log["user"].astype(str), item="i" + log["item"].astype(str)).rename(
-        columns={"user": "user_id", "item": "item_id"}).to_csv(path, index=False)
-    settings = config("data.source=file", "split=leave_last_out", "data.min_item_interactions=5")
-    assert_same(load_interactions(settings, path), load_interactions(settings, path, dask_client))
 
 
 def test_the_generator_draws_the_same_log_on_the_workers(dask_client, tmp_path, monkeypatch):

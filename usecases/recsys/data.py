@@ -25,8 +25,8 @@ from common.errors import UserError
 from common.paths import cache_dir
 from common.runtime import distributed_env
 from .config import Columns, Config, Data
-from .logs import RawLog, read_log
-from .movielens import movielens_folder, read_movielens
+from .logs import COMPRESSED, RawLog, read_log
+from .movielens import movielens_folder, movielens_format, read_movielens
 from .preprocess import encode, filter_interactions
 from .splits import check_evaluable, check_ratios, drop_unrankable, split
 from .synthetic import synthetic_log
@@ -39,7 +39,6 @@ UNKNOWN = 0  # the code of an unseen user or item; real ids are encoded from 1
 PANDAS_BASE_BYTES = 1.4 * 2**30  # a pandas-engine run's peak resident memory: this, plus per interaction of the log
 PANDAS_BYTES_PER_INTERACTION = 120  # (the scale preset: 1.8 GB at 4 M, 3.0 GB at 16 M, 13.4 GB at 100 M)
 PANDAS_MEMORY_SHARE = 0.8  # of the free memory a run may plan to use
-COMPRESSED = (".gz", ".bz2", ".zip", ".xz", ".zst")  # a CSV's size says nothing of its rows then
 
 
 @dataclass
@@ -166,18 +165,33 @@ def _check_timestamps(config: Config, has_timestamps: bool, source: str) -> None
 
 
 def _load_on_dask(config: Config, path: Path | None, client, started: float) -> Interactions:
-    from .outofcore import Source, prepare
+    from .outofcore import Source, frame_source, prepare
     from .synthetic import synthetic_digest, write_synthetic_shards
 
     if path is None and config.data.source == "synthetic":
         digest = synthetic_digest(config.data.synthetic)
-        shards = write_synthetic_shards(config.data.synthetic, cache_dir("recsys-synthetic") / digest[:20], client)
-        source = Source(shards, None, True, None, "synthetic", digest, True)
+        folder = cache_dir("recsys-synthetic") / digest[:20]
+        source = Source(lambda client, _: (write_synthetic_shards(config.data.synthetic, folder, client), None),
+                        True, "synthetic", digest, True)
     else:
-        raw = read_source(config.data, path)
-        source = Source(None, raw.frame, False, raw.titles, raw.source, raw.sha256, raw.has_timestamps)
+        source = _in_partitions(config.data, path) or frame_source(read_source(config.data, path))
     _check_timestamps(config, source.has_timestamps, source.source)
     return _from_prepared(prepare(source, config, client), started)
+
+
+def _in_partitions(data: Data, path: Path | None):
+    """The log as the workers read it in parts, where it can be cut: a CSV or Parquet file, a MovieLens
+    ratings.csv; None otherwise (the readers then read it whole, or say what is wrong)."""
+    from .partitions import log_source, movielens_source
+
+    if path is None and data.source == "movielens":
+        path = movielens_folder(data.movielens)
+    if path is None:
+        return None
+    if path.is_dir():
+        kind = movielens_format(path)
+        return movielens_source(path, kind) if kind is not None else None
+    return log_source(path, data.columns) if path.is_file() else None
 
 
 def _from_prepared(prepared, started: float) -> Interactions:

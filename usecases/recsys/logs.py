@@ -7,6 +7,7 @@ how rows are counted: from 1 at the line after the header, at the first line of 
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from .config import Columns
 EPOCH = pd.Timestamp(0, tz="UTC")
 SEPARATORS = (";", "\t", "|")  # what a one-column "CSV" is usually separated by instead
 TEXT_KINDS = ("string", "mixed-integer")  # pandas' inferred kinds of a text id column (CSV chunks may mix in ints)
+COMPRESSED = (".gz", ".bz2", ".zip", ".xz", ".zst")  # a CSV's size says nothing of its rows, nor can it be cut
 DATE_KINDS = ("date", "datetime", "datetime64")  # Python dates in an object column (Parquet's date32, for one)
 
 
@@ -41,11 +43,12 @@ class RawLog:
 class Rows:
     """Where a column was read from, so that an error names the file, the column and the row as its user counts
     them: `fields` lists a headerless file's fields in order (MovieLens's u.data, ratings.dat); `header` is False
-    for a table without lines (Parquet)."""
+    for a table without lines (Parquet); `first` is how many rows come before a part read on its own."""
 
     path: Path
     fields: tuple[str, ...] = ()
     header: bool = True
+    first: int = 0  # rows before these: a part of a file read in partitions counts on from the parts before it
 
     def counting(self) -> str:
         if self.fields:
@@ -59,39 +62,48 @@ class Rows:
         """`problem` at the first row where `mask` holds; `{value}` in it is that row's value."""
         row = int(np.flatnonzero(np.asarray(mask))[0])
         problem = problem.format(value=values.iloc[row])
-        return UserError(f"{self.path}: {self.column(name)}, row {row + 1}: {problem} ({self.counting()})")
+        return UserError(f"{self.path}: {self.column(name)}, row {self.first + row + 1}: {problem} "
+                         f"({self.counting()})")
 
     def whole(self, name: str, problem: str) -> UserError:
         return UserError(f"{self.path}: {self.column(name)}: {problem}")
 
 
+def is_parquet(path: Path) -> bool:
+    return path.name.lower().endswith((".parquet", ".pq"))
+
+
+def not_parquet(path: Path, exc: Exception) -> UserError:
+    reason = str(exc).replace(f"'{path}'", "it").split(". ")[0]  # pyarrow's reason, without the path again
+    return UserError(f"{path}: cannot be read as Parquet ({reason})")
+
+
+def csv_separator(path: Path) -> str | None:
+    """The field separator of a text log by its name; None for a file that is not one."""
+    suffixes = "".join(path.suffixes).lower()
+    if ".csv" in suffixes or ".tsv" in suffixes or ".txt" in suffixes:
+        return "\t" if ".tsv" in suffixes else ","
+    return None
+
+
 def _read_table(path: Path) -> pd.DataFrame:
     suffixes = "".join(path.suffixes).lower()
-    if suffixes.endswith((".parquet", ".pq")):
+    if is_parquet(path):
         try:
             table = pd.read_parquet(path)
         except (ValueError, OSError, pa.ArrowException) as exc:
-            reason = str(exc).replace(f"'{path}'", "it").split(". ")[0]  # pyarrow's reason, without the path again
-            raise UserError(f"{path}: cannot be read as Parquet ({reason})") from None
-        return _plain(table)
-    if ".csv" in suffixes or ".tsv" in suffixes or ".txt" in suffixes:
-        try:
-            return _read_csv(path, "\t" if ".tsv" in suffixes else ",")
-        except pd.errors.EmptyDataError:
-            return pd.DataFrame()
-        except UnicodeDecodeError as exc:
-            raise UserError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at position {exc.start}); "
-                            "expected a CSV file saved as UTF-8") from None
-        except (ValueError, OSError, pd.errors.ParserError) as exc:
-            raise UserError(f"{path}: cannot be read as a table ({str(exc).splitlines()[0][:120]}; lines counted "
-                            "from 1 at the header)") from None
+            raise not_parquet(path, exc) from None
+        return plain(table)
+    separator = csv_separator(path)
+    if separator is not None:
+        return read_csv_text(path, separator, path)
     if suffixes.endswith(".zip"):
         raise UserError(f"{path}: a zip archive; unzip it and pass the log, or a MovieLens zip's unzipped folder")
     raise UserError(f"{path}: expected a .csv, .tsv or .parquet interaction log (one row per user and item) or a "
                     "MovieLens folder")
 
 
-def _plain(table: pd.DataFrame) -> pd.DataFrame:
+def plain(table: pd.DataFrame) -> pd.DataFrame:
     """A Parquet file's columns as a CSV's would be: a frame written with its index (user_id, say) gets it back as
     a column, and a category column (pandas writes one as a dictionary) its values' type."""
     if any(name is not None for name in table.index.names):
@@ -100,15 +112,28 @@ def _plain(table: pd.DataFrame) -> pd.DataFrame:
     return table.astype({name: table[name].cat.categories.dtype for name in categorical}).reset_index(drop=True)
 
 
-def _read_csv(path: Path, separator: str) -> pd.DataFrame:
-    """utf-8-sig, since spreadsheets save a byte-order mark that would otherwise stick to the first column's name."""
+def read_csv_text(source, separator: str, path: Path, dtype: dict | None = None, first_line: int = 0
+                  ) -> pd.DataFrame:
+    """A CSV file, or the bytes of a part of one behind its header line (`source`), read as `path` names it; a
+    line number in an error counts on from `first_line` (the lines before the part). utf-8-sig, since spreadsheets
+    save a byte-order mark that would otherwise stick to the first column's name."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", pd.errors.ParserWarning)  # rows longer than the header: values dropped
-            return pd.read_csv(path, sep=separator, encoding="utf-8-sig", index_col=False)
+            return pd.read_csv(source, sep=separator, encoding="utf-8-sig", index_col=False, dtype=dtype)
     except pd.errors.ParserWarning:
         raise UserError(f"{path}: the rows hold more values than the header names columns (name every column in "
                         "the first line, or remove the separator at the end of each line)") from None
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); expected a CSV file saved as "
+                        "UTF-8") from None
+    except (ValueError, OSError, pd.errors.ParserError) as exc:
+        reason = re.sub(r"(?<=line )(\d+)", lambda found: str(first_line + int(found.group())),
+                        str(exc).splitlines()[0][:120])
+        raise UserError(f"{path}: cannot be read as a table ({reason}; lines counted from 1 at the header)"
+                        ) from None
 
 
 def read_log(path: Path, columns: Columns) -> RawLog:
@@ -119,29 +144,40 @@ def read_log(path: Path, columns: Columns) -> RawLog:
     """
     table = _read_table(path)
     if table.empty:
-        raise UserError(f"{path}: no data rows (expected one row per interaction with columns '{columns.user}' "
-                        f"and '{columns.item}')")
-    names = _check_columns(table, columns, path)
-    rows = Rows(path, header=not path.name.lower().endswith((".parquet", ".pq")))
+        raise no_rows(path, columns)
+    names = check_columns(table, columns, path)
+    frame, titles = log_frame(table, columns, names, Rows(path, header=not is_parquet(path)))
+    if titles is not None:
+        titles = titles.fillna("").astype(str)
+    return RawLog(frame, titles, f"file:{path.name}", file_sha256(path), has_timestamps="timestamp" in names)
+
+
+def no_rows(path: Path, columns: Columns) -> UserError:
+    return UserError(f"{path}: no data rows (expected one row per interaction with columns '{columns.user}' and "
+                     f"'{columns.item}')")
+
+
+def log_frame(table: pd.DataFrame, columns: Columns, names: dict[str, str], rows: Rows
+              ) -> tuple[pd.DataFrame, pd.Series | None]:
+    """The checked columns of a log, or of a part of one, as a `RawLog` holds them, and with a title column the
+    first title of each item (NaN where it has none)."""
     users, items = table[columns.user], table[columns.item]
     if not pd.api.types.is_numeric_dtype(users) and not pd.api.types.is_numeric_dtype(items):
         header = (users.astype(str) == columns.user) & (items.astype(str) == columns.item)
         if header.any():
-            row = int(np.flatnonzero(header.to_numpy())[0]) + 1
-            raise UserError(f"{path}: duplicated header at row {row} (a second '{columns.user}', '{columns.item}' "
-                            f"header line inside the data; remove it; {rows.counting()})")
+            row = rows.first + int(np.flatnonzero(header.to_numpy())[0]) + 1
+            raise UserError(f"{rows.path}: duplicated header at row {row} (a second '{columns.user}', "
+                            f"'{columns.item}' header line inside the data; remove it; {rows.counting()})")
     frame = pd.DataFrame({"user": read_ids(users, rows, columns.user), "item": read_ids(items, rows, columns.item)})
     frame["rating"] = read_ratings(table[names["rating"]], rows, names["rating"]) if "rating" in names else np.nan
     frame["timestamp"] = (read_seconds(table[names["timestamp"]], rows, names["timestamp"])
                           if "timestamp" in names else 0)
     frame["timestamp"] = frame["timestamp"].astype("int64")
-    titles = None
-    if "title" in names:
-        titles = table[names["title"]].groupby(frame["item"]).first().fillna("").astype(str)
-    return RawLog(frame, titles, f"file:{path.name}", file_sha256(path), has_timestamps="timestamp" in names)
+    titles = table[names["title"]].groupby(frame["item"]).first() if "title" in names else None
+    return frame, titles
 
 
-def _check_columns(table: pd.DataFrame, columns: Columns, path: Path) -> dict[str, str]:
+def check_columns(table: pd.DataFrame, columns: Columns, path: Path) -> dict[str, str]:
     """The log's column for each key of data.columns it has: user and item always, an optional one when present
     (or an error when it was named explicitly and is absent)."""
     found = ", ".join(repr(str(name)) for name in table.columns)

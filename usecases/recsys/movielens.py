@@ -142,22 +142,35 @@ def read_movielens(folder: Path) -> RawLog:
         raise UserError(f"{folder}: not a MovieLens folder (expected {', '.join(RATINGS_FILES)} in it); pass a "
                         "CSV or Parquet log as a file")
     layout = LAYOUTS[kind]
-    ratings_file, titles_file = folder / kind, folder / layout.titles
+    ratings_file = folder / kind
     table, rows = _read_csv_ratings(ratings_file) if kind == "ratings.csv" else _read_headerless(ratings_file, layout)
     if table.empty:
         raise UserError(f"{ratings_file}: no data rows (expected one rating per line)")
+    frame = movielens_frame(table, layout, rows)
+    titles = read_titles(folder, kind)
+    return RawLog(frame, titles, f"movielens:{folder.name}", movielens_sha256(folder, kind), has_timestamps=True)
+
+
+def movielens_frame(table: pd.DataFrame, layout: Layout, rows: Rows) -> pd.DataFrame:
+    """A release's ratings, or a part of them, checked: integer ids, star ratings, Unix seconds."""
     user, item, rating, timestamp = layout.fields
-    frame = pd.DataFrame({"user": read_ids(table[user], rows, user, text=False),
-                          "item": read_ids(table[item], rows, item, text=False),
-                          "rating": read_ratings(table[rating], rows, rating, stars=STARS),
-                          "timestamp": read_seconds(table[timestamp], rows, timestamp)})
-    titles = _read_titles(titles_file, kind) if titles_file.is_file() else None
-    files = [ratings_file] + ([titles_file] if titles is not None else [])
-    return RawLog(frame, titles, f"movielens:{folder.name}", file_sha256(*files), has_timestamps=True)
+    return pd.DataFrame({"user": read_ids(table[user], rows, user, text=False),
+                         "item": read_ids(table[item], rows, item, text=False),
+                         "rating": read_ratings(table[rating], rows, rating, stars=STARS),
+                         "timestamp": read_seconds(table[timestamp], rows, timestamp)})
+
+
+def read_titles(folder: Path, kind: str) -> pd.Series | None:
+    titles_file = folder / LAYOUTS[kind].titles
+    return _read_titles(titles_file, kind) if titles_file.is_file() else None
+
+
+def movielens_sha256(folder: Path, kind: str) -> str:
+    files = [folder / kind, folder / LAYOUTS[kind].titles]
+    return file_sha256(*[path for path in files if path.is_file()])
 
 
 def _read_csv_ratings(path: Path) -> tuple[pd.DataFrame, Rows]:
-    fields = LAYOUTS["ratings.csv"].fields
     try:
         table = pd.read_csv(path)
     except pd.errors.EmptyDataError:
@@ -165,11 +178,16 @@ def _read_csv_ratings(path: Path) -> tuple[pd.DataFrame, Rows]:
     except (ValueError, OSError, pd.errors.ParserError) as exc:
         raise UserError(f"{path}: cannot be read as MovieLens ratings ({str(exc).splitlines()[0][:120]}; lines "
                         "counted from 1 at the header)") from None
+    check_ratings_columns(table, path)
+    return table, Rows(path)
+
+
+def check_ratings_columns(table: pd.DataFrame, path: Path) -> None:
+    fields = LAYOUTS["ratings.csv"].fields
     missing = [name for name in fields if name not in table.columns]
     if missing:
         raise UserError(f"{path}: missing column '{missing[0]}' (a MovieLens ratings.csv has {', '.join(fields)}; "
                         f"found: {', '.join(repr(str(name)) for name in table.columns)})")
-    return table, Rows(path)
 
 
 def _read_headerless(path: Path, layout: Layout) -> tuple[pd.DataFrame, Rows]:

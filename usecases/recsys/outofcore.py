@@ -1,8 +1,9 @@
 """The Dask engine's preprocessing: the steps of `preprocess` and `splits`, over a log that never meets in one
 process, written as CSR matrices in a cache that the next run starts from.
 
-1. The log in partitions (Parquet shards of the synthetic generator, drawn on the workers, or any source read with
-   the pandas readers and partitioned), each row numbered in log order; the rating threshold.
+1. The log in partitions (Parquet shards of the synthetic generator, drawn on the workers; a CSV or Parquet file or
+   a MovieLens ratings.csv read in parts on the workers, `partitions`; or a small release read whole and cut),
+   each row numbered in log order; the rating threshold.
 2. A shuffle by user (skipped for the generator's shards, already one block of users each), then in each partition
    the time sort and the de-duplication: positives as Parquet shards, one set of users each.
 3. Ids: the sorted unique users and items; the k-core as passes of counts over the shards until nothing changes
@@ -21,13 +22,16 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from common.engine import worker_frames
 from common.errors import UserError
 from common.paths import building, cache_dir, write_json_atomic
 from .config import Config
@@ -45,16 +49,21 @@ SPLITS = ("train", "val", "test")
 
 @dataclass
 class Source:
-    """A log as the Dask engine reads it: Parquet shards (one set of users each when `by_user`), or a pandas frame
-    that a reader already checked."""
+    """A log as the Dask engine reads it: `write_shards(client, folder)` writes it as Parquet shards (columns user,
+    item, rating and timestamp, in log order; one set of users each when `by_user`) and returns them with the
+    titles by raw item id, if any."""
 
-    shards: list[Path] | None
-    frame: pd.DataFrame | None
+    write_shards: Callable[[Any, Path], tuple[list[Path], pd.Series | None]]
     by_user: bool
-    titles: pd.Series | None
     source: str
     sha256: str
     has_timestamps: bool
+
+
+def frame_source(raw) -> Source:
+    """A `RawLog` read whole in this process (a compressed CSV; ml-100k, ml-1m), as shards for the workers."""
+    return Source(lambda client, folder: (_raw_shards(raw.frame, folder), raw.titles), False, raw.source,
+                  raw.sha256, raw.has_timestamps)
 
 
 @dataclass
@@ -111,7 +120,7 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
     data = config.data
     import pyarrow.parquet as pq
 
-    shards = source.shards if source.shards is not None else _raw_shards(source.frame, work / "raw")
+    shards, titles = source.write_shards(client, work / "raw")
     lengths = [pq.ParquetFile(path).metadata.num_rows for path in shards]
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
     frame = dd.from_map(_numbered_shard, shards, offsets, meta=_numbered_shard(shards[0], 0)[:0])
@@ -125,6 +134,8 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
             raise UserError(f"{source.source}: nothing left after data.rating_threshold={threshold}: the highest "
                             f"rating is {highest:g}; lower it, or set data.rating_threshold=null to keep every rating")
         frame = frame[frame["rating"] >= threshold]
+    if worker_frames(client) == "cudf":
+        frame = frame.to_backend("cudf")  # the shuffle, sort and de-duplication on the workers' GPUs
     if not source.by_user:
         frame = frame.shuffle(on="user", npartitions=frame.npartitions)
     positives = work / "positives"
@@ -167,8 +178,8 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
         _write_csr(work, name, counts, n_users, n_items)
     pd.DataFrame({"id": users[keep_users]}).to_parquet(work / "user_ids.parquet")
     pd.DataFrame({"id": items[keep_items]}).to_parquet(work / "item_ids.parquet")
-    if source.titles is not None:
-        titles = source.titles[~source.titles.index.duplicated()]
+    if titles is not None:
+        titles = titles[~titles.index.duplicated()]
         pd.DataFrame({"title": titles.reindex(items[keep_items]).fillna("").astype(str).to_numpy()}).to_parquet(
             work / "titles.parquet")
     write_json_atomic({"source": source.source, "sha256": source.sha256, "users": n_users - 1, "items": n_items - 1,
@@ -194,10 +205,12 @@ def _numbered_shard(path: Path, first: int) -> pd.DataFrame:
     return shard.assign(order=np.arange(first, first + len(shard), dtype=np.int64))
 
 
-def _deduplicated(partition: pd.DataFrame) -> pd.DataFrame:
-    """Each (user, item) once, at its earliest time (ties in log order), the rows in that order."""
-    ordered = partition.sort_values(["timestamp", "order"], kind="stable")
-    return ordered.drop_duplicates(["user", "item"], keep="first")
+def _deduplicated(partition):
+    """Each (user, item) once, at its earliest time (ties in log order), the rows in that order; a pandas or a cuDF
+    partition (whose de-duplication keeps the first row but not the order: sorted again)."""
+    by_time = ["timestamp", "order"]  # a total order: `order` numbers every row
+    kept = partition.sort_values(by_time).drop_duplicates(["user", "item"], keep="first")
+    return kept if isinstance(kept, pd.DataFrame) else kept.sort_values(by_time)
 
 
 def _shard_ids(path: Path) -> tuple[np.ndarray, np.ndarray]:
