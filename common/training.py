@@ -28,6 +28,7 @@ from common.config import TrainConfig
 from common.errors import UserError
 from common.interrupt import Terminated, stop_point, stop_requested
 from common.runtime import Runtime
+from common.workload import Predict, loader_rate, measure_model
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def supervised(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) ->
         *inputs, target = batch
         return loss_fn(model(*inputs).float(), target)
 
+    step.predict = lambda model, batch: model(*batch[:-1])  # what serving runs, for the workload facts
     return step
 
 
@@ -195,6 +197,8 @@ class Trainer:
         log_metrics: Callable[[dict[str, float], int], None] | None = None,
         step_offset: int = 0,
         name: str = "train",
+        predict: Predict | None = None,
+        model_name: str | None = None,
     ):
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be min or max, got {mode}")
@@ -216,6 +220,9 @@ class Trainer:
         self.log_metrics = log_metrics or (lambda metrics, step: None)
         self.step_offset = step_offset
         self.name = name
+        self.predict = predict or getattr(step, "predict", None)
+        self.model_name = model_name or name  # of the workload facts, shared by the fits of one model
+        self.samples_per_epoch = 0
         fp16 = runtime.amp_dtype == torch.float16
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=fp16)
 
@@ -277,6 +284,7 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
+        self.samples_per_epoch = samples * self.runtime.world_size
         return {
             "train/loss": total_loss.item() / max(samples, 1),
             "throughput/samples_per_s": samples * self.runtime.world_size / max(elapsed, 1e-9),
@@ -356,4 +364,22 @@ class Trainer:
                 break
         self.module.load_state_dict(best_state)
         self._save(self._state(epoch, best, best_epoch, best_state, bad_epochs, history, True))
+        if self.runtime.is_main and history:
+            self.log_metrics(self._workload(batches, history[-1], epoch + 1), self.step_offset + epoch)
         return FitResult(best, best_epoch, epoch + 1, resumed_from, history)
+
+    def _workload(self, batches: Iterable, last: dict[str, float], epochs_run: int) -> dict[str, float]:
+        """The model's workload facts (`common.workload`), under `model/<model_name>/`, measured on one batch with the
+        random state restored after, so that the run goes on as it would have without them."""
+        device = self.runtime.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            loader_samples_per_s, batch = loader_rate(batches)
+            if batch is None:
+                return {}
+            batch = tuple(tensor.to(device) for tensor in batch)
+            facts = measure_model(self.module, self.step, self.predict, batch, self.optimizer, device,
+                                  self.runtime.amp_dtype)
+        facts.update(loader_samples_per_s=loader_samples_per_s, samples_per_epoch=float(self.samples_per_epoch),
+                     epochs_run=float(epochs_run), train_samples_per_s=last.get("throughput/samples_per_s", math.nan),
+                     data_wait_share=last.get("time/data_wait_share", math.nan))
+        return {f"model/{self.model_name}/{key}": value for key, value in facts.items() if not math.isnan(value)}

@@ -1,4 +1,4 @@
-"""`usecases`: list, run, bench, demo, new, export, ui, server, serve and compare: argument parsing and printing;
+"""`usecases`: list, run, bench, demo, new, export, ui, server, serve, compare and advise: argument parsing and printing;
 the work is in common/ (runner, scaffold, tracking). Exit 0 on success, 2 on a user error, 1 on an internal failure.
 
 Only the standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
@@ -81,6 +81,21 @@ def _parser() -> argparse.ArgumentParser:
                                               "cost (when --set tracking.price_per_hour was given), best first.")
     compare.add_argument("name", help="use case (see `usecases list`)")
     compare.add_argument("--format", default="table", choices=["table", "markdown", "csv"], dest="output_format")
+
+    advise = commands.add_parser("advise", help="which GPU instance to rent to train and serve a use case, and its cost",
+                                 description="Estimate, from a run's measured workload, the time and cost of training "
+                                             "and serving on each GPU instance of the catalogue, with ranges and the "
+                                             "bottleneck, then recommend and say what the measurements call for. "
+                                             "The table and a cost-against-time plot are logged to the run.")
+    advise.add_argument("name", nargs="?", help="use case (see `usecases list`); not needed with --workload")
+    advise.add_argument("--run", dest="run_id", metavar="RUN_ID", help="the run to advise on (default: the latest)")
+    advise.add_argument("--task", default="both", choices=["train", "serve", "both"])
+    advise.add_argument("--catalog", type=Path, metavar="FILE",
+                        help="your own instances and prices, in the columns of common/catalog/instances.csv")
+    advise.add_argument("--format", default="table", choices=["table", "markdown", "json"], dest="output_format")
+    advise.add_argument("--workload", type=Path, metavar="FILE.json",
+                        help="a model of your own: task, flops_per_sample, bytes_per_sample, precision, batch_size, "
+                             "optionally measured: {gpu, samples_per_s}")
 
     doctor = commands.add_parser("doctor", help="check that this machine can run every use case, and say why not",
                                  description="One line per check (Python, torch and its CUDA build, the driver, "
@@ -278,6 +293,17 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
                "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
 
 
+def _advise(args) -> int:
+    from common.advice_report import advise_command
+
+    if args.workload is None and args.name is None:
+        raise UserError("advise needs a use case name (see `usecases list`) or --workload FILE.json")
+    if args.name is not None:
+        _usecase(args.name)
+    print(advise_command(args.name, args.run_id, args.task, args.catalog, args.output_format, args.workload))
+    return EXIT_OK
+
+
 def _compare(name: str, output_format: str) -> int:
     from common.comparison import compare_runs
 
@@ -333,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             return _demo(args)
         if args.command == "doctor":
             return _doctor(args.device)
+        if args.command == "advise":
+            return _advise(args)
         if args.command == "gpu-check":
             from common.gpu_check import gpu_check
 

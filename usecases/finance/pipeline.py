@@ -22,6 +22,7 @@ from common.job import Job
 from common.runtime import Runtime
 from common.sharding import gather_objects, my_share
 from common.training import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
+from common.workload import cpu_part
 from .baselines import VAR_LEVELS, fit_baselines, forecast_frame
 from .config import Config
 from .data import Panel, load_panel
@@ -200,7 +201,7 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
     trainer = Trainer(model, optimizer, supervised(qlike_loss), runtime, settings, monitor="val/qlike", mode="min",
                       checkpoint_dir=job.checkpoint_dir / "neural" / f"refit{block:03d}" / f"member{member}",
                       log_metrics=job.tracker.log_metrics, step_offset=step_offset,
-                      name=f"neural refit {block + 1} member {member + 1}")
+                      name=f"neural refit {block + 1} member {member + 1}", model_name="neural")
     batches = TensorBatches(*train, batch_size=settings.batch_size, seed=_member_seed(config, block, member),
                             rank=runtime.rank, world_size=runtime.world_size)
     result = trainer.fit(batches, validate, resume=job.resume)
@@ -266,7 +267,8 @@ def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]
     frame, mask = data.frame, data.test
     neural, latest = neural_forecasts(frame, mask, config, job)
     started = time.perf_counter()
-    baselines = baseline_forecasts(frame, mask, config, job.runtime, job.dask)
+    with cpu_part("baselines", job.tracker.log_metrics, parallel=True):  # the arch fits, a ticker per core or worker
+        baselines = baseline_forecasts(frame, mask, config, job.runtime, job.dask)
     if not job.runtime.is_main:
         return {}
     job.tracker.log_metrics({"time/baselines_s": time.perf_counter() - started})

@@ -14,6 +14,7 @@ import torch
 from common.errors import UserError
 from common.job import Job
 from common.sharding import shared_predictions
+from common.workload import cpu_part
 from .baselines import logreg_logits
 from .config import Config
 from .data import load_images
@@ -72,8 +73,9 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
               for split in ("val", "test")}
     if not runtime.is_main:
         return {}
-    metrics, details = evaluate_model(logits["val"], data.labels["val"], logits["test"], data.labels["test"],
-                                      data.task, data.classes, evaluation, config.runtime.seed)
+    with cpu_part("evaluation", job.tracker.log_metrics):  # calibration, thresholds and the bootstrap, in NumPy
+        metrics, details = evaluate_model(logits["val"], data.labels["val"], logits["test"], data.labels["test"],
+                                          data.task, data.classes, evaluation, config.runtime.seed)
     metrics.update(best_epoch=result.best_epoch + 1, epochs_run=result.epochs_run, train_seconds=train_seconds)
     models = {arch["name"]: metrics}
     _log_figures(arch["name"], details, job)
@@ -84,7 +86,8 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
                                        "temperature": metrics["temperature"], "best_epoch": result.best_epoch + 1},
                    job)
     for name in config.baselines.models:
-        baseline = logreg_logits(data, config.baselines, config.runtime.seed)
+        with cpu_part(name, job.tracker.log_metrics):  # scikit-learn's lbfgs, on one core
+            baseline = logreg_logits(data, config.baselines, config.runtime.seed)
         models[name], baseline_details = evaluate_model(baseline["val"], data.labels["val"], baseline["test"],
                                                         data.labels["test"], data.task, data.classes, evaluation,
                                                         config.runtime.seed)

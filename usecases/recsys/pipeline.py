@@ -12,6 +12,7 @@ import scipy.sparse as sp
 
 from common.errors import UserError
 from common.job import Job
+from common.workload import cpu_part
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
 from .data import Interactions, expected_interactions, load_interactions
@@ -63,10 +64,12 @@ def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.c
         pairs = min(train.nnz, (settings.steps_per_epoch or train.nnz) * settings.batch_size * world)
         return model, {"fit_seconds": time.perf_counter() - started, "best_epoch": result.best_epoch + 1,
                        "seconds_per_epoch": seconds_per_epoch(result.history, pairs)}
-    scorer = {"pop": lambda: Popularity(train, device),
-              "itemknn": lambda: ItemKNN(train, config.itemknn, device),
-              "ease": lambda: EASE(train, config.ease, device),
-              "als": lambda: ALS(train, config.als, device)}[name]()
+    make = {"pop": lambda: Popularity(train, device),
+            "itemknn": lambda: ItemKNN(train, config.itemknn, device),
+            "ease": lambda: EASE(train, config.ease, device),
+            "als": lambda: ALS(train, config.als, device)}[name]
+    with cpu_part(name, job.tracker.log_metrics, parallel=name != "pop"):  # BLAS and implicit use every core
+        scorer = make()
     return scorer, {"fit_seconds": time.perf_counter() - started}
 
 

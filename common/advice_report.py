@@ -1,0 +1,206 @@
+"""The `usecases advise` command: find the run, estimate every instance, print the table (text, Markdown or JSON)
+with the recommendations and actions, and log the table and a cost-against-time plot to the advised run."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+from common.advise import RunFacts, Row, actions, advise, facts_from_file, facts_from_run, load_catalogue, recommend
+from common.advisor import Range
+from common.errors import UserError
+
+ESTIMATED = "estimated: low-high (expected)"
+
+
+def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: Path | None, output: str,
+                   workload: Path | None) -> str:
+    """The report as printed; a run's is logged to it as `advise/advice.{md,json}` and `advise/cost_vs_time.png`."""
+    gpus, instances = load_catalogue(catalog)
+    if workload is not None:
+        facts = facts_from_file(workload, gpus)
+        task = facts.task
+        source = f"workload {workload}"
+    else:
+        run = _find_run(usecase, run_id)
+        facts = facts_from_run(run, usecase or run.data.tags.get("mlflow.runName", "NAME").split("-")[0])
+        source = f"run {run.info.run_id} of {usecase}, measured on " + (
+            f"{facts.gpu_count} x {facts.gpu}" if facts.gpu else f"a CPU ({facts.cores} cores)")
+    rows = advise(facts, instances, gpus, task)
+    picks = recommend(rows)
+    todo = actions(facts, rows, picks, gpus) if workload is None else []
+    report = {"source": source, "task": task, "estimated": True, "rows": [_as_dict(row) for row in rows],
+              "recommendations": {key: (row.instance.name if row else None) for key, row in picks.items()},
+              "actions": todo, "measured": _measured(facts)}
+    text = (json.dumps(report, indent=2) if output == "json" else
+            _render(report, rows, picks, todo, markdown=output == "markdown"))
+    if facts.run_id is not None:
+        _log_to_run(facts.run_id, report, rows, picks, todo)
+    return text
+
+
+def _find_run(usecase: str | None, run_id: str | None):
+    import mlflow
+
+    from common.tracking import experiment_name, tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri())
+    client = mlflow.MlflowClient()
+    if run_id is not None:
+        try:
+            return client.get_run(run_id)
+        except mlflow.exceptions.MlflowException:
+            raise UserError(f"--run {run_id}: no such run in {tracking_uri()}") from None
+    experiment = client.get_experiment_by_name(experiment_name(usecase))
+    runs = [] if experiment is None else client.search_runs(
+        [experiment.experiment_id], "attributes.status = 'FINISHED' and tags.preset != 'scale'",
+        order_by=["attributes.start_time DESC"], max_results=20)
+    runs = [run for run in runs if any(key.startswith("model/") for key in run.data.metrics)] or runs
+    if not runs:
+        raise UserError(f"no finished run of '{usecase}' in {tracking_uri()}: run `usecases run {usecase} --preset "
+                        "smoke` first")
+    return runs[0]
+
+
+def _as_dict(row: Row) -> dict:
+    instance = row.instance
+
+    def rng(value: Range | None):
+        return None if value is None else {key: _clean(number) for key, number in value.as_dict().items()}
+
+    return {"provider": instance.provider, "instance": instance.name, "gpu": instance.gpu.name,
+            "gpu_count": instance.gpu_count, "vcpus": instance.vcpus, "region": instance.region,
+            "price_per_hour_usd": _clean(instance.price_per_hour), "price_source": instance.source,
+            "price_as_of": instance.as_of, "epoch_seconds": rng(row.epoch_seconds),
+            "train_seconds": rng(row.train_seconds), "train_cost_usd": rng(row.train_cost),
+            "bottleneck": row.train_bound, "samples_per_s": rng(row.serve_per_s), "latency_ms": rng(row.latency_ms),
+            "serve_cost_per_million_usd": rng(row.serve_cost_per_million),
+            "memory_share": _clean(row.memory_share), "fits": row.fits}
+
+
+def _clean(value: float):
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def _measured(facts: RunFacts) -> dict:
+    """This run's own figures, which are measurements, not estimates."""
+    return {"models": {name: {key: value for key, value in model.items() if key in (
+        "train_samples_per_s", "data_wait_share", "loader_samples_per_s", "peak_memory_gb", "samples_per_epoch",
+        "epochs_run", "train_flops_per_sample", "infer_flops_per_sample", "params")} for name, model in
+        facts.models.items()},
+        "cpu_parts_seconds": {name: part.get("seconds") for name, part in facts.cpu_parts.items()},
+        "total_seconds": _clean(facts.total_seconds), "cores": facts.cores, "gpu": facts.gpu}
+
+
+def _duration(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "?"
+    for unit, size in (("h", 3600), ("min", 60), ("s", 1)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds * 1000:.3g} ms"
+
+
+def _money(value: float) -> str:
+    return "price unknown" if math.isnan(value) else f"${value:.3g}" if value < 100 else f"${value:,.0f}"
+
+
+def _span(value: Range | None, show) -> str:
+    if value is None:
+        return "-"
+    return f"{show(value.expected)} ({show(value.low)}-{show(value.high)})"
+
+
+def _cells(row: Row) -> list[str]:
+    instance = row.instance
+    memory = "?" if math.isnan(row.memory_share) else f"{100 * row.memory_share:.0f} %"
+    return [instance.name, instance.provider, f"{instance.gpu_count} x {instance.gpu.name}", str(instance.vcpus),
+            _money(instance.price_per_hour), _span(row.epoch_seconds, _duration), _span(row.train_seconds, _duration),
+            _span(row.train_cost, _money), row.train_bound or "-",
+            _span(row.serve_per_s, lambda value: f"{value:,.0f}/s"), _span(row.latency_ms, lambda value: f"{value:.2g}"),
+            _span(row.serve_cost_per_million, _money), memory + ("" if row.fits else " (does not fit)")]
+
+
+HEADER = ["instance", "cloud", "GPUs", "vCPUs", "$/h", "epoch", "training run", "cost per run", "bound",
+          "serving", "latency ms (batch 1)", "$ per 1M predictions", "GPU memory"]
+
+
+def _render(report: dict, rows: list[Row], picks: dict, todo: list[str], markdown: bool) -> str:
+    cells = [_cells(row) for row in sorted(rows, key=_order)]
+    lines = [f"Advice for {report['source']}. Every figure below is {ESTIMATED}, on-demand prices as each row's "
+             "source dates them; the measured figures are in --format json under 'measured'."]
+    if markdown:
+        lines += ["", "| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
+        lines += ["| " + " | ".join(row) + " |" for row in cells]
+    else:
+        widths = [max(len(row[column]) for row in [HEADER, *cells]) for column in range(len(HEADER))]
+        lines += ["", "  ".join(name.ljust(width) for name, width in zip(HEADER, widths))]
+        lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in cells]
+    lines += ["", "Recommendations (estimated):"]
+    names = {"train_cheapest": "train, cheapest run that fits", "train_fastest": "train, fastest within 1.5x of that "
+             "cost", "serve_cheapest": "serve, cheapest per 1M predictions"}
+    for key, label in names.items():
+        row = picks.get(key)
+        if row is None:
+            continue
+        if key.startswith("train"):
+            detail = f"{_duration(row.train_seconds.expected)}, {_money(row.train_cost.expected)} a run"
+        else:
+            detail = f"{row.serve_per_s.expected:,.0f} predictions/s, {_money(row.serve_cost_per_million.expected)} per 1M"
+        lines.append(f"- {label}: {row.instance.name} ({row.instance.gpu_count} x {row.instance.gpu.name}, "
+                     f"{row.instance.provider} {row.instance.region}): {detail}")
+    if todo:
+        lines += ["", "Actions:"] + [f"- {line}" for line in todo]
+    return "\n".join(lines)
+
+
+def _order(row: Row) -> tuple:
+    cost = row.train_cost.expected if row.train_cost is not None else (
+        row.serve_cost_per_million.expected if row.serve_cost_per_million is not None else math.nan)
+    return (math.isnan(cost), cost)
+
+
+def _log_to_run(run_id: str, report: dict, rows: list[Row], picks: dict, todo: list[str]) -> None:
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder)
+        (out / "advice.md").write_text(_render(report, rows, picks, todo, markdown=True) + "\n")
+        (out / "advice.json").write_text(json.dumps(report, indent=2))
+        _plot(rows, out / "cost_vs_time.png")
+        client = mlflow.MlflowClient()
+        for path in sorted(out.iterdir()):
+            client.log_artifact(run_id, str(path), "advise")
+
+
+def _plot(rows: list[Row], path: Path) -> None:
+    """Cost per training run against its time, for every priced instance, the Pareto front (no instance both
+    faster and cheaper) joined and labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    points = [(row.train_seconds.expected / 60, row.train_cost.expected, row) for row in rows
+              if row.train_cost is not None and not math.isnan(row.train_cost.expected) and row.fits]
+    figure, axis = plt.subplots(figsize=(8, 5))
+    front = [point for point in points if not any(other[0] <= point[0] and other[1] <= point[1] and other != point
+                                                  for other in points)]
+    axis.scatter([point[0] for point in points], [point[1] for point in points], color="0.6", label="instance")
+    front.sort(key=lambda point: point[0])
+    axis.plot([point[0] for point in front], [point[1] for point in front], "o-", color="tab:red",
+              label="Pareto front")
+    for minutes, cost, row in front:
+        axis.annotate(row.instance.name, (minutes, cost), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    if points:
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+    axis.set_xlabel("training run, minutes (estimated)")
+    axis.set_ylabel("cost per run, USD (estimated, on-demand)")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,134 @@
+"""The GPU and instance catalogue that `usecases advise` prices runs with: data files beside this module
+(`catalog/gpus.csv`: datasheet peaks, memory, bandwidth and power per GPU; `catalog/instances.csv`: cloud instances
+with their GPUs, vCPUs, memory and on-demand price), each row with its source and as-of date. A user's own prices
+(discounts, spot, another cloud) come in a file of the instances' columns (`--catalog FILE`). An empty price stays
+unknown: it is never filled in.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from common.errors import UserError
+
+FOLDER = Path(__file__).with_name("catalog")
+GPU_COLUMNS = ("gpu", "aliases", "memory_gb", "bandwidth_gbs", "fp32_tflops", "tf32_tflops", "fp16_tflops",
+               "bf16_tflops", "tdp_w", "source", "as_of")
+INSTANCE_COLUMNS = ("provider", "instance", "gpu", "gpu_count", "vcpus", "ram_gb", "price_per_hour_usd", "region",
+                    "source", "as_of")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+NOISE = {"nvidia", "tesla", "geforce", "gpu", "sxm", "sxm2", "sxm4", "sxm5", "hbm3", "hbm2e", "hbm3e", "nvl"}
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gb: float
+    bandwidth_gbs: float
+    tflops: dict[str, float]  # peak dense TFLOPS by precision; NaN where the GPU has no such mode
+    tdp_w: float
+    source: str
+    aliases: tuple[str, ...] = ()  # as nvidia-smi prints the name
+
+    def has(self, precision: str) -> bool:
+        return not math.isnan(self.tflops.get(precision, math.nan))
+
+
+@dataclass(frozen=True)
+class Instance:
+    provider: str
+    name: str
+    gpu: GPU
+    gpu_count: int
+    vcpus: int
+    ram_gb: float
+    price_per_hour: float  # NaN: unknown
+    region: str
+    source: str
+    as_of: str
+
+
+def _read(path: Path, columns: tuple[str, ...], what: str) -> pd.DataFrame:
+    try:
+        table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (OSError, ValueError, pd.errors.ParserError) as exc:
+        raise UserError(f"{path}: cannot be read as a {what} CSV ({str(exc).splitlines()[0][:120]})") from None
+    missing = [name for name in columns if name not in table.columns]
+    if missing:
+        raise UserError(f"{path}: missing column '{missing[0]}' (a {what} CSV has the columns {', '.join(columns)})")
+    return table
+
+
+def _number(table: pd.DataFrame, column: str, path: Path, required: bool) -> pd.Series:
+    values = pd.to_numeric(table[column].str.strip().replace("", math.nan), errors="coerce")
+    bad = (values.isna() & (table[column].str.strip() != "")) | (values < 0)
+    if required:
+        bad |= values.isna()
+    if bad.any():
+        row = int(bad.to_numpy().nonzero()[0][0])
+        raise UserError(f"{path}: column '{column}', row {row + 1}: expected a non-negative number, got "
+                        f"'{table[column].iloc[row]}' (rows counted from 1 at the line after the header)")
+    return values
+
+
+def load_gpus(path: Path | None = None) -> dict[str, GPU]:
+    path = path or FOLDER / "gpus.csv"
+    table = _read(path, GPU_COLUMNS, "GPU catalogue")
+    numbers = {column: _number(table, column, path, column in ("memory_gb", "bandwidth_gbs"))
+               for column in GPU_COLUMNS if column.endswith(("_gb", "_gbs", "_tflops", "_w"))}
+    gpus = {}
+    for row in range(len(table)):
+        gpus[table["gpu"].iloc[row]] = GPU(
+            table["gpu"].iloc[row], numbers["memory_gb"].iloc[row], numbers["bandwidth_gbs"].iloc[row],
+            {precision: float(numbers[f"{precision}_tflops"].iloc[row]) for precision in PRECISIONS},
+            float(numbers["tdp_w"].iloc[row]), table["source"].iloc[row],
+            tuple(alias.strip() for alias in table["aliases"].iloc[row].split("|") if alias.strip()))
+    return gpus
+
+
+def load_instances(gpus: dict[str, GPU], path: Path | None = None) -> list[Instance]:
+    """The shipped instances, or a user's file of the same columns; a GPU is named as `match_gpu` reads it."""
+    path = path or FOLDER / "instances.csv"
+    table = _read(path, INSTANCE_COLUMNS, "instance catalogue")
+    counts = _number(table, "gpu_count", path, True)
+    vcpus = _number(table, "vcpus", path, True)
+    ram = _number(table, "ram_gb", path, False)
+    prices = _number(table, "price_per_hour_usd", path, False)
+    instances = []
+    for row in range(len(table)):
+        try:
+            gpu = gpus[match_gpu(table["gpu"].iloc[row], gpus)]
+        except UserError as problem:
+            raise UserError(f"{path}: column 'gpu', row {row + 1}: {problem}") from None
+        instances.append(Instance(table["provider"].iloc[row], table["instance"].iloc[row], gpu,
+                                  int(counts.iloc[row]), int(vcpus.iloc[row]), float(ram.iloc[row]),
+                                  float(prices.iloc[row]), table["region"].iloc[row], table["source"].iloc[row],
+                                  table["as_of"].iloc[row]))
+    return instances
+
+
+def _normal(name: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9]+", " ", name.lower()).split())
+
+
+def match_gpu(name: str, gpus: dict[str, GPU]) -> str:
+    """The catalogue's GPU for a name as a user or `nvidia-smi` writes it ("V100", "Tesla V100-SXM2-16GB",
+    "NVIDIA A100 80GB PCIe"): the model number must match; memory size and PCIe pick among its variants, and the
+    first variant listed is taken when the name does not say."""
+    normal = _normal(name)
+    for gpu in gpus.values():
+        if normal in {_normal(alias) for alias in (gpu.name, *gpu.aliases)}:
+            return gpu.name
+    tokens = set(normal.split()) - NOISE
+    models = [gpu for gpu in gpus if _normal(gpu).split()[0] in tokens]
+    if not models:
+        raise UserError(f"unknown GPU '{name}' (known: {', '.join(gpus)})")
+    sizes = {int(found.group(1)) for token in tokens if (found := re.fullmatch(r"(\d+)gb?", token))}
+    models = [gpu for gpu in models if round(gpus[gpu].memory_gb) in sizes] or models
+    pcie = "pcie" in tokens
+    return next((gpu for gpu in models if ("pcie" in _normal(gpu).split()) == pcie), models[0])

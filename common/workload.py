@@ -1,0 +1,152 @@
+"""What a run's work is, in units that carry to another machine, so that `usecases advise` can estimate it there.
+
+Per torch model, measured by the common loop on one batch after training (`measure_model`), logged as metrics
+`model/<name>/<fact>`:
+
+- `params`, `weight_bytes`; `batch_size`; `samples_per_epoch`; `epochs_run`;
+- `train_ops_per_step`, `infer_ops_per_batch`: operators dispatched (on a GPU, kernel launches: the bound of small
+  models);
+- `train_flops_per_sample`, `infer_flops_per_sample`: `torch.utils.flop_counter.FlopCounterMode` over one training
+  step (forward and backward) and one prediction (what serving does: a forward pass, or a user's full ranking);
+- `train_bytes_per_sample`, `infer_bytes_per_sample` (estimated): memory traffic per sample. A training step reads
+  the weights twice (forward, backward), writes their gradients, and the optimizer reads and writes weights and its
+  state once; the activations saved for backward (counted with saved-tensor hooks) are written and read once; the
+  batch is read once. A prediction reads the weights, the batch and its activations, and writes its output;
+- `peak_memory_gb` and `peak_memory_measured`: `torch.cuda.max_memory_allocated` over that step on a GPU (1),
+  else the sum of weights, gradients, optimizer state, saved activations and the batch (0);
+- `loader_samples_per_s`: the input pipeline alone, timed over a few batches with the model removed;
+- `train_samples_per_s` and `data_wait_share`: the last epoch's, as the loop measured them.
+
+Per CPU-side part of a run (the GARCH fits, ItemKNN, EASE, ALS, the logistic regression, the bootstrap), `cpu_part`
+logs `workload/cpu/<part>/seconds` (wall), `workload/cpu/<part>/cpu_seconds` (this process's CPU time) and
+`workload/cpu/<part>/parallel` (1 when the part splits over cores or workers, so that more vCPUs shorten it).
+
+A run logged by another tool with the same keys can be advised on as well.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+LOADER_BATCHES = 8
+LOADER_SECONDS = 2.0
+PREDICT_SAMPLES = 256  # of the batch, for a prediction: a recommender's scores are users x every item
+
+Predict = Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+
+
+class OpCounter(TorchDispatchMode):
+    """How many operators run: on a GPU each is at least one kernel launch, which bounds small models' speed."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def loader_rate(batches: Iterable) -> tuple[float, tuple[torch.Tensor, ...] | None]:
+    """Samples per second the input pipeline delivers on its own (a few batches, at most LOADER_SECONDS), and
+    the first batch, to measure the model on."""
+    iterator: Iterator = iter(batches)
+    first, samples, started = None, 0, time.perf_counter()
+    for _ in range(LOADER_BATCHES):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        first = batch if first is None else first
+        samples += len(batch[0])
+        if time.perf_counter() - started > LOADER_SECONDS:
+            break
+    elapsed = time.perf_counter() - started
+    return (samples / elapsed if samples and elapsed > 0 else math.nan), first
+
+
+def measure_model(module: nn.Module, step: Callable, predict: Predict | None, batch: tuple[torch.Tensor, ...],
+                  optimizer: torch.optim.Optimizer, device: torch.device, amp_dtype: torch.dtype | None
+                  ) -> dict[str, float]:
+    """The per-model facts of the module docstring for one batch; the gradients it leaves are cleared and the
+    random state (a sampler's negatives, dropout) is restored, so that nothing after it changes."""
+    size = len(batch[0])
+    parameters = list(module.parameters())
+    weights = _bytes(parameters)
+    state = _bytes(value for per_parameter in optimizer.state.values() for value in per_parameter.values()
+                   if torch.is_tensor(value) and value.dim() > 0)
+    state = state or 2 * weights  # before the first step: Adam's two moments
+    own = {parameter.data_ptr() for parameter in parameters}
+    saved = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in own:  # a weight kept for backward is not an activation
+            saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    cuda = device.type == "cuda"
+    devices = [device] if cuda else []
+    autocast = dict(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+    with torch.random.fork_rng(devices=devices):
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        module.train()
+        with FlopCounterMode(display=False) as counter, OpCounter() as train_ops, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast(**autocast):
+                loss = step(module, batch).float()
+            loss.backward()
+        train_flops = counter.get_total_flops()
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
+        module.zero_grad(set_to_none=True)
+        module.eval()
+        output_bytes = 0
+        infer_flops = infer_ops = math.nan
+        if predict is not None:
+            part = tuple(tensor[:PREDICT_SAMPLES] for tensor in batch)
+            with torch.no_grad(), FlopCounterMode(display=False) as counter, OpCounter() as ops, \
+                    torch.autocast(**autocast):
+                output = predict(module, part)
+            infer_flops = counter.get_total_flops() / len(part[0]) * size
+            output_bytes = _bytes([output]) / len(part[0]) * size
+            infer_ops = ops.ops
+    inputs = _bytes(batch)
+    activations = saved[0]
+    estimated_peak = 2 * weights + state + activations + inputs
+    return {
+        "params": float(sum(parameter.numel() for parameter in parameters)),
+        "weight_bytes": float(weights),
+        "batch_size": float(size),
+        "train_ops_per_step": float(train_ops.ops),
+        "infer_ops_per_batch": float(infer_ops),
+        "train_flops_per_sample": train_flops / size,
+        "infer_flops_per_sample": infer_flops / size,
+        "train_bytes_per_sample": (5 * weights + 2 * state + 2 * activations + inputs) / size,
+        "infer_bytes_per_sample": (weights + activations + inputs + output_bytes) / size,
+        "peak_memory_gb": (peak if peak is not None else estimated_peak) / 2**30,
+        "peak_memory_measured": float(peak is not None),
+    }
+
+
+@contextmanager
+def cpu_part(name: str, log_metrics: Callable[[dict[str, float]], None], parallel: bool = False) -> Iterator[None]:
+    """Time a CPU-side part of a run under `workload/cpu/<name>/`: wall seconds, this process's CPU seconds, and
+    whether more cores would shorten it."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield
+    log_metrics({f"workload/cpu/{name}/seconds": time.perf_counter() - wall,
+                 f"workload/cpu/{name}/cpu_seconds": time.process_time() - cpu,
+                 f"workload/cpu/{name}/parallel": float(parallel)})

@@ -1,0 +1,80 @@
+"""`usecases advise` as a user runs it: after a smoke run, a table of instances with time, cost and bottleneck, the
+recommendations and the actions, the same as JSON, and the table and plot logged to the run; a model of one's own
+from a workload file; one line for each mistake."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pandas as pd
+import pytest
+
+from common.catalog import FOLDER
+from tests.cli_helpers import assert_rejected, runs
+from usecases.cli import main
+
+
+def advise(capsys, *args: str) -> str:
+    capsys.readouterr()
+    assert main(["advise", *args]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["medical", "finance", "recsys"])
+def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name, capsys):
+    assert main(["run", name, "--preset", "smoke"]) == 0
+    table = advise(capsys, name)
+    assert "Every figure below is estimated" in table and "Recommendations (estimated):" in table
+    assert "- train, cheapest run that fits:" in table and "- serve, cheapest per 1M predictions:" in table
+    report = json.loads(advise(capsys, name, "--format", "json"))
+    rows = report["rows"]
+    assert len(rows) >= 10 and report["estimated"] is True
+    priced = [row for row in rows if row["price_per_hour_usd"] is not None]
+    assert len(priced) >= 10 and all(row["train_cost_usd"]["expected"] > 0 for row in priced)
+    for row in rows:
+        for key in ("train_seconds", "samples_per_s", "latency_ms"):
+            assert row[key]["low"] <= row[key]["expected"] <= row[key]["high"], (row["instance"], key)
+        assert row["bottleneck"] in ("compute", "memory bandwidth", "launch overhead", "input pipeline",
+                                     "CPU-side work")
+    assert report["recommendations"]["train_cheapest"] in table
+    (run,) = runs(name)
+    artifacts = {item.path for item in mlflow.MlflowClient().list_artifacts(run.info.run_id, "advise")}
+    assert artifacts == {"advise/advice.md", "advise/advice.json", "advise/cost_vs_time.png"}
+    model = next(iter(report["measured"]["models"].values()))
+    assert model["train_flops_per_sample"] > 0 and model["samples_per_epoch"] > 0
+    if name in ("finance", "recsys"):  # the GARCH fits and the CPU baselines: more vCPUs shorten them
+        assert report["measured"]["cpu_parts_seconds"]
+        assert any(row["bottleneck"] == "CPU-side work" for row in rows) or any(
+            "vCPUs" in line for line in report["actions"]), report["actions"]
+
+
+def test_a_workload_file_measured_on_a_v100_gives_ranges_that_hold_the_published_a100_and_t4(tmp_path, capsys):
+    """ResNet-50 v1.5 mixed-precision training as DeepLearningExamples publishes it: 1,200 images/s measured on a
+    V100-16GB; its table gives 2,470 on an A100-80GB (catalog/published.csv)."""
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"task": "train", "flops_per_sample": 24.3e9, "bytes_per_sample": 3.3e8,
+                                    "precision": "amp", "batch_size": 256,
+                                    "measured": {"gpu": "Tesla V100-SXM2-16GB", "samples_per_s": 1200}}))
+    report = json.loads(advise(capsys, "--workload", str(workload), "--format", "json"))
+    a100 = next(row for row in report["rows"] if row["gpu"] == "A100-80GB-SXM" and row["gpu_count"] == 8)
+    per_gpu = {key: value / 8 / 0.9 for key, value in a100["samples_per_s"].items()}
+    assert per_gpu["low"] <= 2470 <= per_gpu["high"] * 1.06  # 8 GPUs at the DDP efficiency's expected 0.9
+    assert "Recommendations" in advise(capsys, "--workload", str(workload))
+
+
+def test_no_run_a_bad_catalogue_or_a_bad_workload_is_one_line(capsys, tmp_path):
+    assert_rejected(capsys, "medical", "advise", "medical", names=("no finished run of 'medical'",
+                                                                   "usecases run medical --preset smoke"))
+    table = pd.read_csv(FOLDER / "instances.csv", dtype=str, keep_default_na=False)
+    table.drop(columns="price_per_hour_usd").to_csv(tmp_path / "mine.csv", index=False)
+    assert_rejected(capsys, "medical", "advise", "medical", "--catalog", str(tmp_path / "mine.csv"),
+                    names=("mine.csv", "missing column 'price_per_hour_usd'"))
+    (tmp_path / "w.json").write_text(json.dumps({"task": "train", "flops_per_sample": 1e9}))
+    assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "w.json"),
+                    names=("w.json", "missing key 'bytes_per_sample'"))
+    (tmp_path / "g.json").write_text(json.dumps({"task": "serve", "flops_per_sample": 1e9, "bytes_per_sample": 1e6,
+                                                 "precision": "amp", "batch_size": 8,
+                                                 "measured": {"gpu": "RTX 9090", "samples_per_s": 10}}))
+    assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "g.json"),
+                    names=("unknown GPU 'RTX 9090'", "known: T4"))
