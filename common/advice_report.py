@@ -8,7 +8,8 @@ import math
 import tempfile
 from pathlib import Path
 
-from common.advise import RunFacts, Row, actions, advise, facts_from_file, facts_from_run, load_catalogue, recommend
+from common.advise import (RunFacts, Row, actions, advise, calibrated, facts_from_file, facts_from_run, load_catalogue,
+                           recommend)
 from common.advisor import Range
 from common.errors import UserError
 
@@ -22,16 +23,21 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
     if workload is not None:
         facts = facts_from_file(workload, gpus)
         task = facts.task
-        source = f"workload {workload}"
+        source = f"workload {workload} (times and costs per 1M samples)"
     else:
         run = _find_run(usecase, run_id)
-        facts = facts_from_run(run, usecase or run.data.tags.get("mlflow.runName", "NAME").split("-")[0])
+        facts = facts_from_run(run, usecase)
         source = f"run {run.info.run_id} of {usecase}, measured on " + (
             f"{facts.gpu_count} x {facts.gpu}" if facts.gpu else f"a CPU ({facts.cores} cores)")
+        if facts.gpu is None:
+            reference = _gpu_run(run)
+            if reference is not None:
+                facts = calibrated(facts, facts_from_run(reference, usecase))
+                source += f", its GPU rates from run {reference.info.run_id} on {facts.gpu}"
     rows = advise(facts, instances, gpus, task)
     picks = recommend(rows)
     todo = actions(facts, rows, picks, gpus) if workload is None else []
-    report = {"source": source, "task": task, "estimated": True, "rows": [_as_dict(row) for row in rows],
+    report = {"source": source, "task": task, "estimated": True, "rows": [_as_dict(row, task) for row in rows],
               "recommendations": {key: (row.instance.name if row else None) for key, row in picks.items()},
               "actions": todo, "measured": _measured(facts)}
     text = (json.dumps(report, indent=2) if output == "json" else
@@ -64,7 +70,20 @@ def _find_run(usecase: str | None, run_id: str | None):
     return runs[0]
 
 
-def _as_dict(row: Row) -> dict:
+def _gpu_run(run):
+    """The latest finished run of the same use case and preset measured on a GPU, with workload facts: a measured
+    GPU rate is always preferred to the roofline alone."""
+    import mlflow
+
+    query = (f"attributes.status = 'FINISHED' and tags.device = 'cuda' and tags.preset = "
+             f"'{run.data.tags.get('preset', '')}'")
+    found = mlflow.MlflowClient().search_runs([run.info.experiment_id], query, order_by=["attributes.start_time DESC"],
+                                              max_results=20)
+    return next((other for other in found if any(key.startswith("model/") for key in other.data.metrics)), None)
+
+
+def _as_dict(row: Row, task: str) -> dict:
+    """One instance's figures; `samples_per_s` is the training rate for --task train, else the serving rate."""
     instance = row.instance
 
     def rng(value: Range | None):
@@ -75,7 +94,10 @@ def _as_dict(row: Row) -> dict:
             "price_per_hour_usd": _clean(instance.price_per_hour), "price_source": instance.source,
             "price_as_of": instance.as_of, "epoch_seconds": rng(row.epoch_seconds),
             "train_seconds": rng(row.train_seconds), "train_cost_usd": rng(row.train_cost),
-            "bottleneck": row.train_bound, "samples_per_s": rng(row.serve_per_s), "latency_ms": rng(row.latency_ms),
+            "bottleneck": row.train_bound, "train_samples_per_s": rng(row.train_per_s),
+            "serve_samples_per_s": rng(row.serve_per_s),
+            "samples_per_s": rng(row.train_per_s if task == "train" else row.serve_per_s),
+            "latency_ms": rng(row.latency_ms),
             "serve_cost_per_million_usd": rng(row.serve_cost_per_million),
             "memory_share": _clean(row.memory_share), "fits": row.fits}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from common.advisor import Range, Workload, cpu_seconds, data_parallel, estimate
@@ -109,7 +109,7 @@ def facts_from_file(path: Path, gpus: dict[str, GPU]) -> RunFacts:
         raise UserError(f"{path}: flops_per_sample, bytes_per_sample and batch_size must be numbers") from None
     prefix = "train" if spec["task"] == "train" else "infer"
     model = {f"{prefix}_flops_per_sample": facts["flops"], f"{prefix}_bytes_per_sample": facts["bytes"],
-             "batch_size": facts["batch_size"]}
+             "batch_size": facts["batch_size"], "samples_per_epoch": 1e6, "epochs_run": 1.0}  # times per 1M samples
     measured = spec.get("measured") or {}
     gpu = match_gpu(str(measured["gpu"]), gpus) if "gpu" in measured else None
     if gpu is not None:
@@ -144,6 +144,7 @@ class Row:
     epoch_seconds: Range | None = None
     train_cost: Range | None = None
     train_bound: str = ""
+    train_per_s: Range | None = None  # of the model that takes the most time
     serve_per_s: Range | None = None
     latency_ms: Range | None = None
     serve_cost_per_million: Range | None = None
@@ -174,14 +175,16 @@ def _train(row: Row, facts: RunFacts, gpus: dict[str, GPU]) -> None:
         samples = model.get("samples_per_epoch", model.get("batch_size", 1))
         epoch = epoch.plus(rate.inverse().scaled(samples))
         run = run.plus(rate.inverse().scaled(model.get("trained_samples") or samples * model.get("epochs_run", 1)))
-        bounds.append((samples / rate.expected, found.bound))
+        bounds.append((samples / rate.expected, found.bound, rate))
         shares.append((found.memory_share, found.fits))
     cpu = Range(0, 0, 0)
     for part in facts.cpu_parts.values():
         cpu = cpu.plus(cpu_seconds(part.get("seconds", 0.0), bool(part.get("parallel")), facts.cores,
                                    instance.vcpus))
     row.epoch_seconds, row.train_seconds = epoch, run.plus(cpu)
-    row.train_bound = "CPU-side work" if cpu.expected > run.expected else max(bounds)[1] if bounds else ""
+    if bounds:
+        _, bound, row.train_per_s = max(bounds, key=lambda entry: entry[0])
+        row.train_bound = "CPU-side work" if cpu.expected > run.expected else bound
     row.train_cost = row.train_seconds.scaled(instance.price_per_hour / 3600)
     if shares:
         row.memory_share = max(share for share, _ in shares)
@@ -249,14 +252,14 @@ def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Row | None], gpus
         if pick.memory_share > HIGH_MEMORY:
             lines.append(f"peak memory {100 * pick.memory_share:.0f} % of the {pick.instance.gpu.name}'s (estimated):"
                          " the next larger GPU or a smaller batch")
-        cpu = sum(part.get("seconds", 0.0) for part in facts.cpu_parts.values())
-        if pick.train_seconds is not None and cpu and cpu / facts.cores > 0:
-            share = _cpu_share(facts, pick)
-            if share > CPU_SHARE_ACTION:
-                vcpus = _vcpus_to_match(facts, pick)
-                lines.append(f"CPU-side work ({', '.join(facts.cpu_parts)}) is {100 * share:.0f} % of the run on "
-                             f"{pick.instance.name} (estimated): an instance with at least {vcpus} vCPUs keeps it "
-                             "below the GPU's time")
+        if pick.train_seconds is not None and facts.cpu_parts:
+            share, vcpus = _cpu_share(facts, pick), _vcpus_to_match(facts, pick)
+            advice = (f"an instance with at least {vcpus} vCPUs keeps it below the GPU's time"
+                      if share > CPU_SHARE_ACTION and vcpus > pick.instance.vcpus else
+                      f"its {pick.instance.vcpus} vCPUs suffice (it needs {vcpus} to stay below the GPU's time)")
+            lines.append(f"CPU-side work ({', '.join(facts.cpu_parts)}: {_seconds(facts)} s on {facts.cores} cores, "
+                         f"measured) is {100 * share:.0f} % of the run on {pick.instance.name} (estimated): "
+                         f"{advice}")
         lines.append(_data_parallel_line(facts, pick.instance.gpu, gpus))
     return [line for line in lines if line]
 
@@ -275,10 +278,15 @@ def _cpu_share(facts: RunFacts, row: Row) -> float:
     return cpu / row.train_seconds.expected if row.train_seconds.expected else 0.0
 
 
+def _seconds(facts: RunFacts) -> str:
+    return f"{sum(part.get('seconds', 0.0) for part in facts.cpu_parts.values()):.2g}"
+
+
 def _vcpus_to_match(facts: RunFacts, row: Row) -> int:
+    """The vCPUs at which the parallel CPU-side parts take no longer than the GPU's share of the run."""
     gpu_seconds = row.train_seconds.expected * (1 - _cpu_share(facts, row))
     parallel = sum(part.get("seconds", 0.0) for part in facts.cpu_parts.values() if part.get("parallel"))
-    return max(row.instance.vcpus, math.ceil(parallel * facts.cores / max(gpu_seconds, 1e-9)))
+    return max(1, math.ceil(parallel * facts.cores / max(gpu_seconds, 1e-9)))
 
 
 def _data_parallel_line(facts: RunFacts, gpu: GPU, gpus: dict[str, GPU]) -> str:
@@ -292,6 +300,13 @@ def _data_parallel_line(facts: RunFacts, gpu: GPU, gpus: dict[str, GPU]) -> str:
     speedup = 2 * step / (step + all_reduce)
     return (f"2 GPUs ({gpu.name}): expected speed-up {speedup:.1f}x with DDP at this step time "
             f"({1000 * step:.1f} ms a step, {1000 * all_reduce:.1f} ms to all-reduce the gradients; estimated)")
+
+
+def calibrated(facts: RunFacts, gpu_run: RunFacts) -> RunFacts:
+    """A CPU run's facts with the training rates another run of the same models measured on a GPU."""
+    models = {name: {**model, **{key: value for key, value in gpu_run.models.get(name, {}).items()
+                                 if key.startswith("measured_")}} for name, model in facts.models.items()}
+    return replace(facts, models=models, gpu=gpu_run.gpu, gpu_count=gpu_run.gpu_count)
 
 
 def load_catalogue(catalog: Path | None) -> tuple[dict[str, GPU], list[Instance]]:

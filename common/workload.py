@@ -92,7 +92,8 @@ def measure_model(module: nn.Module, step: Callable, predict: Predict | None, ba
     saved = [0]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.data_ptr() not in own:  # a weight kept for backward is not an activation
+        # a weight kept for backward is not an activation, nor is a sparse constant (LightGCN's graph)
+        if tensor.layout == torch.strided and tensor.data_ptr() not in own:
             saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 

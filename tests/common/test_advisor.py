@@ -67,7 +67,7 @@ def test_mixed_precision_takes_bf16_where_the_gpu_has_it_else_fp16():
 
 def test_the_bound_is_compute_memory_or_launches_as_the_workload_says():
     big = Workload("train", 24e9, 2e8, "amp", 256, ops_per_batch=1000)
-    streaming = Workload("train", 1e3, 4e6, "amp", 256, ops_per_batch=100)
+    streaming = Workload("train", 1e3, 4e7, "amp", 256, ops_per_batch=100)
     tiny = Workload("train", 1e3, 1e3, "amp", 16, ops_per_batch=400)
     gpu = GPUS["A100-80GB-SXM"]
     assert estimate(big, gpu).bound == "compute" and estimate(streaming, gpu).bound == "memory bandwidth"
@@ -132,12 +132,13 @@ def ncf_facts() -> dict[str, float]:
 
 
 def published_predictions() -> pd.DataFrame:
-    """Each published one-GPU figure against its prediction from the same table's V100-16GB figure."""
+    """Each published one-GPU figure against its prediction from the V100-16GB figure of the same table and
+    setting (framework version, XLA or not)."""
     published = pd.read_csv(FOLDER / "published.csv")
     published = published[published["gpus"] == 1]
     resnet, ncf = resnet50_facts(), ncf_facts()
     rows = []
-    for (model, task, precision), group in published.groupby(["model", "task", "precision"]):
+    for (model, setting, task, precision), group in published.groupby(["model", "setting", "task", "precision"]):
         reference = group[group["gpu"] == REFERENCE]
         if reference.empty:
             continue
