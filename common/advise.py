@@ -78,7 +78,7 @@ def facts_from_run(run, usecase: str) -> RunFacts:
 
 
 def _trained_samples(run_id: str, name: str) -> float:
-    """Every sample a model trained on in the run: each fit (a finance refit, an ensemble member) logs its samples
+    """Every sample a model trained on in the run: each fit (a refit, an ensemble member) logs its samples
     per epoch and epochs once."""
     import mlflow
 

@@ -18,6 +18,11 @@ from usecases import finance
 USECASE = "finance"
 EXPERIMENT = f"gpu-usecases-{USECASE}"
 PRIMARY = f"primary/{finance.USECASE.primary_metric[0]}"  # what the CLI logs as the served model's primary metric
+METRIC_SCROLLS = 60
+SCROLL_METRIC_GRIDS = """() => document.querySelectorAll('.ReactVirtualized__Grid').forEach(grid => {
+    grid.scrollTop += 90;
+    grid.dispatchEvent(new Event('scroll'));
+})"""
 UI_TIMEOUT_MS = 60_000  # the SPA polls forever, so every wait is for `load` plus a selector, never `networkidle`
 # The compare page lists metric names and values in two virtualized grids, a row's cells sharing its `top`.
 METRIC_ROW_VALUES = """name => {
@@ -121,13 +126,21 @@ def compare_in_the_ui(page, url, experiment_id, run_ids, run_names, logged, scre
     page.get_by_role("button", name="Compare", exact=True).click()
     page.wait_for_url("**/compare-runs?**", wait_until="load")
     page.get_by_text("Run ID:", exact=True).wait_for()
-    metric = page.locator("a[title='Plot chart']", has_text=PRIMARY).first
-    metric.wait_for()
 
-    # Fold the plots and the (equal) parameters so that one screen shows run ids, names and the metric.
+    # Fold the plots and the (equal) parameters so that one screen shows run ids, names and the metric; the
+    # metrics table renders only the rows in view, and a run logs dozens (its workload facts among them).
     for section in ("Visualizations", "Parameters"):
         page.get_by_role("button", name=section, exact=True).click()
-    metric.scroll_into_view_if_needed()
+    metric = page.locator("a[title='Plot chart']", has_text=PRIMARY).first
+    page.locator("a[title='Plot chart']").first.wait_for()
+    # The metrics' name and value grids render only the rows in view, and a run logs dozens of metrics (its
+    # workload facts among them): scroll both on a row at a time until the metric's row is rendered in each.
+    for _ in range(METRIC_SCROLLS):
+        if metric.count() and metric.evaluate(METRIC_ROW_VALUES):
+            break
+        page.evaluate(SCROLL_METRIC_GRIDS)
+        page.wait_for_timeout(200)
+    metric.wait_for()
     page.screenshot(path=str(screenshot))  # the page scrolls inside <main>: a full_page shot would be no taller
     save_artifact(screenshot)
 
