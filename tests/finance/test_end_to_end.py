@@ -16,7 +16,8 @@ import pytest
 from tests.cli_helpers import private_env, runs, usecases
 
 MODELS = {"ewma", "garch", "gjr_garch_t", "har", "neural"}
-METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p"}
+METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p", "christoffersen_cc_p",
+           "basel_green_windows"}
 
 
 @pytest.fixture(scope="module")

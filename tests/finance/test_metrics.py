@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from usecases.finance.evaluate import diebold_mariano, evaluate, kupiec_pof, mse, qlike, value_at_risk
+from usecases.finance.evaluate import (christoffersen, diebold_mariano, evaluate, kupiec_pof, mse, qlike,
+                                      traffic_light, value_at_risk)
 
 
 def test_qlike_by_hand():
@@ -27,6 +28,38 @@ def test_kupiec_matches_the_reference_and_the_formula():
     expected = -2 * (95 * math.log(0.99) + 5 * math.log(0.01) - 95 * math.log(1 - rate) - 5 * math.log(rate))
     assert kupiec_pof(5, 100, 0.01)[0] == pytest.approx(expected)
     assert kupiec_pof(0, 100, 0.01)[0] == pytest.approx(-2 * 100 * math.log(0.99))
+
+
+def test_christoffersen_by_hand_and_on_clustered_breaches():
+    """Transitions of 0 0 1 1 0 0 0 1 0 0: n00 = 4, n01 = 2, n10 = 2, n11 = 1."""
+    hits = np.array([0, 0, 1, 1, 0, 0, 0, 1, 0, 0], dtype=bool)
+    p01, p11, p = 2 / 6, 1 / 3, 3 / 9
+    markov = 4 * math.log(1 - p01) + 2 * math.log(p01) + 2 * math.log(1 - p11) + math.log(p11)
+    independent = 6 * math.log(1 - p) + 3 * math.log(p)
+    independence, _, coverage, _ = christoffersen(hits, 0.01)
+    assert independence == pytest.approx(-2 * (independent - markov), abs=1e-12)
+    assert coverage == pytest.approx(independence + kupiec_pof(3, 10, 0.01)[0])
+
+    rng = np.random.default_rng(1)
+    scattered = rng.random(2000) < 0.01
+    clustered = np.zeros(2000, dtype=bool)
+    clustered[[100, 101, 102, 103, 900, 901, 902, 903, 1500, 1501, 1502, 1503, 1800, 1801, 1802, 1803, 1900,
+               1901, 1902, 1903]] = True  # 20 breaches, the rate of a 1 % VaR, in runs of 4
+    assert christoffersen(scattered, 0.01)[1] > 0.05
+    assert christoffersen(clustered, 0.01)[1] < 1e-6 and christoffersen(clustered, 0.01)[3] < 1e-6
+    assert kupiec_pof(20, 2000, 0.01)[1] == 1.0, "the rate is right: only the clustering is caught"
+
+
+def test_the_traffic_light_counts_rolling_windows_by_zone():
+    hits = np.zeros(300, dtype=bool)
+    hits[[10, 20, 30, 40, 50]] = True  # five breaches in the first 51 days: yellow while a window holds them all
+    zones = traffic_light(hits)
+    assert sum(zones.values()) == 51  # windows ending on days 250 to 300
+    assert zones == {"basel_green_windows": 40.0, "basel_yellow_windows": 11.0, "basel_red_windows": 0.0}
+    hits[100:110] = True
+    assert traffic_light(hits)["basel_red_windows"] == 51
+    assert traffic_light(hits[:100]) == {"basel_green_windows": 0.0, "basel_yellow_windows": 0.0,
+                                         "basel_red_windows": 0.0}
 
 
 def test_diebold_mariano_without_lags_is_a_plain_t_statistic():

@@ -1,4 +1,5 @@
-"""Forecast evaluation on the test window: losses against two variance proxies, tests, and plots.
+"""Forecast evaluation on the test window: losses against two variance proxies, VaR backtests (Kupiec,
+Christoffersen, the Basel traffic light), Diebold-Mariano tests, and plots.
 
 QLIKE(proxy, forecast) = x − ln x − 1 with x = proxy / forecast (Patton 2011): robust to the noise in the
 proxy, so models rank the same as they would against the true variance. Days where a proxy is zero are left out,
@@ -16,6 +17,7 @@ from scipy.stats import chi2, norm
 from .baselines import VAR_LEVELS, quantile_column
 
 REFERENCE_MODEL = "har"
+BASEL_WINDOW = 250  # trading days of the Basel traffic-light backtest
 
 
 def qlike_losses(proxy: np.ndarray, forecast: np.ndarray) -> np.ndarray:
@@ -40,6 +42,33 @@ def kupiec_pof(breaches: int, days: int, level: float) -> tuple[float, float]:
     restricted = xlogy(days - breaches, 1 - level) + xlogy(breaches, level)
     statistic = max(-2 * (restricted - unrestricted), 0.0)
     return statistic, float(chi2.sf(statistic, 1))
+
+
+def christoffersen(breaches: np.ndarray, level: float) -> tuple[float, float, float, float]:
+    """Christoffersen's (1998) likelihood ratios on a day-by-day breach sequence: independence (does a breach make
+    the next day's more likely?) against χ²(1), and conditional coverage (Kupiec's rate and independence together)
+    against χ²(2). Returns both statistics and their p-values."""
+    hits = np.asarray(breaches, dtype=bool)
+    before, after = hits[:-1], hits[1:]
+    n00, n01 = int((~before & ~after).sum()), int((~before & after).sum())
+    n10, n11 = int((before & ~after).sum()), int((before & after).sum())
+    p01, p11 = n01 / max(n00 + n01, 1), n11 / max(n10 + n11, 1)
+    p = (n01 + n11) / max(n00 + n01 + n10 + n11, 1)
+    markov = xlogy(n00, 1 - p01) + xlogy(n01, p01) + xlogy(n10, 1 - p11) + xlogy(n11, p11)
+    independent = xlogy(n00 + n10, 1 - p) + xlogy(n01 + n11, p)
+    independence = max(-2 * (independent - markov), 0.0)
+    coverage = kupiec_pof(int(hits.sum()), len(hits), level)[0] + independence
+    return independence, float(chi2.sf(independence, 1)), coverage, float(chi2.sf(coverage, 2))
+
+
+def traffic_light(breaches: np.ndarray, window: int = BASEL_WINDOW) -> dict[str, float]:
+    """The Basel traffic-light zones of the 99 % VaR over every rolling `window`-day window (green: at most 4
+    breaches, yellow: 5 to 9, red: 10 or more, as in the Basel Committee's 1996 backtesting framework): how many
+    windows fall in each zone; none when the series is shorter than a window."""
+    counts = pd.Series(np.asarray(breaches, dtype=float)).rolling(window).sum().dropna().to_numpy()
+    return {"basel_green_windows": float((counts <= 4).sum()),
+            "basel_yellow_windows": float(((counts >= 5) & (counts <= 9)).sum()),
+            "basel_red_windows": float((counts >= 10).sum())}
 
 
 def diebold_mariano(losses: np.ndarray, reference_losses: np.ndarray, lags: int = 5) -> tuple[float, float]:
@@ -81,10 +110,16 @@ def series_metrics(forecasts: pd.DataFrame, horizon: int) -> dict[str, float]:
     }
     for level in VAR_LEVELS:
         name = f"var{round(level * 100)}"
-        breaches = int((returns < value_at_risk(forecasts, level)).sum())
+        hits = (returns < value_at_risk(forecasts, level)).to_numpy()
+        breaches = int(hits.sum())
         metrics[f"{name}_breach_rate"] = breaches / len(returns)
         metrics[f"{name}_breaches"] = float(breaches)
-        metrics["kupiec_p" if level == 0.01 else f"kupiec_p_{name}"] = kupiec_pof(breaches, len(returns), level)[1]
+        suffix = "" if level == 0.01 else f"_{name}"
+        metrics[f"kupiec_p{suffix}"] = kupiec_pof(breaches, len(returns), level)[1]
+        _, metrics[f"christoffersen_ind_p{suffix}"], _, metrics[f"christoffersen_cc_p{suffix}"] = christoffersen(
+            hits, level)
+        if level == 0.01:
+            metrics.update(traffic_light(hits))
     metrics["test_days"] = float(len(returns))
     return metrics
 
