@@ -17,7 +17,7 @@ from tests.cli_helpers import private_env, runs, usecases
 
 MODELS = {"ewma", "garch", "gjr_garch_t", "har", "neural"}
 METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p", "christoffersen_cc_p",
-           "basel_green_windows"}
+           "basel_green_windows", "es975_mcneil_frey_p", "es975_z2"}
 
 
 @pytest.fixture(scope="module")

@@ -95,13 +95,16 @@ def test_evaluate_names_metrics_per_series_and_averages_them():
             for day in days:
                 rows.append({"model": model, "ticker": ticker, "date": day, "variance": 1.0, "variance_h": 2.0,
                              "mu": 0.0,
-                             "q01": -2.33, "q05": -1.64, "parkinson": proxy, "ret": -3.0 if day == days[0] else 0.5})
+                             "q01": -2.33, "q05": -1.64, "es975_q": -1.96, "es975": -2.34, "es99_q": -2.33,
+                             "es99": -2.67, "parkinson": proxy, "ret": -3.0 if day == days[0] else 0.5})
     results = evaluate(pd.DataFrame(rows), horizon=2, dm_lags=0)
     neural = results["neural"]
     assert neural["qlike_parkinson/a"] == 0
     assert neural["qlike_parkinson/b"] == pytest.approx(2 - math.log(2) - 1)
     assert neural["qlike_parkinson"] == pytest.approx((2 - math.log(2) - 1) / 2)
     assert neural["var1_breach_rate"] == 0.25
+    assert neural["es975_breaches"] == 1 and neural["es975_mean"] == pytest.approx(-2.34)
+    assert neural["es975_z2/a"] == pytest.approx(-3.0 / (4 * 0.025 * 2.34) + 1)
     assert neural["qlike_parkinson_h2/a"] == 0, "two days of variance 1 sum to the forecast of 2"
     assert neural["mse_parkinson_h2/b"] == pytest.approx(4.0), "three full two-day windows, each 4 against 2"
     assert "dm_t_vs_har" in neural and "dm_t_vs_har" not in results["har"]

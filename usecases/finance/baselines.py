@@ -3,7 +3,8 @@
 Every function takes one ticker's feature frame (rows are forecast origins, in date order), the blocks of
 test origins as (first, last) row positions and the longer horizon H, and returns one row per test origin:
 the variance forecast for the next day, the summed variance of the next H days (`variance_h`), the mean
-return `mu`, and the standardised quantiles that turn them into one-day Value-at-Risk.
+return `mu`, and the standardised quantiles and Expected Shortfalls (`tails`) that turn them into one-day
+Value-at-Risk and ES.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from scipy.stats import norm
 from sklearn.linear_model import LinearRegression
 
 from common.interrupt import stop_point
+from .tails import ES_LEVELS, es_name, normal_tails, student_t_tails
 
 VAR_LEVELS = (0.01, 0.05)
 HAR_INPUTS = ["rv_d", "rv_w", "rv_m"]
@@ -31,13 +33,17 @@ def quantile_column(level: float) -> str:
     return f"q{round(level * 100):02d}"
 
 
-def forecast_frame(frame: pd.DataFrame, positions: np.ndarray, variance, variance_h, mu, quantiles) -> pd.DataFrame:
+def forecast_frame(frame: pd.DataFrame, positions: np.ndarray, variance, variance_h, mu, quantiles,
+                   tails: list[tuple[float, float]]) -> pd.DataFrame:
+    """`quantiles` at VAR_LEVELS; `tails` the (quantile, ES) of the model's standardised returns at ES_LEVELS."""
     out = pd.DataFrame(index=frame.index[positions])
     out["variance"] = np.maximum(np.asarray(variance, dtype=float), MIN_VARIANCE)
     out["variance_h"] = np.maximum(np.asarray(variance_h, dtype=float), MIN_VARIANCE)
     out["mu"] = mu
     for level, quantile in zip(VAR_LEVELS, quantiles):
         out[quantile_column(level)] = quantile
+    for level, (quantile, shortfall) in zip(ES_LEVELS, tails):
+        out[f"{es_name(level)}_q"], out[es_name(level)] = quantile, shortfall
     return out
 
 
@@ -50,7 +56,7 @@ def ewma(frame: pd.DataFrame, blocks: Blocks, horizon: int, lam: float = 0.94) -
     variance = frame["sq_ret"].ewm(alpha=1 - lam, adjust=False).mean().to_numpy()
     positions = _positions(blocks)
     return forecast_frame(frame, positions, variance[positions], horizon * variance[positions], 0.0,
-                          norm.ppf(VAR_LEVELS))
+                          norm.ppf(VAR_LEVELS), normal_tails())
 
 
 def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = False,
@@ -74,8 +80,9 @@ def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = 
         path = forecast.variance.to_numpy()[: last - first + 1]
         shape = result.params[model.distribution.parameter_names()].to_numpy()
         quantiles = model.distribution.ppf(np.array(VAR_LEVELS), shape)
+        tails = student_t_tails(float(shape[0])) if dist == "t" else normal_tails()
         parts.append(forecast_frame(frame, np.arange(first, last + 1), path[:, 0], path.sum(axis=1),
-                                    result.params["mu"], quantiles))
+                                    result.params["mu"], quantiles, tails))
     return pd.concat(parts)
 
 
@@ -98,7 +105,7 @@ def har(frame: pd.DataFrame, blocks: Blocks, horizon: int) -> pd.DataFrame:
             train[first - lag + 1 :] = False
             forecasts.append(LinearRegression().fit(inputs[train], values[train]).predict(inputs[positions]))
         mu = np.nanmean(returns[: first + 1])
-        parts.append(forecast_frame(frame, positions, *forecasts, mu, norm.ppf(VAR_LEVELS)))
+        parts.append(forecast_frame(frame, positions, *forecasts, mu, norm.ppf(VAR_LEVELS), normal_tails()))
     return pd.concat(parts)
 
 

@@ -1,5 +1,6 @@
 """Forecast evaluation on the test window: losses against two variance proxies, VaR backtests (Kupiec,
-Christoffersen, the Basel traffic light), Diebold-Mariano tests, and plots.
+Christoffersen, the Basel traffic light), Expected Shortfall backtests (McNeil-Frey, Acerbi-Székely Z2),
+Diebold-Mariano tests, and plots.
 
 QLIKE(proxy, forecast) = x − ln x − 1 with x = proxy / forecast (Patton 2011): robust to the noise in the
 proxy, so models rank the same as they would against the true variance. Days where a proxy is zero are left out,
@@ -15,9 +16,11 @@ from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
 from .baselines import VAR_LEVELS, quantile_column
+from .tails import ES_LEVELS, es_name
 
 REFERENCE_MODEL = "har"
 BASEL_WINDOW = 250  # trading days of the Basel traffic-light backtest
+ES_RESAMPLES = 10_000  # of the McNeil-Frey bootstrap
 
 
 def qlike_losses(proxy: np.ndarray, forecast: np.ndarray) -> np.ndarray:
@@ -71,6 +74,28 @@ def traffic_light(breaches: np.ndarray, window: int = BASEL_WINDOW) -> dict[str,
             "basel_red_windows": float((counts >= 10).sum())}
 
 
+def mcneil_frey(returns: np.ndarray, shortfall: np.ndarray, sigma: np.ndarray, breaches: np.ndarray,
+                resamples: int = ES_RESAMPLES, seed: int = 0) -> float:
+    """McNeil and Frey's (2000) ES backtest: on the days the VaR was breached, the exceedance residuals
+    (return − ES) / σ have mean zero when the ES is right and a negative one when it understates the loss.
+    One-sided bootstrap p-value of their t statistic (resampling the residuals centred on their mean); NaN with
+    fewer than 2 breaches."""
+    residuals = ((returns - shortfall) / sigma)[breaches]
+    if len(residuals) < 2 or residuals.std() == 0:
+        return float("nan")
+    observed = residuals.mean() / residuals.std(ddof=1) * np.sqrt(len(residuals))
+    samples = np.random.default_rng(seed).choice(residuals - residuals.mean(), (resamples, len(residuals)))
+    spread = samples.std(axis=1, ddof=1)
+    statistics = np.divide(samples.mean(axis=1), spread, out=np.zeros(resamples), where=spread > 0)
+    return float((1 + (statistics * np.sqrt(len(residuals)) <= observed).sum()) / (resamples + 1))
+
+
+def acerbi_szekely_z2(returns: np.ndarray, shortfall: np.ndarray, breaches: np.ndarray, level: float) -> float:
+    """Acerbi and Székely's (2014) Z2 = Σ r·1{breach} / (T α |ES|) + 1: 0 when the ES is right, negative when
+    the losses beyond the VaR are larger than it says."""
+    return float((returns * breaches / np.abs(shortfall)).sum() / (len(returns) * level) + 1)
+
+
 def diebold_mariano(losses: np.ndarray, reference_losses: np.ndarray, lags: int = 5) -> tuple[float, float]:
     """t statistic of the mean loss difference with a Bartlett (Newey-West) long-run variance; positive = worse."""
     difference = np.asarray(losses) - np.asarray(reference_losses)
@@ -120,6 +145,16 @@ def series_metrics(forecasts: pd.DataFrame, horizon: int) -> dict[str, float]:
             hits, level)
         if level == 0.01:
             metrics.update(traffic_light(hits))
+    sigma = np.sqrt(variance)
+    mu = forecasts["mu"].to_numpy()
+    for level in ES_LEVELS:
+        name = es_name(level)
+        shortfall = mu + sigma * forecasts[name].to_numpy()
+        hits = returns < mu + sigma * forecasts[f"{name}_q"].to_numpy()
+        metrics[f"{name}_mean"] = float(shortfall.mean())
+        metrics[f"{name}_breaches"] = float(hits.sum())
+        metrics[f"{name}_z2"] = acerbi_szekely_z2(returns, shortfall, hits, level)
+        metrics[f"{name}_mcneil_frey_p"] = mcneil_frey(returns, shortfall, sigma, hits)
     metrics["test_days"] = float(len(returns))
     return metrics
 

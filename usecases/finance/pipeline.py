@@ -24,6 +24,7 @@ from common.sharding import gather_objects, my_share
 from common.training import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
 from common.workload import cpu_part
 from .baselines import VAR_LEVELS, fit_baselines, forecast_frame
+from .tails import empirical_tails
 from .config import Config
 from .data import Panel, load_panel
 from .evaluate import evaluate, forecast_figure, var_figure
@@ -227,8 +228,9 @@ def training_window(frame: pd.DataFrame, ready: pd.Series, refit_date: pd.Timest
 def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[pd.DataFrame, dict]:
     """Walk-forward training of the global model; returns the test forecasts and the last refit for serving.
 
-    At each refit the network sees only the rows `training_window` gives. Its VaR quantiles are the empirical quantiles
-    of the standardised returns it produced in its training window (filtered historical simulation).
+    At each refit the network sees only the rows `training_window` gives. Its VaR quantiles and Expected Shortfalls
+    are the empirical ones of the standardised returns it produced in its training window (filtered historical
+    simulation).
     """
     device = job.runtime.device
     names = feature_names(config.data.exogenous)
@@ -251,10 +253,12 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
         fitted = ensemble_forecast(members, features[fitted_rows].to(device))[:, 0].cpu().numpy()
         realised = frame["target_ret"].to_numpy()[fitted_rows]
         mu = float(realised.mean())
-        quantiles = np.quantile((realised - mu) / np.sqrt(fitted), VAR_LEVELS)
+        standardised = (realised - mu) / np.sqrt(fitted)
+        quantiles = np.quantile(standardised, VAR_LEVELS)
         predict_rows = np.flatnonzero(mask & (frame["target_date"] >= start) & (frame["target_date"] < end))
         forecast = ensemble_forecast(members, features[predict_rows].to(device)).cpu().numpy()
-        parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, quantiles))
+        parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, quantiles,
+                                    empirical_tails(standardised)))
         latest = {"models": members, "features": names, "exogenous": config.data.exogenous,
                   "architecture": {**config.neural.model_dump(exclude={"ensemble"}),
                                    "horizon": config.evaluation.horizon},
