@@ -26,13 +26,13 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
         source = f"workload {workload} (times and costs per 1M samples)"
     else:
         run = _find_run(usecase, run_id)
-        facts = facts_from_run(run, usecase)
+        facts = facts_from_run(run, usecase, gpus)
         source = f"run {run.info.run_id} of {usecase}, measured on " + (
             f"{facts.gpu_count} x {facts.gpu}" if facts.gpu else f"a CPU ({facts.cores} cores)")
         if facts.gpu is None:
             reference = _gpu_run(run)
             if reference is not None:
-                facts = calibrated(facts, facts_from_run(reference, usecase))
+                facts = calibrated(facts, facts_from_run(reference, usecase, gpus))
                 source += f", its GPU rates from run {reference.info.run_id} on {facts.gpu}"
     rows = advise(facts, instances, gpus, task)
     picks = recommend(rows)

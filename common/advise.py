@@ -40,7 +40,7 @@ class RunFacts:
     task: str = "both"
 
 
-def facts_from_run(run, usecase: str) -> RunFacts:
+def facts_from_run(run, usecase: str, gpus: dict[str, GPU]) -> RunFacts:
     """The facts of an MLflow run; a run without them is one line saying what to run first."""
     metrics, params, tags = run.data.metrics, run.data.params, run.data.tags
     models: dict[str, dict[str, float]] = {}
@@ -55,7 +55,7 @@ def facts_from_run(run, usecase: str) -> RunFacts:
         raise UserError(f"run {run.info.run_id} has no workload facts (metrics model/<name>/train_flops_per_sample):"
                         f" it was logged before `advise` existed, or trained no torch model; run `usecases run "
                         f"{usecase} --preset smoke` first")
-    gpu_name, gpus = tags.get("gpu_name", "none"), load_gpus()
+    gpu_name = tags.get("gpu_name", "none")
     gpu = None
     if gpu_name != "none" and tags.get("device", "cpu").startswith("cuda"):
         try:

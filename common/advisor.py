@@ -39,7 +39,7 @@ POWER_EXPONENT = 0.5
 LAUNCH_SECONDS = (15e-6, 8e-6, 4e-6)  # per operator, eager PyTorch: slow host, typical, fast host
 MEASURED_SPREAD = (0.6, 1.0, 1.35)  # of a throughput scaled from a measured GPU run
 DDP_EFFICIENCY = (0.75, 0.9, 0.95)  # per GPU, data parallel on one machine
-BOUNDS = ("compute", "memory bandwidth", "launch overhead", "input pipeline", "CPU-side work")
+BOUNDS = ("compute", "memory bandwidth", "launch overhead", "input pipeline", "CPU-side work")  # what `advise` names
 
 
 @dataclass(frozen=True)

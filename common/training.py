@@ -364,8 +364,10 @@ class Trainer:
                 break
         self.module.load_state_dict(best_state)
         self._save(self._state(epoch, best, best_epoch, best_state, bad_epochs, history, True))
-        if self.runtime.is_main and history:
-            self.log_metrics(self._workload(batches, history[-1], epoch + 1), self.step_offset + epoch)
+        if history:  # every rank measures: SyncBatchNorm's forward is a collective under DDP; rank 0 logs
+            facts = self._workload(batches, history[-1], epoch + 1)
+            if self.runtime.is_main:
+                self.log_metrics(facts, self.step_offset + epoch)
         return FitResult(best, best_epoch, epoch + 1, resumed_from, history)
 
     def _workload(self, batches: Iterable, last: dict[str, float], epochs_run: int) -> dict[str, float]:
