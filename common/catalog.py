@@ -60,7 +60,7 @@ def _read(path: Path, columns: tuple[str, ...], what: str) -> pd.DataFrame:
         raise UserError(f"{path}: cannot be read as a {what} CSV ({str(exc).splitlines()[0][:120]})") from None
     missing = [name for name in columns if name not in table.columns]
     if missing:
-        raise UserError(f"{path}: missing column '{missing[0]}' (a {what} CSV has the columns {', '.join(columns)})")
+        raise UserError(f"{path}: missing column '{missing[0]}' (the {what} CSV has the columns {', '.join(columns)})")
     return table
 
 

@@ -49,7 +49,7 @@ def test_the_catalogue_has_the_gpus_and_clouds_the_issue_names_with_sources():
 def test_a_catalogue_missing_a_column_or_with_a_bad_number_is_one_line(tmp_path):
     table = pd.read_csv(FOLDER / "instances.csv", dtype=str, keep_default_na=False)
     table.drop(columns="vcpus").to_csv(tmp_path / "mine.csv", index=False)
-    with pytest.raises(UserError, match=r"mine.csv: missing column 'vcpus' \(a instance catalogue CSV has the "):
+    with pytest.raises(UserError, match=r"mine.csv: missing column 'vcpus' \(the instance catalogue CSV has the "):
         load_instances(GPUS, tmp_path / "mine.csv")
     table.assign(price_per_hour_usd=["cheap"] + list(table["price_per_hour_usd"][1:])).to_csv(tmp_path / "bad.csv",
                                                                                               index=False)
