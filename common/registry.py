@@ -23,8 +23,9 @@ def data_alias(data_sha256: str) -> str:
 def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, value: float,
                       data_sha256: str) -> str:
     """Register the run's model as a new version of `gpu-usecases-<usecase>` and compare it with the models on the
-    same data only: the best of every version registered on this data (by the primary metric, the earlier on a
-    tie) takes the alias `champion-<sha12>`; the run's model is the champion when that is it, else the
+    same data and primary metric only: the best of every version registered on this data under this metric (the
+    earlier on a tie; a version chosen by another metric, before a use case changed its primary metric, does not
+    compete) takes the alias `champion-<sha12>`; the run's model is the champion when that is it, else the
     `challenger`. `champion` then points at the champion of this run's data, so `usecases serve` serves the best
     model for the data trained on last, and `--data-sha256` any other. Returns champion or challenger; the decision
     and both values go to the run.
@@ -39,14 +40,16 @@ def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, va
         client.set_model_version_tag(name, version, key, str(tag))
     same_data = data_alias(data_sha256)
     before = _version_by_alias(client, name, same_data)
+    if before is not None and before.tags.get("primary_metric") != metric:
+        before = None
     champion_value = _primary_value(before)
-    best = _best_on(client, name, data_sha256, mode) or version
+    best = _best_on(client, name, data_sha256, metric, mode) or version
     for _ in range(ALIAS_ATTEMPTS):
         _set_alias(client, name, same_data, best)
         if best != version:
             _set_alias(client, name, "challenger", version)
         _set_alias(client, name, "champion", best)
-        now = _best_on(client, name, data_sha256, mode) or version
+        now = _best_on(client, name, data_sha256, metric, mode) or version
         if now == best:  # else a version registered meanwhile is better: write again
             break
         best = now
@@ -63,11 +66,11 @@ def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, va
 ALIAS_ATTEMPTS = 5
 
 
-def _best_on(client, name: str, data_sha256: str, mode: str) -> str | None:
-    """The version with the best primary value among those registered on this data (NaN last, the earliest on a
-    tie)."""
+def _best_on(client, name: str, data_sha256: str, metric: str, mode: str) -> str | None:
+    """The version with the best primary value among those registered on this data under this primary metric (NaN
+    last, the earliest on a tie)."""
     versions = [found for found in client.search_model_versions(f"name='{name}'")
-                if found.tags.get("data_sha256") == data_sha256]
+                if found.tags.get("data_sha256") == data_sha256 and found.tags.get("primary_metric") == metric]
 
     def rank(found) -> tuple:
         value = _primary_value(found)

@@ -1,5 +1,6 @@
 """Running the CLI as a user does: a separate process, with a private MLflow store and checkpoint folder."""
 
+import json
 import logging
 import os
 import signal
@@ -26,6 +27,17 @@ def usecases(*args, timeout=300, env=None):
     env = {**(env or os.environ), "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "usecases", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def preset_summary(tmp_path_factory, usecase: str, preset: str) -> dict:
+    """`usecases run USECASE --preset PRESET` in a private store, as a user runs it: its summary.json, after checking
+    that the run finished."""
+    env = private_env(tmp_path_factory.mktemp(preset))
+    path = tmp_path_factory.mktemp("summary") / "s.json"
+    result = usecases("run", usecase, "--preset", preset, "--summary", str(path), timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [run.info.status for run in runs(usecase, uri=env["MLFLOW_TRACKING_URI"])] == ["FINISHED"]
+    return json.loads(path.read_text())
 
 
 def two_ranks(script: Path, outdir: Path, *args: str) -> list[dict]:

@@ -62,12 +62,12 @@ def test_one_champion_and_challengers_on_the_same_data(four_runs):
     aliases = [run.data.tags["registry_alias"] for run in runs("finance", uri)]
     assert set(aliases) <= {"champion", "challenger"} and "challenger" in aliases  # equal metrics: the first wins
     champion = client.get_model_version_by_alias("gpu-usecases-finance", "champion")
-    assert champion.tags["primary_metric"] == "qlike_parkinson"
+    assert champion.tags["primary_metric"] == "qlike_sq"
     champion_run = client.get_run(champion.tags["run_id"])
     assert float(champion.tags["primary_value"]) == pytest.approx(
-        champion_run.data.metrics["primary/qlike_parkinson"])
+        champion_run.data.metrics["primary/qlike_sq"])
     assert float(champion.tags["primary_value"]) == pytest.approx(
-        champion_run.data.metrics["test/neural/qlike_parkinson"])
+        champion_run.data.metrics["test/neural/qlike_sq"])
 
 
 def test_compare_groups_the_runs_by_hardware(four_runs):
@@ -75,7 +75,7 @@ def test_compare_groups_the_runs_by_hardware(four_runs):
     result = usecases("compare", "finance", "--format", "csv", env=env)
     assert result.returncode == 0, result.stderr
     header, row = result.stdout.strip().splitlines()
-    assert header.split(",")[:5] == ["hardware", "instance_type", "precision", "runs", "qlike_parkinson"]
+    assert header.split(",")[:5] == ["hardware", "instance_type", "precision", "runs", "qlike_sq"]
     assert ",test-box,fp32,4," in row
 
 

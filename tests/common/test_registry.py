@@ -16,12 +16,12 @@ class Constant(mlflow.pyfunc.PythonModel):
         return model_input
 
 
-def register(usecase: str, value: float, data: str) -> tuple[str, str]:
+def register(usecase: str, value: float, data: str, metric: str = "auc") -> tuple[str, str]:
     with mlflow.start_run(nested=mlflow.active_run() is not None) as run:
         info = mlflow.pyfunc.log_model(name="model", python_model=Constant())
         tracker = Tracker(active=True, run_id=run.info.run_id)
         tracker.model_uri = info.model_uri
-        alias = registry.register_champion(tracker, usecase, "auc", "max", value, data)
+        alias = registry.register_champion(tracker, usecase, metric, "max", value, data)
     return alias, mlflow.MlflowClient().get_registered_model(f"gpu-usecases-{usecase}").aliases
 
 
@@ -37,6 +37,17 @@ def test_champions_are_compared_on_the_same_data_only_and_champion_follows_the_l
     alias, aliases = register("registry", 0.90, a)
     assert alias == "champion" and aliases["champion"] == aliases[f"champion-{'a' * 12}"] == 4
     assert aliases[f"champion-{'b' * 12}"] == 2
+
+
+def test_a_champion_chosen_by_another_primary_metric_does_not_compete():
+    """A use case that changes its primary metric compares the new runs with each other, not with a value of the
+    old metric."""
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    a = "c" * 64
+    assert register("switched", 0.95, a, metric="old_score")[0] == "champion"
+    alias, aliases = register("switched", 0.60, a)
+    assert alias == "champion" and aliases["champion"] == 2
+    assert register("switched", 0.50, a)[0] == "challenger"
 
 
 def _racing(monkeypatch, usecase: str, rival_value: float):

@@ -132,6 +132,24 @@ def test_synthetic_panel_is_seeded_consistent_and_carries_its_variance():
     assert synthetic_panel(Synthetic(tickers=3, days=2000, seed=6)).sha256 != first.sha256
 
 
+def test_the_synthetic_overnight_gap_hides_its_share_of_the_variance_from_the_range():
+    def ratios(overnight: float) -> tuple[float, float, pd.DataFrame]:
+        frame = synthetic_panel(Synthetic(tickers=4, days=3000, seed=2, overnight=overnight)).frame
+        features = add_features(frame)
+        truth = features["true_variance"].mean()
+        return features["sq_ret"].mean() / truth, features["parkinson"].mean() / truth, frame
+
+    returns_gapped, range_gapped, frame = ratios(0.4)
+    returns_closed, range_closed, closed = ratios(0.0)
+    assert returns_gapped == pytest.approx(1.0, abs=0.1) and returns_closed == pytest.approx(1.0, abs=0.1), \
+        "returns keep the GJR-t variance"
+    assert range_gapped / range_closed == pytest.approx(0.6, abs=0.05), "the range sees 1 - 0.4 of it"
+    assert 0.7 < range_closed < 0.85, "less the 32-step path's discretisation"
+    gap = 100 * np.log(frame["open"] / frame.groupby("ticker")["close"].shift(1))
+    assert (gap**2).mean() / frame["true_variance"].mean() == pytest.approx(0.4, abs=0.06)
+    assert np.allclose(closed["open"].iloc[1:3000], closed["close"].iloc[:2999]), "no gap: each day opens at the close"
+
+
 def test_exogenous_series_join_by_date_without_look_ahead():
     from arch.data import wti
 

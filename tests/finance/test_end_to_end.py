@@ -14,10 +14,12 @@ import pandas as pd
 import pytest
 
 from tests.cli_helpers import private_env, runs, usecases
+from usecases.finance.features import add_features
 
-MODELS = {"ewma", "garch", "gjr_garch_t", "har", "neural"}
+MODELS = {"ewma", "garch", "gjr_garch_t", "har", "har_rv", "neural"}
 METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p", "christoffersen_cc_p",
-           "basel_green_windows", "es975_mcneil_frey_p", "es975_z2"}
+           "basel_green_windows", "es975_mcneil_frey_p", "es975_z2", "es975_z2_p", "qlike_true", "qlike_sq_oracle",
+           "var1_h5_breaches", "var1_h5_sqrt_time_kupiec_p", "es975_h5_z2"}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,8 @@ def test_summary_holds_every_model_per_series_and_averaged(smoke_run):
         for metric in METRICS:
             values = [metrics[f"{metric}/{ticker}"] for ticker in tickers]
             assert metrics[metric] == pytest.approx(np.mean(values)), (model, metric)
-    assert "qlike_parkinson" in result.stdout and "neural" in result.stdout
+    assert "qlike_sq" in result.stdout and "neural" in result.stdout
+    assert {"dm_t_vs_gjr_garch_t/SYN000", "dm_p_vs_har_rv"} <= set(summary["models"]["neural"])
 
 
 def test_the_run_is_finished_with_tags_params_metrics_and_artifacts(smoke_run):
@@ -64,7 +67,7 @@ def test_the_run_is_finished_with_tags_params_metrics_and_artifacts(smoke_run):
     artifacts = mlflow.artifacts.download_artifacts(run_id=run.info.run_id)
     names = {str(path.relative_to(artifacts)) for path in Path(artifacts).rglob("*") if path.is_file()}
     assert {"summary.json", "config.json", "forecasts.csv", "plots/forecast_SYN000.png",
-            "plots/var_SYN000.png"} <= names
+            "plots/risk_SYN000.png"} <= names
     assert json.loads((Path(artifacts) / "summary.json").read_text()) == summary
     (model,) = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list")
     assert model.name == "model" and model.source_run_id == run.info.run_id
@@ -83,6 +86,14 @@ def test_the_logged_model_loads_and_forecasts(smoke_run):
     assert list(forecast["ticker"]) == ["SYN000", "SYN001", "SYN002"]
     assert (forecast["variance"] > 0).all() and (forecast["variance_5d"] > forecast["variance"]).all()
     assert (forecast["var_1pct"] < forecast["var_5pct"]).all() and (forecast["var_5pct"] < 0).all()
+    one = example[example["ticker"] == "SYN000"]
+    history = add_features(one.assign(date=pd.to_datetime(one["date"])))
+    unknown = model.predict(one.assign(ticker="NEW")).iloc[0]
+    factors = json.loads(run.data.tags["model_overnight_factors"])
+    assert set(factors) == {"SYN000", "SYN001", "SYN002"} and all(1.1 < value < 2.5 for value in factors.values())
+    assert unknown["variance"] / forecast["variance"].iloc[0] == pytest.approx(
+        history["sq_ret"].sum() / history["parkinson"].sum() / factors["SYN000"], rel=1e-5), \
+        "a ticker it was not trained on takes the overnight factor of the rows given"
     with pytest.raises(mlflow.exceptions.MlflowException, match=r"missing inputs \['high'\]"):
         model.predict(example.drop(columns=["high"]))
     with pytest.raises(mlflow.exceptions.MlflowException, match="at least 67"):

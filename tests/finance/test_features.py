@@ -4,7 +4,8 @@ import pytest
 
 from usecases.finance.features import HAR_WINDOWS, NEURAL_FEATURES, add_features, parkinson_variance
 
-LOOK_AHEAD = ["target", "target_ret", "target_date", "target_h", "target_date_h"]
+LOOK_AHEAD = ["target", "target_ret", "target_date", "target_h", "target_date_h", "target_ret_h", "target_sq",
+              "target_sq_h", "target_true"]
 
 
 def test_parkinson_variance_matches_the_formula():

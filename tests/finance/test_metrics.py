@@ -91,12 +91,13 @@ def test_evaluate_names_metrics_per_series_and_averages_them():
     days = pd.bdate_range("2020-01-01", periods=4)
     rows = []
     for ticker, proxy in (("a", 1.0), ("b", 2.0)):
-        for model in ("har", "neural"):
+        for model in ("har_rv", "neural"):
             for day in days:
                 rows.append({"model": model, "ticker": ticker, "date": day, "variance": 1.0, "variance_h": 2.0,
                              "mu": 0.0,
                              "q01": -2.33, "q05": -1.64, "es975_q": -1.96, "es975": -2.34, "es99_q": -2.33,
-                             "es99": -2.67, "parkinson": proxy, "ret": -3.0 if day == days[0] else 0.5})
+                             "es99": -2.67, "es975_h_q": -1.96, "es975_h": -2.34, "es99_h_q": -2.33,
+                             "es99_h": -2.67, "parkinson": proxy, "ret": -3.0 if day == days[0] else 0.5})
     results = evaluate(pd.DataFrame(rows), horizon=2, dm_lags=0)
     neural = results["neural"]
     assert neural["qlike_parkinson/a"] == 0
@@ -105,6 +106,8 @@ def test_evaluate_names_metrics_per_series_and_averages_them():
     assert neural["var1_breach_rate"] == 0.25
     assert neural["es975_breaches"] == 1 and neural["es975_mean"] == pytest.approx(-2.34)
     assert neural["es975_z2/a"] == pytest.approx(-3.0 / (4 * 0.025 * 2.34) + 1)
+    assert neural["h2_periods/a"] == 2 and neural["var1_h2_breaches/a"] == 0, "days 1+2 sum to -2.5, above -4.66"
     assert neural["qlike_parkinson_h2/a"] == 0, "two days of variance 1 sum to the forecast of 2"
     assert neural["mse_parkinson_h2/b"] == pytest.approx(4.0), "three full two-day windows, each 4 against 2"
-    assert "dm_t_vs_har" in neural and "dm_t_vs_har" not in results["har"]
+    assert "dm_t_vs_har_rv" in neural and "dm_t_vs_har_rv" not in results["har_rv"]
+    assert "dm_t_vs_gjr_garch_t" not in neural, "no GJR-t forecasts to test against"

@@ -51,7 +51,7 @@ def test_changing_data_after_t_leaves_forecasts_made_at_t_unchanged(panel, confi
     before, after = unperturbed, forecasts(perturb_after(panel, cutoff), config, cpu_job)
     assert before.index.equals(after.index)
     made_by_t = before["origin"] <= cutoff
-    columns = ["variance", "variance_h", "mu", "q01", "q05"]
+    columns = ["variance", "variance_h", "mu", "q01", "q05", "es975_q", "es975", "es99_h_q", "es99_h"]
     for model in before["model"].unique():
         rows = made_by_t & (before["model"] == model)
         np.testing.assert_allclose(after.loc[rows, columns], before.loc[rows, columns], rtol=1e-10, err_msg=model)
@@ -69,9 +69,11 @@ def test_blocks_follow_the_refit_schedule(panel, config):
 
 
 def test_the_neural_model_beats_its_untrained_start(panel, config, cpu_job):
-    """The untrained network forecasts the 22-day average; training must improve QLIKE on held-out days."""
+    """The untrained network forecasts the 22-day average; training must improve QLIKE on held-out days. (Of the
+    range variance it learns: `scaled_range` multiplies that by the overnight factor, tested below.)"""
     frame = add_features(panel)
     mask = evaluation_window(frame, config)
+    config.neural.target = "parkinson"
     neural, latest = neural_forecasts(frame, mask, config, cpu_job)
     proxy = frame.loc[neural.index, "target"].to_numpy()
     trained = qlike(proxy, neural["variance"].to_numpy())
@@ -80,6 +82,24 @@ def test_the_neural_model_beats_its_untrained_start(panel, config, cpu_job):
     proxy_h = frame.loc[neural.index, "target_h"].to_numpy()
     assert qlike(proxy_h, neural["variance_h"].to_numpy()) < qlike(proxy_h, 5 * frame.loc[neural.index, "rv_m"])
     assert latest["quantiles"][0] < latest["quantiles"][1] < 0
+    assert latest["overnight_factors"] == {}
+
+
+def test_scaled_range_forecasts_are_the_range_ones_times_each_ticker_s_overnight_factor(panel, config, cpu_job,
+                                                                                       tmp_path):
+    frame = add_features(panel)
+    mask = evaluation_window(frame, config)
+    config.neural.target = "parkinson"
+    cpu_job.checkpoint_dir = tmp_path / "range"
+    ranged, _ = neural_forecasts(frame, mask, config, cpu_job)
+    config.neural.target = "scaled_range"
+    cpu_job.checkpoint_dir = tmp_path / "scaled"
+    scaled, latest = neural_forecasts(frame, mask, config, cpu_job)
+    last = frame.loc[scaled.index, "target_date"] >= pd.Timestamp(latest["trained_until"])
+    ratio = (scaled["variance"] / ranged["variance"])[last]
+    tickers = frame.loc[ratio.index, "ticker"]
+    np.testing.assert_allclose(ratio, tickers.map(latest["overnight_factors"]), rtol=1e-5)
+    assert all(1.1 < factor < 2.5 for factor in latest["overnight_factors"].values()), "30 % of it is overnight"
 
 
 def test_a_window_without_enough_history_is_a_user_error(panel, config):

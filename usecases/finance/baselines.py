@@ -19,32 +19,22 @@ from scipy.stats import norm
 from sklearn.linear_model import LinearRegression
 
 from common.interrupt import stop_point
-from .tails import ES_LEVELS, es_name, normal_tails, student_t_tails
+from .tails import VAR_LEVELS, normal_tails, student_t_tails, tail_columns
 
-VAR_LEVELS = (0.01, 0.05)
 HAR_INPUTS = ["rv_d", "rv_w", "rv_m"]
 MIN_VARIANCE = 1e-6
 
 Blocks = list[tuple[int, int]]
 
 
-def quantile_column(level: float) -> str:
-    """The column holding the standardised return quantile at a VaR level: q01, q05."""
-    return f"q{round(level * 100):02d}"
-
-
-def forecast_frame(frame: pd.DataFrame, positions: np.ndarray, variance, variance_h, mu, quantiles,
-                   tails: list[tuple[float, float]]) -> pd.DataFrame:
-    """`quantiles` at VAR_LEVELS; `tails` the (quantile, ES) of the model's standardised returns at ES_LEVELS."""
+def forecast_frame(frame: pd.DataFrame, positions: np.ndarray, variance, variance_h, mu,
+                   tails: dict[str, float]) -> pd.DataFrame:
+    """One row per origin in `positions`: the variances, the mean return and the `tail_columns`."""
     out = pd.DataFrame(index=frame.index[positions])
     out["variance"] = np.maximum(np.asarray(variance, dtype=float), MIN_VARIANCE)
     out["variance_h"] = np.maximum(np.asarray(variance_h, dtype=float), MIN_VARIANCE)
     out["mu"] = mu
-    for level, quantile in zip(VAR_LEVELS, quantiles):
-        out[quantile_column(level)] = quantile
-    for level, (quantile, shortfall) in zip(ES_LEVELS, tails):
-        out[f"{es_name(level)}_q"], out[es_name(level)] = quantile, shortfall
-    return out
+    return out.assign(**tails)
 
 
 def _positions(blocks: Blocks) -> np.ndarray:
@@ -56,7 +46,7 @@ def ewma(frame: pd.DataFrame, blocks: Blocks, horizon: int, lam: float = 0.94) -
     variance = frame["sq_ret"].ewm(alpha=1 - lam, adjust=False).mean().to_numpy()
     positions = _positions(blocks)
     return forecast_frame(frame, positions, variance[positions], horizon * variance[positions], 0.0,
-                          norm.ppf(VAR_LEVELS), normal_tails())
+                          tail_columns(norm.ppf(VAR_LEVELS), normal_tails()))
 
 
 def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = False,
@@ -82,12 +72,15 @@ def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = 
         quantiles = model.distribution.ppf(np.array(VAR_LEVELS), shape)
         tails = student_t_tails(float(shape[0])) if dist == "t" else normal_tails()
         parts.append(forecast_frame(frame, np.arange(first, last + 1), path[:, 0], path.sum(axis=1),
-                                    result.params["mu"], quantiles, tails))
+                                    result.params["mu"], tail_columns(quantiles, tails)))
     return pd.concat(parts)
 
 
-def har(frame: pd.DataFrame, blocks: Blocks, horizon: int) -> pd.DataFrame:
-    """HAR-RV (Corsi 2009): next-day Parkinson variance on its 1-, 5- and 22-day averages, OLS with intercept.
+def har(frame: pd.DataFrame, blocks: Blocks, horizon: int, proxy: str = "returns") -> pd.DataFrame:
+    """HAR (Corsi 2009): the next day's variance on the 1-, 5- and 22-day averages of Parkinson variance, OLS with
+    intercept. `proxy="returns"` (`har`) regresses the squared close-to-close return, so the forecast is in the
+    return scale, overnight move included; `proxy="parkinson"` (`har_rv`, the published HAR-RV) regresses the
+    Parkinson variance itself.
 
     The H-day sum gets its own regression (direct, not iterated). Each is fitted on the pairs whose target
     days are all at or before the origin; the VaR uses the window's mean return and normal quantiles.
@@ -95,17 +88,19 @@ def har(frame: pd.DataFrame, blocks: Blocks, horizon: int) -> pd.DataFrame:
     inputs = frame[HAR_INPUTS].to_numpy()
     returns = frame["ret"].to_numpy()
     known = np.isfinite(inputs).all(axis=1)
+    targets = ("target_sq", "target_sq_h") if proxy == "returns" else ("target", "target_h")
     parts = []
     for first, last in blocks:
         positions = np.arange(first, last + 1)
         forecasts = []
-        for target, lag in (("target", 1), ("target_h", horizon)):
+        for target, lag in zip(targets, (1, horizon)):
             values = frame[target].to_numpy()
             train = known & np.isfinite(values)
             train[first - lag + 1 :] = False
             forecasts.append(LinearRegression().fit(inputs[train], values[train]).predict(inputs[positions]))
         mu = np.nanmean(returns[: first + 1])
-        parts.append(forecast_frame(frame, positions, *forecasts, mu, norm.ppf(VAR_LEVELS), normal_tails()))
+        tails = tail_columns(norm.ppf(VAR_LEVELS), normal_tails())
+        parts.append(forecast_frame(frame, positions, *forecasts, mu, tails))
     return pd.concat(parts)
 
 
@@ -114,6 +109,7 @@ BASELINES = {
     "garch": lambda frame, blocks, horizon, config: garch(frame, blocks, horizon),
     "gjr_garch_t": lambda frame, blocks, horizon, config: garch(frame, blocks, horizon, asymmetric=True, dist="t"),
     "har": lambda frame, blocks, horizon, config: har(frame, blocks, horizon),
+    "har_rv": lambda frame, blocks, horizon, config: har(frame, blocks, horizon, proxy="parkinson"),
 }
 
 

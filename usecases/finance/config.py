@@ -23,7 +23,7 @@ class Columns(ConfigModel):
 
 
 class Synthetic(ConfigModel):
-    """A GJR-GARCH-t panel with known parameters; High and Low come from simulated intraday paths."""
+    """A GJR-GARCH-t panel with known parameters; an overnight gap, then an intraday path that gives High and Low."""
 
     tickers: int = Field(4, ge=1)
     days: int = Field(1500, ge=300)
@@ -34,6 +34,8 @@ class Synthetic(ConfigModel):
     beta: float = Field(0.90, ge=0)
     nu: float = Field(8.0, gt=2)
     intraday_steps: int = Field(32, ge=2)
+    overnight: float = Field(0.3, ge=0, lt=1, description="the share of each day's return variance that falls between "
+                             "the close and the next open, which the High-Low range cannot see")
 
 
 class Data(ConfigModel):
@@ -56,7 +58,8 @@ class Evaluation(ConfigModel):
 
 
 class Baselines(ConfigModel):
-    models: list[Literal["ewma", "garch", "gjr_garch_t", "har"]] = ["ewma", "garch", "gjr_garch_t", "har"]
+    models: list[Literal["ewma", "garch", "gjr_garch_t", "har", "har_rv"]] = [
+        "ewma", "garch", "gjr_garch_t", "har", "har_rv"]
     ewma_lambda: float = Field(0.94, gt=0, lt=1)
 
 
@@ -65,6 +68,9 @@ class Neural(ConfigModel):
     layers: int = Field(2, ge=1)
     dropout: float = Field(0.1, ge=0, lt=1)
     ensemble: int = Field(1, ge=1, description="members trained with different seeds, forecasts averaged")
+    target: Literal["scaled_range", "returns", "parkinson"] = Field(
+        "scaled_range", description="scaled_range: trained on Parkinson variance, times each ticker's overnight "
+        "factor; returns: trained on squared returns; parkinson: range variance, unscaled (README: Neural model)")
 
 
 class Train(TrainConfig):

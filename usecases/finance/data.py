@@ -95,14 +95,18 @@ def load_file(path: Path, config: Data) -> Panel:
 
 
 def synthetic_panel(config: Synthetic) -> Panel:
-    """GJR-GARCH(1,1,1) with standardised-t shocks.
+    """GJR-GARCH(1,1,1) with standardised-t shocks, and its true conditional variance as `true_variance`.
 
-    The close-to-close return is the end point of a Brownian bridge over `intraday_steps` steps, whose
-    extremes give High and Low, so Parkinson variance carries the same conditional variance as the returns.
+    Each day's close-to-close return r is split into an overnight gap (close to open) and the intraday move, given r
+    as a Gaussian split would be (gap = g·r + √(g(1 − g))·σ·e, g = `overnight`): the two are uncorrelated, with
+    variances g·σ² and (1 − g)·σ², and r keeps its GJR-t law, so GJR-t is the correctly specified model. The intraday
+    move is the end point of a Brownian bridge over `intraday_steps` steps from the open, whose extremes give High
+    and Low: Parkinson variance then measures (1 − g)·σ² (a little less, the path being sampled in steps), the
+    scale bias that a model of range variance carries into a forecast of returns.
     Drawn with NumPy on every machine, so that one seed gives one panel (and one data_sha256) on a CPU and a GPU.
     """
     rng = np.random.RandomState(config.seed)
-    days, tickers, steps = config.days, config.tickers, config.intraday_steps
+    days, tickers, steps, gap = config.days, config.tickers, config.intraday_steps, config.overnight
     scale = np.sqrt((config.nu - 2) / config.nu)
     shocks = rng.standard_normal((days, tickers)) / np.sqrt(rng.chisquare(config.nu, (days, tickers)) / config.nu)
     shocks = shocks * scale
@@ -118,13 +122,16 @@ def synthetic_panel(config: Synthetic) -> Panel:
         returns[day] = np.sqrt(variance) * shocks[day]
         negative = returns[day] < 0
         variance = config.omega + (config.alpha + config.gamma * negative) * returns[day] ** 2 + config.beta * variance
-    walk = np.cumsum(rng.standard_normal((days, tickers, steps)), axis=2) * np.sqrt(variances / steps)[..., None]
+    overnight = gap * returns + np.sqrt(gap * (1 - gap) * variances) * rng.standard_normal((days, tickers))
+    intraday = returns - overnight
+    walk = np.cumsum(rng.standard_normal((days, tickers, steps)), axis=2)
+    walk *= np.sqrt((1 - gap) * variances / steps)[..., None]
     fraction = np.arange(1, steps + 1) / steps
-    bridge = walk - fraction * walk[..., -1:] + fraction * returns[..., None]
+    bridge = walk - fraction * walk[..., -1:] + fraction * intraday[..., None]
     high_move = np.maximum(bridge.max(axis=2), 0)
     low_move = np.minimum(bridge.min(axis=2), 0)
     log_close = np.log(100.0) + np.cumsum(returns, axis=0) / 100
-    log_open = np.vstack([np.full((1, tickers), np.log(100.0)), log_close[:-1]])
+    log_open = np.vstack([np.full((1, tickers), np.log(100.0)), log_close[:-1]]) + overnight / 100
     dates = pd.bdate_range("2000-01-03", periods=days)
     frame = pd.DataFrame({
         "date": np.repeat(dates.to_numpy()[None, :], tickers, axis=0).ravel(),
@@ -136,4 +143,5 @@ def synthetic_panel(config: Synthetic) -> Panel:
         "volume": 1e6,
     })
     digest = hashlib.sha256(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes()).hexdigest()
-    return Panel(frame, f"synthetic:seed={config.seed},tickers={tickers},days={days}", digest)
+    frame["true_variance"] = variances.T.ravel()
+    return Panel(frame, f"synthetic:seed={config.seed},tickers={tickers},days={days},overnight={gap:g}", digest)

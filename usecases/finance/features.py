@@ -13,8 +13,10 @@ HAR_WINDOWS = {"rv_d": 1, "rv_w": 5, "rv_m": 22}
 LONG_WINDOW = 66
 HISTORY_DAYS = LONG_WINDOW + 1
 NEURAL_FEATURES = [
-    "log_rv_m", "rel_rv_d", "rel_rv_w", "rel_rv_q", "rel_sq_ret", "ret_std", "neg_ret_std",
+    "log_rv_m", "rel_rv_d", "rel_rv_w", "rel_rv_q", "rel_sq_ret", "rel_sq_m", "rel_sq_q", "rel_ewma_sq",
+    "rel_ewma_neg", "ret_std", "neg_ret_std",
 ]
+EWMA_DECAY = 0.9  # of the GARCH-like inputs: the exponentially weighted squared returns, all and negative ones
 EXOGENOUS_FEATURES = {"vix": "rel_vix", "wti": "log_wti_rv"}
 VARIANCE_FLOOR = 1e-3  # relative to the monthly average: keeps logs finite on days with High == Low
 
@@ -34,7 +36,8 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
 
     The first row of each ticker (no return yet) is dropped. The targets look ahead and are only ever used
     as labels whose date is before the forecast origin: `target` is the next day's Parkinson variance (on
-    `target_date`), `target_h` the sum over the next `horizon` days (known on `target_date_h`).
+    `target_date`), `target_h` the sum over the next `horizon` days (known on `target_date_h`); `target_sq` and
+    `target_sq_h` the same of squared returns, `target_ret` and `target_ret_h` of returns.
     """
     frame = panel.sort_values(["ticker", "date"], kind="stable").reset_index(drop=True)
     by_ticker = frame.groupby("ticker", sort=False)
@@ -44,12 +47,19 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
     if "wti" in frame:
         frame["wti_sq_ret"] = (100 * np.log(frame["wti"] / by_ticker["wti"].shift(1))) ** 2
     frame = frame[by_ticker.cumcount() > 0].reset_index(drop=True)
+    frame["neg_sq_ret"] = frame["sq_ret"] * (frame["ret"] < 0)
     by_ticker = frame.groupby("ticker", sort=False)
+    for name, source in (("ewma_sq", "sq_ret"), ("ewma_neg", "neg_sq_ret")):
+        frame[name] = by_ticker[source].transform(lambda values: values.ewm(alpha=1 - EWMA_DECAY).mean())
     for name, window in {**HAR_WINDOWS, "rv_q": LONG_WINDOW}.items():
         frame[name] = by_ticker["parkinson"].rolling(window).mean().reset_index(level=0, drop=True)
+    for name, window in {"sq_m": HAR_WINDOWS["rv_m"], "sq_q": LONG_WINDOW}.items():
+        frame[name] = by_ticker["sq_ret"].rolling(window).mean().reset_index(level=0, drop=True)
     floor = VARIANCE_FLOOR * frame["rv_m"]
     frame["log_rv_m"] = np.log(frame["rv_m"])
-    for name, source in [("rel_rv_d", "rv_d"), ("rel_rv_w", "rv_w"), ("rel_rv_q", "rv_q"), ("rel_sq_ret", "sq_ret")]:
+    for name, source in [("rel_rv_d", "rv_d"), ("rel_rv_w", "rv_w"), ("rel_rv_q", "rv_q"), ("rel_sq_ret", "sq_ret"),
+                         ("rel_sq_m", "sq_m"), ("rel_sq_q", "sq_q"), ("rel_ewma_sq", "ewma_sq"),
+                         ("rel_ewma_neg", "ewma_neg")]:
         frame[name] = np.log(np.maximum(frame[source], floor)) - frame["log_rv_m"]
     frame["ret_std"] = frame["ret"] / np.sqrt(frame["rv_m"])
     frame["neg_ret_std"] = np.minimum(frame["ret_std"], 0)
@@ -60,9 +70,16 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
         frame["log_wti_rv"] = np.log(wti_rv.reset_index(level=0, drop=True) + VARIANCE_FLOOR)
     frame["target"] = by_ticker["parkinson"].shift(-1)
     frame["target_ret"] = by_ticker["ret"].shift(-1)
+    if "true_variance" in frame:  # a synthetic panel's: the variance of each day's return, known the day before
+        frame["target_true"] = by_ticker["true_variance"].shift(-1)
     frame["target_date"] = by_ticker["date"].shift(-1)
     frame["target_h"] = by_ticker["parkinson"].rolling(horizon).sum().reset_index(level=0, drop=True)
     frame["target_h"] = frame.groupby("ticker", sort=False)["target_h"].shift(-horizon)
+    frame["target_ret_h"] = by_ticker["ret"].rolling(horizon).sum().reset_index(level=0, drop=True)
+    frame["target_ret_h"] = frame.groupby("ticker", sort=False)["target_ret_h"].shift(-horizon)
+    frame["target_sq"] = by_ticker["sq_ret"].shift(-1)
+    frame["target_sq_h"] = by_ticker["sq_ret"].rolling(horizon).sum().reset_index(level=0, drop=True)
+    frame["target_sq_h"] = frame.groupby("ticker", sort=False)["target_sq_h"].shift(-horizon)
     frame["target_date_h"] = by_ticker["date"].shift(-horizon)
     return frame
 

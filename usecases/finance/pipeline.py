@@ -23,11 +23,11 @@ from common.runtime import Runtime
 from common.sharding import gather_objects, my_share
 from common.training import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
 from common.workload import cpu_part
-from .baselines import VAR_LEVELS, fit_baselines, forecast_frame
-from .tails import empirical_tails
+from .baselines import fit_baselines, forecast_frame
+from .tails import VAR_LEVELS, empirical_columns, recalibrate
 from .config import Config
 from .data import Panel, load_panel
-from .evaluate import evaluate, forecast_figure, var_figure
+from .evaluate import evaluate, forecast_figure, risk_figure
 from .features import add_features, feature_names, usable
 from .models import VolatilityMLP, ensemble_forecast, qlike, qlike_loss
 from .serving import log_forecaster
@@ -190,7 +190,8 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
                 step_offset: int) -> tuple[VolatilityMLP, int]:
     runtime, settings, horizon = job.runtime, config.train, config.evaluation.horizon
     torch.manual_seed(_member_seed(config, block, member))
-    model = VolatilityMLP(train[0].shape[1], horizon=horizon, **config.neural.model_dump(exclude={"ensemble"}))
+    architecture = config.neural.model_dump(exclude={"ensemble", "target"})
+    model = VolatilityMLP(train[0].shape[1], horizon=horizon, **architecture)
     model.fit_scaler(train[0].cpu())
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     val_x, val_y = validation
@@ -210,8 +211,9 @@ def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tenso
 
 
 def trainable(frame: pd.DataFrame) -> pd.Series:
-    """Pairs the network can learn from: its inputs defined, and both targets positive (QLIKE needs them so)."""
-    return usable(frame) & (frame["target"] > 0) & (frame["target_h"] > 0)
+    """Pairs the network can learn from: its inputs defined, and every target positive (QLIKE needs them so)."""
+    positive = frame[["target", "target_h", "target_sq", "target_sq_h"]].gt(0).all(axis=1)
+    return usable(frame) & positive
 
 
 def training_window(frame: pd.DataFrame, ready: pd.Series, refit_date: pd.Timestamp,
@@ -225,17 +227,28 @@ def training_window(frame: pd.DataFrame, ready: pd.Series, refit_date: pd.Timest
             np.flatnonzero(known & (frame["target_date_h"] >= val_start)))
 
 
+def overnight_factors(frame: pd.DataFrame, rows: np.ndarray) -> pd.Series:
+    """Per ticker, the squared close-to-close returns over the Parkinson variance of the target days in `rows`: what
+    turns a forecast of the trading-day range into one of the return, overnight move included (about 1.5 for the
+    S&P 500 and 1.7 for the NASDAQ)."""
+    window = frame.iloc[rows]
+    sums = window.groupby("ticker", sort=False)[["target_sq", "target"]].sum()
+    return sums["target_sq"] / sums["target"]
+
+
 def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[pd.DataFrame, dict]:
     """Walk-forward training of the global model; returns the test forecasts and the last refit for serving.
 
-    At each refit the network sees only the rows `training_window` gives. Its VaR quantiles and Expected Shortfalls
-    are the empirical ones of the standardised returns it produced in its training window (filtered historical
-    simulation).
+    At each refit the network sees only the rows `training_window` gives. With `neural.target=scaled_range` it
+    learns Parkinson variance and its forecasts are multiplied by each ticker's `overnight_factors` in that window.
+    Its VaR quantiles and Expected Shortfalls are those of its own standardised returns (filtered historical
+    simulation): in its training window at first, then out of sample (`tails.recalibrate`).
     """
-    device = job.runtime.device
+    device, horizon, target = job.runtime.device, config.evaluation.horizon, config.neural.target
     names = feature_names(config.data.exogenous)
     features = torch.tensor(frame[names].to_numpy(), dtype=torch.float32)
-    targets = torch.tensor(frame[["target", "target_h"]].to_numpy(), dtype=torch.float32)
+    proxies = ["target_sq", "target_sq_h"] if target == "returns" else ["target", "target_h"]
+    targets = torch.tensor(frame[proxies].to_numpy(), dtype=torch.float32)
     ready = trainable(frame)
     starts = block_starts(frame, mask, config.train.refit_every)
     parts, step, latest = [], 0, {}
@@ -250,21 +263,30 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
             members.append(model)
             step += epochs
         fitted_rows = np.union1d(train_rows, val_rows)
-        fitted = ensemble_forecast(members, features[fitted_rows].to(device))[:, 0].cpu().numpy()
-        realised = frame["target_ret"].to_numpy()[fitted_rows]
-        mu = float(realised.mean())
-        standardised = (realised - mu) / np.sqrt(fitted)
-        quantiles = np.quantile(standardised, VAR_LEVELS)
+        factors = overnight_factors(frame, fitted_rows) if target == "scaled_range" else None
         predict_rows = np.flatnonzero(mask & (frame["target_date"] >= start) & (frame["target_date"] < end))
-        forecast = ensemble_forecast(members, features[predict_rows].to(device)).cpu().numpy()
-        parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, quantiles,
-                                    empirical_tails(standardised)))
+        fitted, forecast = (_scaled(ensemble_forecast(members, features[rows].to(device)).cpu().numpy(),
+                                    frame["ticker"].to_numpy()[rows], factors) for rows in (fitted_rows, predict_rows))
+        realised = frame[["target_ret", "target_ret_h"]].to_numpy()[fitted_rows]
+        mu = float(realised[:, 0].mean())
+        tails = empirical_columns((realised[:, 0] - mu) / np.sqrt(fitted[:, 0]),
+                                  (realised[:, 1] - horizon * mu) / np.sqrt(fitted[:, 1]))
+        parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, tails))
         latest = {"models": members, "features": names, "exogenous": config.data.exogenous,
-                  "architecture": {**config.neural.model_dump(exclude={"ensemble"}),
-                                   "horizon": config.evaluation.horizon},
-                  "mu": mu, "quantiles": quantiles.tolist(), "trained_until": str(start.date())}
+                  "architecture": {**config.neural.model_dump(exclude={"ensemble", "target"}), "horizon": horizon},
+                  "overnight_factors": {} if factors is None else factors.to_dict(),
+                  "mu": mu, "trained_until": str(start.date())}
         log.info("neural: refit %d/%d (training targets before %s) done", block + 1, len(starts), start.date())
-    return pd.concat(parts).assign(model="neural"), latest
+    forecasts = pd.concat(parts).join(frame[["ticker", "target_date", "target_date_h", "target_ret", "target_ret_h"]]
+                                      .set_axis(["ticker", "date", "date_h", "ret", "ret_h"], axis=1))
+    forecasts = recalibrate(forecasts, block_starts(frame, mask, config.evaluation.refit_every), horizon)
+    residuals = ((forecasts["ret"] - forecasts["mu"]) / np.sqrt(forecasts["variance"])).to_numpy()
+    latest["quantiles"] = np.quantile(residuals, VAR_LEVELS).tolist()  # served: all the test residuals, pooled
+    return forecasts.drop(columns=["ticker", "date", "date_h", "ret", "ret_h"]).assign(model="neural"), latest
+
+
+def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None) -> np.ndarray:
+    return forecast if factors is None else forecast * factors.reindex(tickers).to_numpy()[:, None]
 
 
 def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]:
@@ -276,8 +298,9 @@ def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]
     if not job.runtime.is_main:
         return {}
     job.tracker.log_metrics({"time/baselines_s": time.perf_counter() - started})
-    realised = frame[["ticker", "target_date", "target", "target_ret"]].rename(
-        columns={"target_date": "date", "target": "parkinson", "target_ret": "ret"})
+    names = {"ticker": "ticker", "target_date": "date", "target": "parkinson", "target_ret": "ret",
+             "target_true": "true_variance"}
+    realised = frame[[name for name in names if name in frame]].rename(columns=names)
     forecasts = pd.concat([baselines, neural]).join(realised)
     models = evaluate(forecasts, config.evaluation.horizon, config.evaluation.dm_lags)
     _log_artifacts(forecasts, job)
@@ -292,9 +315,9 @@ def _log_artifacts(forecasts: pd.DataFrame, job: Job) -> None:
     compared = [name for name in ("har", "gjr_garch_t", "neural") if name in set(forecasts["model"])]
     for ticker in forecasts["ticker"].unique():
         for figure, name in ((forecast_figure(forecasts, ticker, compared), f"forecast_{ticker}.png"),
-                             (var_figure(forecasts, ticker, "neural"), f"var_{ticker}.png")):
+                             (risk_figure(forecasts, ticker, "neural"), f"risk_{ticker}.png")):
             tracker.log_figure(figure, f"plots/{name}")
             plt.close(figure)
     table = forecasts.reset_index(drop=True)[["model", "ticker", "date", "variance", "variance_h", "mu", "q01",
-                                              "q05", "parkinson", "ret"]]
+                                              "q05", "es975_q", "es975", "parkinson", "ret"]]
     tracker.log_text(table.to_csv(index=False), "forecasts.csv")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlflow
@@ -27,8 +28,10 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
     """Input: daily rows (date, ticker, high, low, close, and the exogenous columns the model was trained
     with, such as vix), at least 67 consecutive days per ticker.
 
-    Output: one row per ticker with the variance forecast for the day after its last row (percent²), the
-    summed variance of the next H days, the volatility, and the 1% and 5% one-day VaR of the percent return.
+    Output: one row per ticker with the variance forecast of the close-to-close return of the day after its last
+    row (percent²), the summed variance of the next H days, the volatility, and the 1% and 5% one-day VaR of the
+    percent return. A network trained on range variance (`neural.target=scaled_range`) is scaled by the ticker's
+    overnight factor from its training window, or, for a ticker it was not trained on, by that of the rows given.
     """
 
     def load_context(self, context) -> None:
@@ -42,6 +45,7 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
             model.load_state_dict(state)
             self.members.append(model.eval())
         self.mu, self.quantiles = bundle["mu"], bundle["quantiles"]
+        self.overnight_factors = bundle["overnight_factors"]
         self.horizon = bundle["architecture"]["horizon"]
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
@@ -63,10 +67,10 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
         if (short < HISTORY_DAYS).any():
             raise _bad_input(f"ticker '{short.idxmin()}' has {short.min()} rows; at least {HISTORY_DAYS} "
                              f"consecutive trading days are needed")
-        latest = add_features(frame.sort_values(["ticker", "date"]), self.horizon)
-        latest = latest.groupby("ticker", sort=False).tail(1)
+        history = add_features(frame.sort_values(["ticker", "date"]), self.horizon)
+        latest = history.groupby("ticker", sort=False).tail(1)
         features = torch.tensor(latest[self.features].to_numpy(), dtype=torch.float32)
-        forecast = ensemble_forecast(self.members, features).numpy()
+        forecast = ensemble_forecast(self.members, features).numpy() * self._factors(history, latest)[:, None]
         variance = forecast[:, 0]
         volatility = np.sqrt(variance)
         return pd.DataFrame({
@@ -78,6 +82,14 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
             "var_1pct": (self.mu + volatility * self.quantiles[0]).astype(float),
             "var_5pct": (self.mu + volatility * self.quantiles[1]).astype(float),
         })
+
+
+    def _factors(self, history: pd.DataFrame, latest: pd.DataFrame) -> np.ndarray:
+        if not self.overnight_factors:
+            return np.ones(len(latest))
+        sums = history.groupby("ticker", sort=False)[["sq_ret", "parkinson"]].sum()
+        given = sums["sq_ret"] / sums["parkinson"]
+        return np.array([self.overnight_factors.get(ticker, given[ticker]) for ticker in latest["ticker"]])
 
 
 def input_example(panel: pd.DataFrame, exogenous: list[str]) -> pd.DataFrame:
@@ -98,6 +110,7 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
         "exogenous": latest["exogenous"],
         "mu": latest["mu"],
         "quantiles": latest["quantiles"],
+        "overnight_factors": {str(ticker): float(value) for ticker, value in latest["overnight_factors"].items()},
     }
     probe = VolatilityForecaster()
     probe._load(bundle)
@@ -105,4 +118,5 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
     signature = infer_signature(example, probe.predict(None, example))
     job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
                            packages=["torch", "numpy", "pandas", "mlflow"], package=__package__, served_model="neural")
-    job.tracker.set_tags({"model_trained_until": latest["trained_until"]})
+    job.tracker.set_tags({"model_trained_until": latest["trained_until"],
+                          "model_overnight_factors": json.dumps(bundle["overnight_factors"])})

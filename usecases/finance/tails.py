@@ -5,20 +5,33 @@ distribution of standardised returns Z (mean 0, variance 1), at the FRTB's 97.5 
 Normal (EWMA, GARCH, HAR): es = −φ(z_α)/α. Student-t with ν degrees of freedom (GJR-t), scaled to unit variance by
 √((ν − 2)/ν): es = −(ν + t_α²)/(ν − 1) · f_ν(t_α)/α, times that scale (McNeil, Frey and Embrechts 2015, §2.3).
 Empirical (the neural model's filtered historical simulation): the mean of the standardised returns at or below
-their α-quantile.
+their α-quantile, from its training window until a year of its own out-of-sample residuals exists, from those after.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 from scipy.stats import norm, t
 
+VAR_LEVELS = (0.01, 0.05)
 ES_LEVELS = (0.025, 0.01)  # tail probabilities: ES at 97.5 % (FRTB) and at 99 %
+MIN_RESIDUALS = 250  # a year of out-of-sample residuals before they replace the training window's
+
+
+def quantile_column(level: float) -> str:
+    """The column holding the standardised return quantile at a VaR level: q01, q05."""
+    return f"q{round(level * 100):02d}"
 
 
 def es_name(level: float) -> str:
     """97.5 % as es975, 99 % as es99."""
     return f"es{100 * (1 - level):g}".replace(".", "")
+
+
+def es_columns(level: float, suffix: str = "") -> tuple[str, str]:
+    """The columns of the standardised quantile and ES at a level: es975_q and es975 (suffix "_h": H days)."""
+    return f"{es_name(level)}{suffix}_q", f"{es_name(level)}{suffix}"
 
 
 def normal_tails() -> list[tuple[float, float]]:
@@ -42,3 +55,47 @@ def empirical_tails(standardised: np.ndarray) -> list[tuple[float, float]]:
         quantile = float(np.quantile(values, level))
         tails.append((quantile, float(values[values <= quantile].mean())))
     return tails
+
+
+def tail_columns(quantiles, tails: list[tuple[float, float]],
+                 tails_h: list[tuple[float, float]] | None = None) -> dict[str, float]:
+    """A forecast's tail columns: `quantiles` at VAR_LEVELS (q01, q05), `tails` the (quantile, ES) of the model's
+    standardised returns at ES_LEVELS (es975_q, es975, ...), and `tails_h` of its standardised H-day sums (es975_h_q,
+    ...; the 1-day ones by default: exact for the normal, conservative for the Student-t, a sum of t shocks having
+    lighter tails)."""
+    columns = {quantile_column(level): float(quantile) for level, quantile in zip(VAR_LEVELS, quantiles)}
+    for suffix, values in (("", tails), ("_h", tails if tails_h is None else tails_h)):
+        for level, pair in zip(ES_LEVELS, values):
+            columns.update(zip(es_columns(level, suffix), pair))
+    return columns
+
+
+def empirical_columns(standardised: np.ndarray, standardised_h: np.ndarray) -> dict[str, float]:
+    """Filtered historical simulation: every tail column from pools of standardised 1-day and H-day returns."""
+    return tail_columns(np.quantile(standardised, VAR_LEVELS), empirical_tails(standardised),
+                        empirical_tails(standardised_h))
+
+
+def recalibrate(forecasts: pd.DataFrame, starts: list[pd.Timestamp], horizon: int) -> pd.DataFrame:
+    """The tails of each ticker's forecasts from its own earlier out-of-sample residuals, renewed at every date in
+    `starts`: the residuals of the days before it (of the H-day sums wholly before it), once MIN_RESIDUALS exist.
+
+    `forecasts` holds `date` and `date_h` (the first and last target day), `ret` and `ret_h` (the realised 1-day
+    return and H-day sum), `mu`, `variance`, `variance_h`, and the training window's tail columns, kept until then.
+    """
+    residuals = ((forecasts["ret"] - forecasts["mu"]) / np.sqrt(forecasts["variance"])).to_numpy()
+    residuals_h = ((forecasts["ret_h"] - horizon * forecasts["mu"]) / np.sqrt(forecasts["variance_h"])).to_numpy()
+    dates, dates_h = forecasts["date"].to_numpy(), forecasts["date_h"].to_numpy()
+    columns = {name: forecasts[name].to_numpy(copy=True) for name in empirical_columns(np.zeros(1), np.zeros(1))}
+    bounds = [np.datetime64(start) for start in starts] + [np.datetime64("2262-01-01")]
+    for rows in forecasts.groupby("ticker", sort=False).indices.values():
+        for start, end in zip(bounds, bounds[1:]):
+            block = rows[(dates[rows] >= start) & (dates[rows] < end)]
+            past = residuals[rows[dates[rows] < start]]
+            past_h = residuals_h[rows[dates_h[rows] < start]]
+            past_h = past_h[np.isfinite(past_h)]
+            if len(block) == 0 or len(past) < MIN_RESIDUALS or len(past_h) < MIN_RESIDUALS:
+                continue
+            for column, value in empirical_columns(past, past_h).items():
+                columns[column][block] = value
+    return forecasts.assign(**columns)
