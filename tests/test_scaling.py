@@ -13,6 +13,7 @@ from tests.cli_helpers import assert_rejected, runs, usecases
 pytest.importorskip("distributed")
 
 
+@pytest.mark.slow  # 40 s: two sizes on two engines; the engines themselves are tested in the default suite
 def test_the_cost_growth_of_both_engines_is_one_run_with_its_table_and_plot(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     result = usecases("bench", "recsys", "--scale", "--sizes", "1,2", "--base", "200", "--set", "models=[pop]",

@@ -15,7 +15,8 @@ from tests.cli_helpers import private_env, runs, usecases
 TOLERANCE = 0.15  # DDP shards each batch over the ranks, so the optimiser takes other steps: close, not equal
 
 
-@pytest.mark.parametrize("name", ["finance", "medical", "recsys"])
+# medical's two smoke runs take a minute: in the slow suite; finance and recsys run both DDP paths in the default one
+@pytest.mark.parametrize("name", ["finance", pytest.param("medical", marks=pytest.mark.slow), "recsys"])
 def test_two_processes_give_one_finished_run_that_scores_like_one_process(tmp_path, name):
     metric, _ = importlib.import_module(f"usecases.{name}").USECASE.primary_metric
     single_env = private_env(tmp_path / "single")
