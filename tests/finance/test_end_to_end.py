@@ -94,6 +94,9 @@ def test_the_logged_model_loads_and_forecasts(smoke_run):
     assert unknown["variance"] / forecast["variance"].iloc[0] == pytest.approx(
         history["sq_ret"].sum() / history["parkinson"].sum() / factors["SYN000"], rel=1e-5), \
         "a ticker it was not trained on takes the overnight factor of the rows given"
+    flat = one.assign(ticker="FLAT", high=one["close"], low=one["close"])
+    with pytest.raises(mlflow.exceptions.MlflowException, match="ticker 'FLAT': high equals low on each of its last 22 rows"):
+        model.predict(flat)
     with pytest.raises(mlflow.exceptions.MlflowException, match=r"missing inputs \['high'\]"):
         model.predict(example.drop(columns=["high"]))
     with pytest.raises(mlflow.exceptions.MlflowException, match="at least 67"):

@@ -276,8 +276,8 @@ def breach_zones(hits: np.ndarray, window: int = BASEL_WINDOW) -> np.ndarray:
 
 
 def risk_figure(forecasts: pd.DataFrame, ticker: str, model: str):
-    """Returns with the 1 % VaR and the 97.5 % ES bands; each breach of the VaR coloured by the traffic-light zone
-    of the 250-day window it closes."""
+    """Returns with the 1 % VaR, the 97.5 % band from VaR to ES (the tail whose mean the ES is) and the 99 % ES;
+    each breach of the 1 % VaR coloured by the traffic-light zone of the 250-day window it closes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,11 +286,13 @@ def risk_figure(forecasts: pd.DataFrame, ticker: str, model: str):
     rows = forecasts[(forecasts["ticker"] == ticker) & (forecasts["model"] == model)].sort_values("date")
     sigma = np.sqrt(rows["variance"])
     var = value_at_risk(rows, 0.01)
-    shortfall = rows["mu"] + sigma * rows[es_columns(0.025)[1]]
+    (var975, es975), (_, es99) = ((rows["mu"] + sigma * rows[column] for column in es_columns(level))
+                                  for level in ES_LEVELS)
     figure, axis = plt.subplots(figsize=(12, 4.5))
     axis.plot(rows["date"], rows["ret"], color="0.55", lw=0.5, label="return (%)")
+    axis.fill_between(rows["date"], var975, es975, color="tab:purple", alpha=0.3, lw=0, label="97.5% VaR to ES")
+    axis.plot(rows["date"], es99, color="tab:purple", lw=0.7, ls=":", label="99% ES")
     axis.plot(rows["date"], var, color="tab:blue", lw=0.9, label="1% VaR")
-    axis.plot(rows["date"], shortfall, color="tab:purple", lw=0.9, label="97.5% ES")
     hits = (rows["ret"] < var).to_numpy()
     zones = breach_zones(hits)
     for zone, colour in ZONE_COLOURS.items():
@@ -298,7 +300,7 @@ def risk_figure(forecasts: pd.DataFrame, ticker: str, model: str):
         axis.scatter(rows["date"][chosen], rows["ret"][chosen], color=colour, s=14, zorder=3, edgecolors="0.2",
                      linewidths=0.3, label=f"breach, {zone} zone ({int(chosen.sum())})")
     axis.set_ylabel("daily return (%)")
-    axis.set_title(f"{ticker}: {model} 1% VaR and 97.5% ES, breaches by Basel traffic-light zone (250-day window)")
+    axis.set_title(f"{ticker}: {model} VaR and ES, 1% VaR breaches by Basel traffic-light zone (250-day window)")
     axis.legend(loc="lower left", ncol=3, fontsize=8)
     figure.tight_layout()
     return figure

@@ -319,5 +319,5 @@ def _log_artifacts(forecasts: pd.DataFrame, job: Job) -> None:
             tracker.log_figure(figure, f"plots/{name}")
             plt.close(figure)
     table = forecasts.reset_index(drop=True)[["model", "ticker", "date", "variance", "variance_h", "mu", "q01",
-                                              "q05", "es975_q", "es975", "parkinson", "ret"]]
+                                              "q05", "es975_q", "es975", "es99_q", "es99", "parkinson", "ret"]]
     tracker.log_text(table.to_csv(index=False), "forecasts.csv")

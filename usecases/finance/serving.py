@@ -13,11 +13,12 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from .features import HISTORY_DAYS, add_features
+from .features import HAR_WINDOWS, HISTORY_DAYS, add_features
 from .models import VolatilityMLP, ensemble_forecast
 
 INPUT_COLUMNS = ["date", "ticker", "high", "low", "close"]
 EXAMPLE_DAYS = HISTORY_DAYS + 3
+MONTH = HAR_WINDOWS["rv_m"]
 
 
 def _bad_input(message: str) -> MlflowException:
@@ -67,7 +68,13 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
         if (short < HISTORY_DAYS).any():
             raise _bad_input(f"ticker '{short.idxmin()}' has {short.min()} rows; at least {HISTORY_DAYS} "
                              f"consecutive trading days are needed")
-        history = add_features(frame.sort_values(["ticker", "date"]), self.horizon)
+        frame = frame.sort_values(["ticker", "date"], kind="stable")
+        recent = frame.groupby("ticker", sort=False).tail(MONTH)
+        ranged = (recent["high"] > recent["low"]).groupby(recent["ticker"], sort=False).any()
+        if not ranged.all():  # the monthly range average is the network's baseline: its log must be finite
+            raise _bad_input(f"ticker '{ranged.index[~ranged][0]}': high equals low on each of its last {MONTH} rows; "
+                             f"expected a daily range (high above low) on some of them")
+        history = add_features(frame, self.horizon)
         latest = history.groupby("ticker", sort=False).tail(1)
         features = torch.tensor(latest[self.features].to_numpy(), dtype=torch.float32)
         forecast = ensemble_forecast(self.members, features).numpy() * self._factors(history, latest)[:, None]
@@ -88,8 +95,13 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
         if not self.overnight_factors:
             return np.ones(len(latest))
         sums = history.groupby("ticker", sort=False)[["sq_ret", "parkinson"]].sum()
-        given = sums["sq_ret"] / sums["parkinson"]
-        return np.array([self.overnight_factors.get(ticker, given[ticker]) for ticker in latest["ticker"]])
+        factors = []
+        for ticker in latest["ticker"]:
+            if ticker in self.overnight_factors:
+                factors.append(self.overnight_factors[ticker])
+                continue
+            factors.append(sums.loc[ticker, "sq_ret"] / sums.loc[ticker, "parkinson"])
+        return np.array(factors)
 
 
 def input_example(panel: pd.DataFrame, exogenous: list[str]) -> pd.DataFrame:
