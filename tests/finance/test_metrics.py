@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from usecases.finance.evaluate import (christoffersen, diebold_mariano, evaluate, kupiec_pof, mse, qlike,
-                                      traffic_light, value_at_risk)
+                                      series_metrics, traffic_light, value_at_risk)
 
 
 def test_qlike_by_hand():
@@ -111,3 +111,18 @@ def test_evaluate_names_metrics_per_series_and_averages_them():
     assert neural["mse_parkinson_h2/b"] == pytest.approx(4.0), "three full two-day windows, each 4 against 2"
     assert "dm_t_vs_har_rv" in neural and "dm_t_vs_har_rv" not in results["har_rv"]
     assert "dm_t_vs_gjr_garch_t" not in neural, "no GJR-t forecasts to test against"
+
+
+def test_the_h_day_var_uses_the_h_day_variance_and_its_square_root_of_time_baseline_the_one_day_one():
+    """Ten origins, every other one starting a 2-day period that loses 5 %; the 2-day variance forecast (9, VaR
+    −6.99) covers it, the square-root-of-time one (2 × 1, VaR −3.29) does not."""
+    days = pd.bdate_range("2020-01-01", periods=10)
+    rows = pd.DataFrame({"date": days, "variance": 1.0, "variance_h": 9.0, "mu": 0.0, "q01": -2.33, "q05": -1.64,
+                         "es975_q": -1.96, "es975": -2.34, "es99_q": -2.33, "es99": -2.67, "es975_h_q": -1.96,
+                         "es975_h": -2.34, "es99_h_q": -2.33, "es99_h": -2.67, "parkinson": 1.0,
+                         "ret": [-3.0, -2.0] * 5})
+    metrics = series_metrics(rows, horizon=2)
+    assert metrics["h2_periods"] == 5
+    assert metrics["var1_h2_breaches"] == 0 and metrics["var1_h2_sqrt_time_breaches"] == 5
+    assert metrics["var1_h2_sqrt_time_kupiec_p"] < 0.001
+    assert metrics["es975_h2_breaches"] == 0 and metrics["var1_breaches"] == 5

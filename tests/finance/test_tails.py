@@ -8,8 +8,8 @@ from scipy import integrate
 from scipy.stats import norm, t
 
 from usecases.finance.evaluate import acerbi_szekely_z2, mcneil_frey
-from usecases.finance.tails import (ES_LEVELS, MIN_RESIDUALS, empirical_columns, empirical_tails, es_name,
-                                    normal_tails, recalibrate, student_t_tails)
+from usecases.finance.tails import (ES_LEVELS, MIN_RESIDUALS, TAIL_COLUMNS, empirical_columns, empirical_tails,
+                                    es_name, normal_tails, recalibrate, student_t_tails)
 
 
 def shortfall_by_integration(pdf, quantile: float, level: float) -> float:
@@ -89,7 +89,8 @@ def test_recalibration_takes_each_block_s_tails_from_the_residuals_before_it_onl
     assert (out.loc[block, "q01"] == np.quantile(past, 0.01)).all()
     assert np.allclose(out.loc[block, "es975"], past[past <= np.quantile(past, 0.025)].mean())
     changed = frame.assign(ret=np.where(frame["date"] >= starts[8], frame["ret"] * 10, frame["ret"]))
-    tails = list(empirical_columns(np.zeros(1), np.zeros(1)))
+    tails = TAIL_COLUMNS
+    assert list(empirical_columns(np.zeros(1), np.zeros(1))) == TAIL_COLUMNS
     early = frame["date"] < starts[9]
     assert recalibrate(changed, starts, horizon=2).loc[early, tails].equals(out.loc[early, tails]), \
         "returns on or after a block start never reach its tails"

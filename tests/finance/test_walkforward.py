@@ -100,6 +100,11 @@ def test_scaled_range_forecasts_are_the_range_ones_times_each_ticker_s_overnight
     tickers = frame.loc[ratio.index, "ticker"]
     np.testing.assert_allclose(ratio, tickers.map(latest["overnight_factors"]), rtol=1e-5)
     assert all(1.1 < factor < 2.5 for factor in latest["overnight_factors"].values()), "30 % of it is overnight"
+    config.neural.target, config.train.lr = "returns", 1e-2  # the offset to learn is large: a faster start
+    cpu_job.checkpoint_dir = tmp_path / "returns"
+    squared, latest = neural_forecasts(frame, mask, config, cpu_job)
+    assert latest["overnight_factors"] == {}
+    assert squared["variance"].mean() > 1.4 * ranged["variance"].mean(), "trained on squared returns: their scale"
 
 
 def test_a_window_without_enough_history_is_a_user_error(panel, config):

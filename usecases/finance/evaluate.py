@@ -286,8 +286,8 @@ def risk_figure(forecasts: pd.DataFrame, ticker: str, model: str):
     rows = forecasts[(forecasts["ticker"] == ticker) & (forecasts["model"] == model)].sort_values("date")
     sigma = np.sqrt(rows["variance"])
     var = value_at_risk(rows, 0.01)
-    (var975, es975), (_, es99) = ((rows["mu"] + sigma * rows[column] for column in es_columns(level))
-                                  for level in ES_LEVELS)
+    (var975, es975), (_, es99) = ([rows["mu"] + sigma * rows[column] for column in es_columns(level)]
+                                  for level in (0.025, 0.01))
     figure, axis = plt.subplots(figsize=(12, 4.5))
     axis.plot(rows["date"], rows["ret"], color="0.55", lw=0.5, label="return (%)")
     axis.fill_between(rows["date"], var975, es975, color="tab:purple", alpha=0.3, lw=0, label="97.5% VaR to ES")

@@ -50,7 +50,7 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
     frame["neg_sq_ret"] = frame["sq_ret"] * (frame["ret"] < 0)
     by_ticker = frame.groupby("ticker", sort=False)
     for name, source in (("ewma_sq", "sq_ret"), ("ewma_neg", "neg_sq_ret")):
-        frame[name] = by_ticker[source].transform(lambda values: values.ewm(alpha=1 - EWMA_DECAY).mean())
+        frame[name] = by_ticker[source].ewm(alpha=1 - EWMA_DECAY).mean().reset_index(level=0, drop=True)
     for name, window in {**HAR_WINDOWS, "rv_q": LONG_WINDOW}.items():
         frame[name] = by_ticker["parkinson"].rolling(window).mean().reset_index(level=0, drop=True)
     for name, window in {"sq_m": HAR_WINDOWS["rv_m"], "sq_q": LONG_WINDOW}.items():

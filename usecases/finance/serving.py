@@ -90,18 +90,13 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
             "var_5pct": (self.mu + volatility * self.quantiles[1]).astype(float),
         })
 
-
     def _factors(self, history: pd.DataFrame, latest: pd.DataFrame) -> np.ndarray:
+        """Each ticker's overnight factor: its training window's, else that of the rows given."""
         if not self.overnight_factors:
             return np.ones(len(latest))
         sums = history.groupby("ticker", sort=False)[["sq_ret", "parkinson"]].sum()
-        factors = []
-        for ticker in latest["ticker"]:
-            if ticker in self.overnight_factors:
-                factors.append(self.overnight_factors[ticker])
-                continue
-            factors.append(sums.loc[ticker, "sq_ret"] / sums.loc[ticker, "parkinson"])
-        return np.array(factors)
+        given = sums["sq_ret"] / sums["parkinson"]
+        return np.array([self.overnight_factors.get(ticker, given[ticker]) for ticker in latest["ticker"]])
 
 
 def input_example(panel: pd.DataFrame, exogenous: list[str]) -> pd.DataFrame:

@@ -34,6 +34,10 @@ def es_columns(level: float, suffix: str = "") -> tuple[str, str]:
     return f"{es_name(level)}{suffix}_q", f"{es_name(level)}{suffix}"
 
 
+TAIL_COLUMNS = [quantile_column(level) for level in VAR_LEVELS] + [
+    name for suffix in ("", "_h") for level in ES_LEVELS for name in es_columns(level, suffix)]
+
+
 def normal_tails() -> list[tuple[float, float]]:
     return [(float(norm.ppf(level)), float(-norm.pdf(norm.ppf(level)) / level)) for level in ES_LEVELS]
 
@@ -86,7 +90,7 @@ def recalibrate(forecasts: pd.DataFrame, starts: list[pd.Timestamp], horizon: in
     residuals = ((forecasts["ret"] - forecasts["mu"]) / np.sqrt(forecasts["variance"])).to_numpy()
     residuals_h = ((forecasts["ret_h"] - horizon * forecasts["mu"]) / np.sqrt(forecasts["variance_h"])).to_numpy()
     dates, dates_h = forecasts["date"].to_numpy(), forecasts["date_h"].to_numpy()
-    columns = {name: forecasts[name].to_numpy(copy=True) for name in empirical_columns(np.zeros(1), np.zeros(1))}
+    columns = {name: forecasts[name].to_numpy(copy=True) for name in TAIL_COLUMNS}
     bounds = [np.datetime64(start) for start in starts] + [np.datetime64("2262-01-01")]
     for rows in forecasts.groupby("ticker", sort=False).indices.values():
         for start, end in zip(bounds, bounds[1:]):
