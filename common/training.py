@@ -3,6 +3,11 @@
 A use case gives it a step function (model, batch) -> loss; the loop does the rest: mixed precision, gradient
 clipping, early stopping on a named validation metric with the best weights kept, atomic checkpoints and resume,
 throughput and data-wait share, a progress line, and DDP when started by torchrun.
+
+Under DDP every rank draws its own random numbers (dropout, augmentations, sampled negatives: identical draws on
+every rank would repeat each one world-size times an epoch), and its own random state is checkpointed. Rank 0
+alone writes checkpoints, possibly to a folder only its machine sees, so rank 0 alone decides whether there is one
+to resume and sends its state to the others.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from common.workload import Predict, loader_rate, measure_model
 log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "last.pt"
+RANK_SEED_STRIDE = 0x9E3779B97F4A7C15  # far-apart seeds for the ranks' random streams
 PROGRESS_EVERY_S = 30  # off a terminal (CI, a log file, `usecases demo`), a progress line at most this often
 
 Step = Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
@@ -180,7 +186,9 @@ class FitResult:
 
 class Trainer:
     """`settings` gives epochs, patience, gradient clipping and the checkpoint interval; `monitor` names the
-    validation metric that picks the best epoch, `mode` whether lower (min) or higher (max) is better."""
+    validation metric that picks the best epoch, `mode` whether lower (min) or higher (max) is better. `tie_break`
+    names a validation metric (lower is better, a loss) that decides between epochs with the same `monitor` value:
+    a saturated metric (a validation AUC of 1.0) would otherwise keep the first, least-trained of them."""
 
     def __init__(
         self,
@@ -199,6 +207,7 @@ class Trainer:
         name: str = "train",
         predict: Predict | None = None,
         model_name: str | None = None,
+        tie_break: str | None = None,
     ):
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be min or max, got {mode}")
@@ -215,6 +224,7 @@ class Trainer:
         self.settings = settings
         self.monitor = monitor
         self.mode = mode
+        self.tie_break = tie_break
         self.scheduler = scheduler
         self.checkpoint_path = checkpoint_dir / CHECKPOINT_NAME if checkpoint_dir else None
         self.log_metrics = log_metrics or (lambda metrics, step: None)
@@ -226,9 +236,12 @@ class Trainer:
         fp16 = runtime.amp_dtype == torch.float16
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=fp16)
 
-    def _improved(self, value: float, best: float) -> bool:
+    def _improved(self, metrics: dict[str, float], best: float, best_tie: float) -> bool:
+        value = metrics[self.monitor]
         if math.isnan(value):
             return False
+        if value == best and self.tie_break is not None:
+            return metrics[self.tie_break] < best_tie
         return value < best if self.mode == "min" else value > best
 
     def _state(self, epoch: int, best: float, best_epoch: int, best_state: dict, bad_epochs: int,
@@ -245,9 +258,42 @@ class Trainer:
             "bad_epochs": bad_epochs,
             "history": history,
             "finished": finished,
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if self.runtime.device.type == "cuda" else [],
+            "torch_rng": self._every_rank(torch.get_rng_state()),
+            "cuda_rng": self._every_rank(torch.cuda.get_rng_state_all() if self.runtime.device.type == "cuda" else []),
         }
+
+    def _every_rank(self, value):
+        """Each rank's `value`, in rank order (a list of one outside DDP): every rank calls this together."""
+        if not self.runtime.distributed:
+            return [value]
+        values = [None] * self.runtime.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+    def _checkpoint(self) -> dict | None:
+        """The checkpoint to resume from, as rank 0 finds it, on every rank (None where rank 0 has none); its tensors
+        on the CPU, from where loading the state dicts copies them to the device."""
+        state = None
+        if self.runtime.is_main and self.checkpoint_path is not None and self.checkpoint_path.is_file():
+            state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+        if self.runtime.distributed:
+            shared = [state]
+            dist.broadcast_object_list(shared, src=0)
+            state = shared[0]
+        return state
+
+    def _restore_random_state(self, state: dict) -> None:
+        """This rank's random state as it was saved (a job restarted on fewer or more ranks reuses them in turn)."""
+        own = self.runtime.rank % len(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"][own].cpu())
+        if state["cuda_rng"][own] and self.runtime.device.type == "cuda":  # dropout, flips, negatives on the GPU
+            torch.cuda.set_rng_state_all([rng.cpu() for rng in state["cuda_rng"][own]])
+
+    def _own_random_stream(self) -> None:
+        """Under DDP, a random stream per rank, derived from the seed (rank 0 keeps it, so a one-rank job and rank
+        0 draw alike); DDP's first broadcast still gives every rank rank 0's initial weights."""
+        if self.runtime.distributed and self.runtime.rank:
+            torch.manual_seed((torch.initial_seed() + RANK_SEED_STRIDE * self.runtime.rank) % 2**63)
 
     def _save(self, state: dict) -> None:
         if self.checkpoint_path is not None and self.runtime.is_main:
@@ -300,21 +346,24 @@ class Trainer:
         """
         settings, monitor = self.settings, self.monitor
         best = math.inf if self.mode == "min" else -math.inf
+        best_tie = math.inf
         best_epoch, bad_epochs, start_epoch, history = -1, 0, 0, []
         best_state = copy.deepcopy(self.module.state_dict())
         resumed_from = None
-        if resume and self.checkpoint_path is not None and self.checkpoint_path.is_file():
-            state = torch.load(self.checkpoint_path, map_location=self.runtime.device, weights_only=True)
+        state = self._checkpoint() if resume else None
+        if state is None:
+            self._own_random_stream()
+        else:
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler and state["scheduler"]:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.scaler.load_state_dict(state["scaler"])
-            torch.set_rng_state(state["torch_rng"].cpu())
-            if state.get("cuda_rng") and self.runtime.device.type == "cuda":  # dropout, flips, negatives on the GPU
-                torch.cuda.set_rng_state_all([rng.cpu() for rng in state["cuda_rng"]])
+            self._restore_random_state(state)
             best, best_epoch, best_state = state["best_metric"], state["best_epoch"], state["best_state"]
             bad_epochs, history = state["bad_epochs"], state["history"]
+            if self.tie_break is not None and best_epoch >= 0:
+                best_tie = next(row[self.tie_break] for row in history if row["epoch"] == best_epoch)
             start_epoch = resumed_from = state["epoch"] + 1
             if state["finished"]:
                 self.module.load_state_dict(best_state)
@@ -344,9 +393,12 @@ class Trainer:
             metrics = {key: float(value) for key, value in all_reduce_mean(metrics, self.runtime).items()}
             if monitor not in metrics:
                 raise KeyError(f"validate() returned no '{monitor}' (got {sorted(metrics)})")
+            if self.tie_break is not None and self.tie_break not in metrics:
+                raise KeyError(f"validate() returned no '{self.tie_break}' (got {sorted(metrics)})")
             value = metrics[monitor]
-            if self._improved(value, best):
+            if self._improved(metrics, best, best_tie):
                 best, best_epoch, bad_epochs = value, epoch, 0
+                best_tie = metrics.get(self.tie_break, math.inf)
                 best_state = copy.deepcopy(self.module.state_dict())
             else:
                 bad_epochs += 1

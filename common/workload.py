@@ -80,8 +80,21 @@ def loader_rate(batches: Iterable) -> tuple[float, tuple[torch.Tensor, ...] | No
 def measure_model(module: nn.Module, step: Callable, predict: Predict | None, batch: tuple[torch.Tensor, ...],
                   optimizer: torch.optim.Optimizer, device: torch.device, amp_dtype: torch.dtype | None
                   ) -> dict[str, float]:
-    """The per-model facts of the module docstring for one batch; the gradients it leaves are cleared and the
-    random state (a sampler's negatives, dropout) is restored, so that nothing after it changes."""
+    """The per-model facts of the module docstring for one batch; the gradients it leaves are cleared, and the
+    buffers (batch norm's running statistics, which a train-mode forward moves) and the random state (a sampler's
+    negatives, dropout) are restored, so that the model evaluated and logged after it is the one trained."""
+    buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    try:
+        return _measure(module, step, predict, batch, optimizer, device, amp_dtype)
+    finally:
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(buffers[name])
+
+
+def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: tuple[torch.Tensor, ...],
+             optimizer: torch.optim.Optimizer, device: torch.device, amp_dtype: torch.dtype | None
+             ) -> dict[str, float]:
     size = len(batch[0])
     parameters = list(module.parameters())
     weights = _bytes(parameters)

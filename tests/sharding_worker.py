@@ -1,6 +1,6 @@
 """Run by test_sharding.py under torchrun (2 CPU processes, gloo): the sharded helpers and the recsys full-ranking
-evaluation, each rank doing its share; how a failure or a stop on one rank reaches the other; every rank saves what
-it got."""
+evaluation, each rank doing its share; how a failure or a stop on one rank reaches the other; the negatives each
+rank draws, and a resume from a checkpoint that only rank 0's machine has; every rank saves what it got."""
 
 import sys
 from pathlib import Path
@@ -14,10 +14,13 @@ from common import interrupt
 from common.errors import UserError
 from common.interrupt import Terminated, stop_point, stops_deferred
 from common.runner import _on_main
+from common.config import TrainConfig
 from common.runtime import make_runtime, shutdown
 from common.sharding import all_reduce_max, gather_objects, gather_rows, my_share, shared_predictions
-from common.training import stop_if_any_rank_asked
+from common.training import TensorBatches, Trainer, stop_if_any_rank_asked
 from usecases.recsys.evaluate import full_ranking
+from usecases.recsys.models import BPR, NegativeSampler
+from usecases.recsys.train import bpr_step, training_pairs
 
 
 class FixedScores:
@@ -38,6 +41,46 @@ def interactions(n_users: int, n_items: int, seed: int) -> sp.csr_matrix:
     return sp.random(n_users, n_items, density=0.05, format="csr", random_state=seed, data_rvs=np.ones)
 
 
+class RecordedNegatives(NegativeSampler):
+    def __init__(self, train: sp.csr_matrix, device: torch.device):
+        super().__init__(train, device)
+        self.drawn = []
+
+    def __call__(self, users: torch.Tensor) -> torch.Tensor:
+        self.drawn.append(super().__call__(users))
+        return self.drawn[-1]
+
+
+def bpr_fits(outdir: Path, runtime) -> dict:
+    """A BPR fit stopped after its first epoch on every rank, checkpointed in a folder of rank 0's "machine" only,
+    then resumed by fresh processes' state: the negatives each rank drew, and where each rank resumed."""
+    train = interactions(200, 20, 4)
+    users, items = training_pairs(train, runtime.device)
+
+    def trainer(model, log_metrics=None):
+        return Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), bpr_step, runtime,
+                       TrainConfig(epochs=3, checkpoint_every=1), monitor="val/score", name="bpr",
+                       checkpoint_dir=outdir / f"machine{runtime.rank}", log_metrics=log_metrics)
+
+    def stop_after_first_epoch(metrics, step):  # the first epoch's checkpoint is written; the second's is not
+        if step == 1:
+            raise Terminated("signal 15")
+
+    torch.manual_seed(0)
+    first = BPR(200, 20, 4, RecordedNegatives(train, runtime.device))
+    batches = TensorBatches(users, items, batch_size=8, seed=0, rank=runtime.rank, world_size=runtime.world_size)
+    try:
+        trainer(first, stop_after_first_epoch).fit(batches, lambda model: {"val/score": 1.0}, resume=True)
+    except Terminated:
+        pass
+    torch.manual_seed(100 + runtime.rank)
+    again = BPR(200, 20, 4, NegativeSampler(train, runtime.device))
+    resumed = trainer(again).fit(batches, lambda model: {"val/score": 1.0}, resume=True)
+    return {"negatives": torch.cat(first.sampler.drawn), "resumed_from": resumed.resumed_from,
+            "resumed_state": again.state_dict(),
+            "checkpoints": sorted(path.name for path in (outdir / f"machine{runtime.rank}").glob("*"))}
+
+
 def main(outdir: Path) -> None:
     runtime = make_runtime("cpu")
     rows = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
@@ -48,6 +91,7 @@ def main(outdir: Path) -> None:
         "objects": gather_objects(f"rank {runtime.rank}", runtime),
         "max": all_reduce_max(float(runtime.rank), runtime),
         "ranking": full_ranking(FixedScores(50, 40), truth, exclude, [5, 10], runtime.device, 8, runtime),
+        **bpr_fits(outdir, runtime),
     }
     for name, failing in (("user_error", refuse), ("bug", lambda: 1 / 0)):
         try:

@@ -48,3 +48,17 @@ def test_what_rank_0_raises_reaches_every_rank(ranks):
 
 def test_a_stop_asked_of_one_rank_in_its_own_work_stops_both_together(ranks):
     assert [rank.get("stopped") for rank in ranks] == [True, True]
+
+
+def test_each_rank_draws_its_own_negatives(ranks):
+    """Identical draws on every rank would repeat each negative world-size times an epoch."""
+    first, second = (rank["negatives"] for rank in ranks)
+    assert first.shape == second.shape and len(first) > 20
+    assert (first == second).float().mean() < 0.3, "the ranks drew the same negatives (one in 19 agree by chance)"
+
+
+def test_a_resume_follows_the_checkpoint_of_rank_0_where_only_its_machine_has_one(ranks):
+    assert [rank["checkpoints"] for rank in ranks] == [["last.pt"], []]
+    assert [rank["resumed_from"] for rank in ranks] == [1, 1]
+    first, second = (rank["resumed_state"] for rank in ranks)
+    assert all(torch.equal(first[key], second[key]) for key in first)

@@ -36,12 +36,13 @@ def val_mse(model: nn.Module) -> dict[str, float]:
 
 
 def make_trainer(model, runtime=CPU, *, lr=0.1, momentum=0.0, scheduler=False, checkpoint_dir=None,
-                 log_metrics=None, monitor="val/mse", mode="min", **settings):
+                 log_metrics=None, monitor="val/mse", mode="min", tie_break=None, **settings):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scheduler else None
     settings = {"epochs": 10, "patience": 100, **settings}
     return Trainer(model, optimizer, supervised(nn.functional.mse_loss), runtime, TrainConfig(**settings),
-                   monitor=monitor, mode=mode, scheduler=sched, checkpoint_dir=checkpoint_dir, log_metrics=log_metrics)
+                   monitor=monitor, mode=mode, scheduler=sched, checkpoint_dir=checkpoint_dir, log_metrics=log_metrics,
+                   tie_break=tie_break)
 
 
 def linear(seed: int = 0) -> nn.Linear:
@@ -399,3 +400,51 @@ def test_batch_norm_is_synchronised_under_ddp_on_gpus_only():
     assert isinstance(on_gpus[1], nn.SyncBatchNorm) and list(on_gpus.state_dict()) == names
     for runtime in (Runtime(torch.device("cpu"), None, world_size=2), Runtime(torch.device("cuda"), None)):
         assert type(synchronised_batch_norm(network(), runtime)[1]) is nn.BatchNorm2d
+
+
+def batch_norm_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(1, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_the_fitted_model_is_the_best_epochs_model_buffers_included(tmp_path):
+    """After the fit (and its workload probe, a train-mode forward pass) every parameter and buffer, batch norm's
+    running statistics included, is the best epoch's; a resume of the finished fit returns the same model."""
+    snapshots = []
+
+    def validate(model):
+        snapshots.append(copy.deepcopy(model.state_dict()))
+        return val_mse(model)
+
+    model = batch_norm_net(0)
+    result = make_trainer(model, epochs=4, lr=0.05, checkpoint_dir=tmp_path).fit(batches(), validate)
+    best = snapshots[result.best_epoch]
+    fitted = model.state_dict()
+    assert any(key.endswith("running_mean") for key in fitted)
+    for key, value in fitted.items():
+        assert torch.equal(value, best[key]), f"{key} is not the best epoch's"
+    resumed = batch_norm_net(1)
+    make_trainer(resumed, epochs=4, lr=0.05, checkpoint_dir=tmp_path).fit(batches(), validate, resume=True)
+    assert all(torch.equal(value, fitted[key]) for key, value in resumed.state_dict().items())
+
+
+def test_a_tie_on_the_monitored_metric_goes_to_the_lower_tie_break_loss():
+    """A saturated validation AUC (1.0 from epoch 1 on) picks the epoch with the lowest validation loss among the
+    tied ones, not the first of them."""
+    aucs = iter([0.9, 1.0, 1.0, 1.0, 1.0])
+    losses = iter([0.6, 0.5, 0.3, 0.2, 0.4])
+
+    def validate(model):
+        return {"val/auc": next(aucs), "val/loss": next(losses)}
+
+    result = make_trainer(linear(), monitor="val/auc", mode="max", epochs=5, tie_break="val/loss").fit(
+        batches(), validate)
+    assert (result.best_epoch, result.best_metric) == (3, 1.0)
+    no_tie_break = make_trainer(linear(), monitor="val/auc", mode="max", epochs=5)
+    aucs, losses = iter([0.9, 1.0, 1.0, 1.0, 1.0]), iter([0.6, 0.5, 0.3, 0.2, 0.4])
+    assert no_tie_break.fit(batches(), validate).best_epoch == 1
+
+
+def test_a_missing_tie_break_metric_is_named():
+    with pytest.raises(KeyError, match="val/loss"):
+        make_trainer(linear(), tie_break="val/loss").fit(batches(), val_mse)
