@@ -46,7 +46,7 @@ def run_usecase(usecase: UseCase, preset: str, overrides: list[str], device: str
     from common.runtime import isolated_process_state, use_gpu_frames
 
     started = time.perf_counter()
-    backend = use_gpu_frames(frames)
+    backend = use_gpu_frames(frames, device)
     with isolated_process_state(QUIET_ON_OTHER_RANKS):
         return _run(usecase, preset, overrides, device, backend, data, summary, resume, bench, started)
 

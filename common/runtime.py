@@ -154,14 +154,15 @@ def array_module() -> ModuleType:
         return np
 
 
-def use_gpu_frames(frames: str = "auto") -> str:
-    """Route the pandas API to cuDF when a GPU and cuDF are present; returns the backend in use.
+def use_gpu_frames(frames: str = "auto", device: str = "auto") -> str:
+    """Route the pandas API to cuDF when a GPU and cuDF are present and the run may use the GPU (`--device cpu`
+    keeps every part of it on the CPU); returns the backend in use.
 
     Must run before pandas is first imported, which is why the CLI calls it first.
     """
     if frames not in ("auto", "pandas"):
         raise UserError(f"--frames: expected auto or pandas, got '{frames}'")
-    if frames == "pandas" or not torch.cuda.is_available():
+    if frames == "pandas" or device == "cpu" or not torch.cuda.is_available():
         return "pandas"
     if importlib.util.find_spec("cudf") is None:
         return "pandas"

@@ -213,7 +213,7 @@ def _demo(args: argparse.Namespace) -> int:
     from common.runner import run_demo
     from common.runtime import use_gpu_frames
 
-    use_gpu_frames(args.frames)  # before any use case is imported, as `run` does
+    use_gpu_frames(args.frames, args.device)  # before any use case is imported, as `run` does
     loaded = _loaded()
     for name, usecase in loaded.items():
         if isinstance(usecase, UserError):
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         from common.runner import run_usecase
         from common.runtime import use_gpu_frames
 
-        use_gpu_frames(args.frames)  # before the use case's package is imported, so cudf.pandas can take over pandas
+        use_gpu_frames(args.frames, args.device)  # before the use case's package is imported: cudf.pandas takes over
         run_usecase(_usecase(args.name), args.preset, args.overrides + _engine_overrides(args), args.device,
                     args.frames, args.data,
                     args.summary, getattr(args, "resume", False), bench=args.command == "bench")

@@ -179,6 +179,15 @@ def test_frames_auto_stays_pandas_when_pandas_came_first(monkeypatch, caplog):
     assert "imported before cudf.pandas" in caplog.text
 
 
+def test_frames_stay_pandas_on_a_cpu_run_beside_a_gpu(monkeypatch):
+    """`--device cpu` runs everything on the CPU: cudf.pandas is not installed although a GPU and cuDF are there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.importlib.util, "find_spec", lambda name, package=None: object())
+    monkeypatch.setitem(sys.modules, "cudf.pandas", types.ModuleType("cudf.pandas"))
+    assert use_gpu_frames("auto", "cpu") == "pandas"
+    assert use_gpu_frames("auto", "auto") == "cudf.pandas"
+
+
 def test_bad_frames_is_a_user_error():
     with pytest.raises(UserError, match="cudf"):
         use_gpu_frames("cudf")
