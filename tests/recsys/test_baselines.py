@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -131,25 +133,42 @@ def test_exported_form_scores_like_the_model(data, name):
         user_factors, item_factors = model.factors()
         exported = user_factors[users] @ item_factors.T
     else:
-        similarity = model.similarity_matrix(train.shape[1]) if name == "ease" else model.similarity_matrix()
+        similarity = model.similarity_matrix(train.shape[1], max_bytes=0) if name == "ease" else model.similarity_matrix()
         exported = torch.from_numpy((train[users.numpy()] @ similarity).toarray())
     torch.testing.assert_close(exported, model.score(users), atol=1e-5, rtol=1e-5)
+
+
+def test_ease_is_served_whole_when_it_fits_the_budget_and_pruned_above_it(data):
+    train, _ = data
+    model = MODELS["ease"](train)
+    whole = model.similarity_matrix(5, max_bytes=model.weights.numel() * 4)
+    assert isinstance(whole, torch.Tensor) and torch.equal(whole, model.weights)
+    assert sp.issparse(model.similarity_matrix(5, max_bytes=model.weights.numel() * 4 - 1))
 
 
 def test_pruned_ease_keeps_each_columns_largest_weights(data):
     train, _ = data
     model = MODELS["ease"](train)
-    pruned = model.similarity_matrix(5).toarray()
+    pruned = model.similarity_matrix(5, max_bytes=0).toarray()
     assert ((pruned != 0).sum(axis=0) <= 5).all()
     weights = model.weights.numpy()
     column = 7
     assert set(np.flatnonzero(pruned[:, column])) == set(np.argsort(-weights[:, column])[:5])
 
 
-def test_ease_and_itemknn_refuse_a_huge_catalogue_as_a_skippable_error():
-    train = sp.csr_matrix((3, baselines.EASE_MAX_ITEMS + 1), dtype=np.float32)
-    with pytest.raises(ModelUnavailable, match="ease: 50,001 items is too many for its items x items matrix"):
-        EASE(train, cfg.EASE(), CPU)
+def test_ease_counts_the_four_matrices_alive_at_once_against_the_free_memory(monkeypatch):
+    """35,000 items in float32 on a GPU with 20 GB free: one matrix (4.9 GB) would fit, the four of the fit (19.6
+    GB) do not, so it is a one-line skip rather than an out-of-memory error midway."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * 10**9, 80 * 10**9))
+    with pytest.raises(ModelUnavailable, match=r"ease: 35,000 items need 18.3 GB .* on cuda \(18.6 GB free\)"):
+        EASE(sp.csr_matrix((3, 35_000), dtype=np.float32), cfg.EASE(), torch.device("cuda"))
+    free = types.SimpleNamespace(available=4 * 8 * 1000**2 / baselines.EASE_MEMORY_SHARE * 0.99)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: free)
+    with pytest.raises(ModelUnavailable, match="ease: 1,000 items need"):
+        EASE(sp.csr_matrix((3, 1000), dtype=np.float32), cfg.EASE(), CPU)
+
+
+def test_itemknn_refuses_a_huge_catalogue_as_a_skippable_error():
     train = sp.csr_matrix((3, baselines.ITEMKNN_MAX_ITEMS + 1), dtype=np.float32)
     with pytest.raises(ModelUnavailable, match="itemknn: 200,001 items is too many"):
         ItemKNN(train, cfg.ItemKNN(), CPU)

@@ -160,3 +160,26 @@ def test_a_sample_of_users_keeps_their_whole_rows_and_is_seeded():
     assert len(kept) == 50 and (sampled[kept] != truth[kept]).nnz == 0
     assert np.array_equal(kept, np.flatnonzero(np.diff(sample_users(truth, 50, seed=3).indptr)))
     assert sample_users(truth, None, seed=3) is truth and sample_users(truth, 10_000, seed=3) is truth
+
+
+class CloseScores:
+    """Factor scores 1 + 0.001 i: distinct in fp32, tied in bf16 (whose step at 1.0 is 0.008)."""
+
+    def __init__(self, n_items: int):
+        self.items = 1 + 1e-3 * torch.arange(n_items, dtype=torch.float32)[:, None]
+
+    def score(self, users: torch.Tensor) -> torch.Tensor:
+        return torch.ones(len(users), 1) @ self.items.T
+
+
+def test_ranking_inside_an_autocast_region_uses_fp32_scores():
+    """The training loop validates under autocast: the best epoch must be picked from the scores test ranks by."""
+    n_users, n_items = 4, 40
+    truth = sp.csr_matrix((np.ones(n_users), (np.arange(n_users), np.full(n_users, n_items - 5))),
+                          shape=(n_users, n_items))
+    exclude = sp.csr_matrix((n_users, n_items))
+    fp32 = full_ranking(CloseScores(n_items), truth, exclude, [10], CPU, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = full_ranking(CloseScores(n_items), truth, exclude, [10], CPU, 8)
+    assert fp32["mrr@10"] == pytest.approx(1 / 5)
+    assert mixed == {**fp32, "users_per_s": mixed["users_per_s"]}

@@ -1,5 +1,7 @@
 """The served forms answer like the models, leave seen items out, and send strangers the popular items."""
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -7,6 +9,11 @@ import scipy.sparse as sp
 import torch
 from mlflow.exceptions import MlflowException
 
+from usecases.recsys import config as cfg
+from usecases.recsys.baselines import EASE, ItemKNN, Popularity
+from usecases.recsys.data import load_interactions
+from usecases.recsys.models import BPR, NegativeSampler
+from usecases.recsys.pipeline import served_form, serving_bundle
 from usecases.recsys.serving import Recommender, RecommenderModel, latency, restore, safe
 
 
@@ -16,7 +23,8 @@ def bundle(kind="factors"):
             "user_ids": np.array([-1, 100, 200]), "item_ids": np.array([-1, 11, 12, 13, 14]),
             "titles": np.array(["", "a", "b", "c", "d"], dtype=object), "k": 2, "latency_users": 5}
     if kind == "factors":
-        return {**base, "kind": kind, "users": torch.tensor([[0.0], [1.0], [-1.0]]),
+        return {**base, "kind": kind, "trained": torch.tensor([False, True, True]),
+                "users": torch.tensor([[0.0], [1.0], [-1.0]]),
                 "items": torch.tensor([[0.0], [4.0], [3.0], [2.0], [1.0]])}
     if kind == "item_item":
         return {**base, "kind": kind, "similarity": sp.csr_matrix(np.eye(5, k=1, dtype=np.float32))}
@@ -74,3 +82,53 @@ def test_the_logged_bundle_loads_with_weights_only_and_answers_the_same(tmp_path
     expected._load(raw)
     model._load(loaded)
     pd.testing.assert_frame_equal(model.predict(None, users), expected.predict(None, users))
+
+
+CLUSTER_ITEMS = 20  # cluster A: items 1-20, cluster B: items 21-40
+
+
+def clustered_log(path: Path) -> Path:
+    """Forty users of cluster A and twenty of B, with two late events each, and ten users (n1..n10, half of each
+    cluster) whose events all come after the temporal cut: cluster A's items are the popular ones."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for index, cluster in enumerate(["A"] * 40 + ["B"] * 20 + ["A", "B"] * 5):
+        newcomer = index >= 60
+        user = f"n{index - 59}" if newcomer else f"u{index}"
+        first = 1 if cluster == "A" else CLUSTER_ITEMS + 1
+        items = rng.choice(np.arange(first, first + CLUSTER_ITEMS), size=8, replace=False)
+        late = 500 + index * 2 + np.arange(2)  # times 500-619; the training cut falls at 588
+        times = 588 + (index - 60) * 8 + np.arange(8) if newcomer else np.r_[index * 6 + np.arange(6), late]
+        rows += [(user, int(item), int(time)) for item, time in zip(items, times)]
+    pd.DataFrame(rows, columns=["user_id", "item_id", "timestamp"]).to_csv(path / "log.csv", index=False)
+    return path / "log.csv"
+
+
+@pytest.mark.parametrize("form", ["ease", "itemknn", "factors", "pop"])
+def test_users_first_seen_after_the_temporal_cut_are_served_from_their_own_history_or_popularity(tmp_path, form):
+    """Never from an empty history row (the lowest item codes) nor from factors that never trained (noise)."""
+    config = cfg.Config(data={"source": "file", "columns": {"rating": None}}, split="temporal")
+    data = load_interactions(config, clustered_log(tmp_path))
+    train, known = data.matrix("train"), data.matrix("known")
+    newcomers = [code for code, raw in enumerate(data.user_ids) if isinstance(raw, str) and raw.startswith("n")]
+    assert newcomers and all(train[code].nnz == 0 and known[code].nnz == 8 for code in newcomers)
+    scorer = {"ease": lambda: EASE(train, cfg.EASE(l2=1.0), torch.device("cpu")),
+              "itemknn": lambda: ItemKNN(train, cfg.ItemKNN(), torch.device("cpu")),
+              "factors": lambda: BPR(data.n_users, data.n_items, 4, NegativeSampler(train, torch.device("cpu"))),
+              "pop": lambda: Popularity(train, torch.device("cpu"))}[form]()
+    bundle = serving_bundle(served_form(scorer, config), data, config, known)
+    np.testing.assert_array_equal(bundle["popularity"], np.asarray(known.sum(axis=0)).ravel())
+    model = RecommenderModel()
+    model._load(restore(safe(bundle)))
+    popular = pd.Series(bundle["popularity"][1:], index=data.item_ids[1:])
+    for code in newcomers:
+        user = data.user_ids[code]
+        answer = model.predict(None, pd.DataFrame({"user_id": [user], "k": [5]}))
+        own = set(data.item_ids[known[code].indices])
+        assert len(answer) == 5 and not own & set(answer["item_id"]), "a seen item came back"
+        if form in ("ease", "itemknn"):
+            cluster_b = min(own) > CLUSTER_ITEMS
+            assert all((item > CLUSTER_ITEMS) == cluster_b for item in answer["item_id"]), (user, list(answer["item_id"]))
+        else:
+            expected = popular.drop(list(own)).sort_values(ascending=False, kind="stable")
+            assert set(answer["item_id"]) <= set(expected[expected >= expected.iloc[4]].index)

@@ -17,7 +17,8 @@ from .evaluate import rows_as_dense
 
 DENSE_SIMILARITY_BYTES = 1 << 30
 SIMILARITY_BLOCK_VALUES = 1 << 26
-EASE_MAX_ITEMS = 50_000  # a dense items x items inverse: 10 GB of float32 here
+EASE_LIVE_MATRICES = 4  # the Gram matrix, the identity, its Cholesky factor and the inverse, alive at once
+EASE_MEMORY_SHARE = 0.8  # of the device's free memory that EASE may plan to use
 ITEMKNN_MAX_ITEMS = 200_000  # item x item similarities in blocks: the work grows with the square of the catalogue
 COSINE_EPSILON = 1e-6  # RecBole's, keeps items without interactions from dividing by zero
 
@@ -96,12 +97,14 @@ class EASE:
 
     def __init__(self, train: sp.csr_matrix, config: cfg.EASE, device: torch.device):
         n_items = train.shape[1]
-        if n_items > EASE_MAX_ITEMS:
-            raise ModelUnavailable(f"ease: {n_items:,} items is too many for its items x items matrix (at most "
-                                   f"{EASE_MAX_ITEMS:,}; raise data.min_item_interactions to keep fewer)")
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
+        needed, free = ease_memory(n_items, dtype, device)
+        if needed > EASE_MEMORY_SHARE * free:
+            raise ModelUnavailable(f"ease: {n_items:,} items need {needed / 2**30:.1f} GB for its items x items "
+                                   f"matrices on {device.type} ({free / 2**30:.1f} GB free); raise "
+                                   "data.min_item_interactions to keep fewer items")
         self.train = train.tocsr()
         self.device = device
-        dtype = torch.float64 if device.type == "cpu" else torch.float32
         gram = torch.from_numpy((self.train.T @ self.train).toarray()).to(device, dtype)
         gram.diagonal().add_(config.l2)
         identity = torch.eye(n_items, dtype=dtype, device=device)
@@ -114,15 +117,27 @@ class EASE:
     def score(self, users: torch.Tensor) -> torch.Tensor:
         return _history_times(self.train, users, self.weights, self.device)
 
-    def similarity_matrix(self, neighbours: int) -> sp.csr_matrix:
-        """B pruned to the `neighbours` largest weights of each item's column, on the CPU, for serving: the dense B
-        of 10k items would be 400 MB in every logged model."""
+    def similarity_matrix(self, neighbours: int, max_bytes: float) -> torch.Tensor | sp.csr_matrix:
+        """B for serving, on the CPU: whole (a float32 tensor) when it takes at most `max_bytes`, so that the served
+        model is the evaluated one; else pruned to the `neighbours` largest weights of each item's column (the
+        dense B of 50k items would be 10 GB in every logged model)."""
+        if self.weights.numel() * self.weights.element_size() <= max_bytes:
+            return self.weights.cpu()
         keep = min(neighbours, self.weights.shape[0])
         values, sources = torch.topk(self.weights, keep, dim=0)
         targets = torch.arange(self.weights.shape[1], device=self.weights.device).expand(keep, -1)
         return sp.csr_matrix((values.cpu().numpy().ravel(), (sources.cpu().numpy().ravel(),
                                                               targets.cpu().numpy().ravel())),
                              shape=self.weights.shape)
+
+
+def ease_memory(n_items: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """Bytes EASE's fit needs at its peak, and bytes free where it runs (the GPU's, else the machine's)."""
+    import psutil
+
+    needed = EASE_LIVE_MATRICES * n_items**2 * torch.tensor([], dtype=dtype).element_size()
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    return needed, free
 
 
 def als_available() -> bool:

@@ -109,8 +109,10 @@ class LightGCNConfig(Learned):
 
 class Serving(ConfigModel):
     k: int = Field(10, ge=1)
-    item_neighbours: int = Field(500, ge=1, description="an item-item model is served with this many neighbours "
-                                                        "per item (EASE's dense matrix would not fit in a model)")
+    max_similarity_mb: float = Field(1024, gt=0, description="EASE is served with its whole items x items matrix "
+                                                             "(float32) when it takes at most this many MB")
+    item_neighbours: int = Field(500, ge=1, description="above serving.max_similarity_mb, EASE is served with this "
+                                                        "many neighbours per item (served_ndcg@10 says what it costs)")
     latency_users: int = Field(200, ge=1, description="single-user requests timed for p50 and p95")
 
 

@@ -47,6 +47,9 @@ class Interactions:
     and `timestamp` (int64 seconds, 0 when the log has none), and `rating` (float, NaN when the log has none).
     The Dask engine gives the splits as `matrices` only (memory-mapped from its cache), and no frames.
 
+    `matrix("known")` holds every positive the run read, val and test as split, before the rows no model can rank
+    were dropped (those of users first seen after a temporal cut): what the served model knows of each user.
+
     `user_ids[code]` and `item_ids[code]` give the raw ids back (index 0 is the unknown id: -1 for integer ids,
     None for text ids); `titles[code]` the item titles when the data has them ("" at index 0 and where missing).
     """
@@ -112,7 +115,9 @@ def load_interactions(config: Config, path: Path | None = None, client=None) -> 
     train, held_out_val, held_out_test = split(frame, config.split, ratios, config.runtime.seed)
     val, test = drop_unrankable(train, held_out_val, held_out_test)
     check_evaluable(frame, config.split, (train, held_out_val, held_out_test), (val, test), raw.source)
-    data = Interactions(train, val, test, user_ids, item_ids, titles, raw.source, raw.sha256,
+    known = sp.csr_matrix((np.ones(len(frame), dtype=np.float32), (frame["user"].to_numpy(), frame["item"].to_numpy())),
+                          shape=(len(user_ids), len(item_ids)))
+    data = Interactions(train, val, test, user_ids, item_ids, titles, raw.source, raw.sha256, {"known": known},
                         prepare_seconds=time.perf_counter() - started)
     density = len(frame) / max((data.n_users - 1) * (data.n_items - 1), 1)
     log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), density %.4f%%",

@@ -62,9 +62,10 @@ def rows_as_dense(matrix: sp.csr_matrix, rows: torch.Tensor | np.ndarray, device
 def top_k(scorer: Scorer, users: torch.Tensor, exclude: sp.csr_matrix, k: int,
           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best items (B, k) and their scores for each user, never item 0 nor the user's items in `exclude`
-    (its rows are user codes). When a user has fewer than k candidates, the tail has score -inf."""
+    (its rows are user codes). When a user has fewer than k candidates, the tail has score -inf. Scores are computed
+    in fp32 even inside an autocast region (the training loop validates in one): bf16 or fp16 scores tie items."""
     users = users.to(device)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
         scores = scorer.score(users).float()
     picked = exclude[users.cpu().numpy()]
     per_user = np.diff(picked.indptr)

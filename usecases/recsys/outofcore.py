@@ -11,7 +11,8 @@ process, written as CSR matrices in a cache that the next run starts from.
    codes 1..n in the order of the sorted raw ids of what is left.
 4. The splits: per-user ones (random, leave-last-out) in each shard; the temporal cut from a histogram of days,
    then the timestamps of the one day each cut falls in. Val and test lose the users without training rows.
-5. Train, val and test as CSR matrices (memory-mapped `.npy`, filled shard by shard).
+5. Train, val and test as CSR matrices (memory-mapped `.npy`, filled shard by shard), and `known`: every positive,
+   the dropped rows included, for the served model.
 
 Only counts, ids and the cut days come back to this process; the client never holds a DataFrame of the log.
 """
@@ -41,10 +42,11 @@ from .splits import (TEST, TRAIN, VAL, check_ratios, cut_positions, drop_unranka
 
 log = logging.getLogger(__name__)
 
-PREPARED_FORMAT = 1  # bump when what the cache holds changes
+PREPARED_FORMAT = 2  # bump when what the cache holds changes
 ROWS_PER_PARTITION = 1_000_000
 DAY_S = 86_400
 SPLITS = ("train", "val", "test")
+MATRICES = (*SPLITS, "known")
 
 
 @dataclass
@@ -174,7 +176,7 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
         raise UserError(f"{source.source}: split={config.split} leaves the {' and '.join(empty)} split empty; "
                         "--engine pandas says why in detail")
     n_users, n_items = int(keep_users.sum()) + 1, int(keep_items.sum()) + 1
-    for name in SPLITS:
+    for name in MATRICES:
         _write_csr(work, name, counts, n_users, n_items)
     pd.DataFrame({"id": users[keep_users]}).to_parquet(work / "user_ids.parquet")
     pd.DataFrame({"id": items[keep_items]}).to_parquet(work / "item_ids.parquet")
@@ -301,7 +303,8 @@ def _temporal_cuts(client, shards: list[Path], coded: dict, config: Config) -> l
 
 
 def _split_shard(path: Path, index: int, coded: dict, config: Config, cuts: list[int] | None, out: Path) -> dict:
-    """One shard's train, val and test as (user, item) code arrays on disk; per split its users and their counts."""
+    """One shard's train, val, test and all its positives (`known`) as (user, item) code arrays on disk; per matrix
+    its users and their counts."""
     rows = _kept_rows(path, coded, ["user", "item", "timestamp", "order"]).reset_index(drop=True)
     if config.split == "temporal":
         parts = split_at(rows, cuts)
@@ -311,7 +314,7 @@ def _split_shard(path: Path, index: int, coded: dict, config: Config, cuts: list
         parts = split_leave_last_out(rows)
     val, test = drop_unrankable(parts[TRAIN], parts[VAL], parts[TEST])
     result = {"val_held_out": len(parts[VAL]), "test_held_out": len(parts[TEST])}
-    for name, part in zip(SPLITS, (parts[TRAIN], val, test)):
+    for name, part in zip(MATRICES, (parts[TRAIN], val, test, rows)):
         ordered = part.sort_values(["user", "item"])
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -349,7 +352,7 @@ def _load(folder: Path) -> Prepared:
     meta = json.loads((folder / "meta.json").read_text())
     n_users, n_items = meta["users"] + 1, meta["items"] + 1
     matrices = {}
-    for name in SPLITS:
+    for name in MATRICES:
         indptr = np.load(folder / f"{name}-indptr.npy")
         indices = np.load(folder / f"{name}-indices.npy", mmap_mode="c")  # copy-on-write: nothing changes the cache
         matrix = sp.csr_matrix((np.ones(len(indices), dtype=np.float32), indices, indptr), shape=(n_users, n_items),

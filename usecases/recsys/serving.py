@@ -2,7 +2,10 @@
 
 Every model is served in one of three forms that need no training code: user and item factors (bpr, lightgcn,
 als), an item-item similarity applied to the user's history (itemknn, ease), or popularity alone (pop).
-Unknown users get the most popular items.
+History, seen items and popularity are everything the run read (train, validation and test); nothing is refit
+on them. A user the form has nothing for gets the most popular items unseen by them: an unknown user, a user
+with no training rows under a factor form (their factors never trained), a user without history under an
+item-item form.
 """
 
 from __future__ import annotations
@@ -34,21 +37,23 @@ class Recommender:
     def __init__(self, bundle: dict):
         self.kind = bundle["kind"]
         self.users, self.items = bundle.get("users"), bundle.get("items")
-        self.similarity: sp.csr_matrix | None = bundle.get("similarity")
+        self.similarity: sp.csr_matrix | torch.Tensor | None = bundle.get("similarity")
         self.history: sp.csr_matrix = bundle["history"]
         self.seen: sp.csr_matrix = bundle["seen"]
         self.popularity = torch.as_tensor(bundle["popularity"], dtype=torch.float32)
+        has_rows = torch.as_tensor(bundle["trained"]) if self.kind == "factors" else np.diff(self.history.indptr) > 0
+        self.cold = ~torch.as_tensor(has_rows)
+        self.cold[UNKNOWN] = True
 
     def score(self, users: torch.Tensor) -> torch.Tensor:
         codes = users.cpu().numpy()
         if self.kind == "factors":
             scores = self.users[users.cpu()] @ self.items.T
         elif self.kind == "item_item":
-            scores = torch.from_numpy(np.asarray((self.history[codes] @ self.similarity).todense(), np.float32))
+            scores = _times(self.history[codes], self.similarity)
         else:
             scores = self.popularity.expand(len(codes), -1).clone()
-        unknown = torch.from_numpy(codes == UNKNOWN)
-        scores[unknown] = self.popularity
+        scores[self.cold[users.cpu()]] = self.popularity
         return scores.to(users.device)
 
     def top_k(self, users: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,6 +61,13 @@ class Recommender:
         items, scores = top_k(self, torch.from_numpy(users), self.seen, min(k, self.seen.shape[1] - 1),
                               torch.device("cpu"))
         return items.numpy(), scores.numpy()
+
+
+def _times(histories: sp.csr_matrix, similarity: sp.csr_matrix | torch.Tensor) -> torch.Tensor:
+    """Histories times the item-item matrix, whole (a tensor) or pruned (sparse)."""
+    if isinstance(similarity, torch.Tensor):
+        return torch.from_numpy(np.asarray(histories @ similarity.numpy(), np.float32))
+    return torch.from_numpy(np.asarray((histories @ similarity).todense(), np.float32))
 
 
 def _bad_input(message: str) -> MlflowException:
