@@ -1,5 +1,6 @@
 """The model registry: each run's model is a version of `gpu-usecases-<usecase>`, and aliases name the champion
-of each data set, the champion of the data trained on last, and the latest challenger."""
+of each data set, the champion of the real data trained on last (`champion`) and of the synthetic data trained on
+last (`champion-synthetic`), and the latest challenger. Versions compete on their validation value."""
 
 import logging
 import math
@@ -20,35 +21,40 @@ def data_alias(data_sha256: str) -> str:
     return f"champion-{data_sha256[:12]}"
 
 
-def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, value: float,
-                      data_sha256: str) -> str:
+def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, value: float, data_sha256: str,
+                      *, test_value: float = math.nan, data_source: str = "", synthetic: bool = False) -> str:
     """Register the run's model as a new version of `gpu-usecases-<usecase>` and compare it with the models on the
-    same data and primary metric only: the best of every version registered on this data under this metric (the
-    earlier on a tie; a version chosen by another metric, before a use case changed its primary metric, does not
-    compete) takes the alias `champion-<sha12>`; the run's model is the champion when that is it, else the
-    `challenger`. `champion` then points at the champion of this run's data, so `usecases serve` serves the best
-    model for the data trained on last, and `--data-sha256` any other. Returns champion or challenger; the decision
-    and both values go to the run.
+    same data and primary metric only, by `value`, the metric on validation data (`test_value`, on test data, is a
+    report: choosing by it would make the test set a selection set). The best of every version registered on this
+    data under this metric on validation (the earlier on a tie; a version chosen by another metric, or on test
+    data before selection moved to validation, does not compete) takes the alias `champion-<sha12>`; the run's
+    model is the champion when that is it, else the `challenger`.
+
+    `champion` then points at the champion of this run's data, so `usecases serve` serves the best model for the
+    data trained on last; a run on `synthetic` data (CI, a quick check) moves `champion-synthetic` instead, never
+    `champion`, whose users' ids a synthetic model would answer with its own. Returns champion or challenger; the
+    decision and the values go to the run.
 
     The best is looked up among all the versions, not taken from the alias, and looked up again after the aliases
     are written, so that runs finishing at the same moment agree on the best of them."""
     client = mlflow.MlflowClient()
     name = registered_name(usecase)
     version = str(mlflow.register_model(tracker.model_uri, name).version)
-    for key, tag in (("primary_metric", metric), ("primary_value", value), ("data_sha256", data_sha256),
-                     ("run_id", tracker.run_id)):
+    for key, tag in (("primary_metric", metric), ("validation_value", value), ("primary_value", test_value),
+                     ("data_sha256", data_sha256), ("data_source", data_source), ("run_id", tracker.run_id)):
         client.set_model_version_tag(name, version, key, str(tag))
     same_data = data_alias(data_sha256)
     before = _version_by_alias(client, name, same_data)
-    if before is not None and before.tags.get("primary_metric") != metric:
+    if before is not None and (before.tags.get("primary_metric") != metric or "validation_value" not in before.tags):
         before = None
-    champion_value = _primary_value(before)
+    champion_value = _validation_value(before)
     best = _best_on(client, name, data_sha256, metric, mode) or version
+    latest = SYNTHETIC_ALIAS if synthetic else "champion"
     for _ in range(ALIAS_ATTEMPTS):
         _set_alias(client, name, same_data, best)
         if best != version:
             _set_alias(client, name, "challenger", version)
-        _set_alias(client, name, "champion", best)
+        _set_alias(client, name, latest, best)
         now = _best_on(client, name, data_sha256, metric, mode) or version
         if now == best:  # else a version registered meanwhile is better: write again
             break
@@ -57,23 +63,25 @@ def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, va
     tracker.set_tags({"registry_model": name, "registry_version": version, "registry_alias": alias,
                       "registry_data_alias": same_data,
                       "registry_champion_version": before.version if before else "none"})
-    tracker.log_metrics({f"registry/new_{metric}": value, f"registry/champion_{metric}": champion_value})
-    log.info("registry: %s version %s is the %s on its data (%s %.4f; champion before: %s)", name, version, alias,
-             metric, value, f"{champion_value:.4f}" if before else "none")
+    tracker.log_metrics({f"registry/new_val_{metric}": value, f"registry/champion_val_{metric}": champion_value})
+    log.info("registry: %s version %s is the %s on its data (validation %s %.4f; champion before: %s)", name,
+             version, alias, metric, value, f"{champion_value:.4f}" if before else "none")
     return alias
 
 
 ALIAS_ATTEMPTS = 5
+SYNTHETIC_ALIAS = "champion-synthetic"  # the champion of the synthetic data trained on last
 
 
 def _best_on(client, name: str, data_sha256: str, metric: str, mode: str) -> str | None:
-    """The version with the best primary value among those registered on this data under this primary metric (NaN
-    last, the earliest on a tie)."""
+    """The version with the best validation value among those registered on this data under this primary metric
+    (NaN last, the earliest on a tie)."""
     versions = [found for found in client.search_model_versions(f"name='{name}'")
-                if found.tags.get("data_sha256") == data_sha256 and found.tags.get("primary_metric") == metric]
+                if found.tags.get("data_sha256") == data_sha256 and found.tags.get("primary_metric") == metric
+                and "validation_value" in found.tags]
 
     def rank(found) -> tuple:
-        value = _primary_value(found)
+        value = _validation_value(found)
         return math.isnan(value), -value if mode == "max" else value, int(found.version)
 
     return str(min(versions, key=rank).version) if versions else None
@@ -90,8 +98,21 @@ def _version_by_alias(client, name: str, alias: str):
         return None
 
 
-def _primary_value(model_version) -> float:
-    return float(model_version.tags.get("primary_value", "nan")) if model_version else math.nan
+def _validation_value(model_version) -> float:
+    return float(model_version.tags.get("validation_value", "nan")) if model_version else math.nan
+
+
+def served_champion(client, usecase: str, data_sha256: str | None = None):
+    """The version `usecases serve` serves, and the alias it found it by: the champion on the given data, else the
+    champion of the real data trained on last, else (before any run on real data) that of the synthetic data; None
+    when there is none."""
+    name = registered_name(usecase)
+    aliases = [data_alias(data_sha256)] if data_sha256 else ["champion", SYNTHETIC_ALIAS]
+    for alias in aliases:
+        found = _version_by_alias(client, name, alias)
+        if found is not None:
+            return found, alias
+    return None
 
 
 def _set_alias(client, name: str, alias: str, version) -> None:

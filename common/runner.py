@@ -125,7 +125,7 @@ def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, clien
                 log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started,
                                         memory.bytes)
                 if not bench:
-                    register(tracker, usecase, models, data_tags["data_sha256"])
+                    register(tracker, usecase, models, data_tags)
     except (KeyboardInterrupt, Terminated):
         raise  # KILLED: its checkpoints stay for --resume
     except BaseException:
@@ -218,17 +218,24 @@ def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: floa
     tracker.log_metrics(metrics)
 
 
-def register(tracker, usecase: UseCase, models: dict, data_sha256: str) -> None:
-    """Log the served model's primary metric and register the model as champion or challenger."""
+def register(tracker, usecase: UseCase, models: dict, data_tags: dict) -> None:
+    """Log the served model's primary metric on validation and test data, and register the model as champion or
+    challenger by the validation value."""
     from common.registry import register_champion
 
     metric, mode = usecase.primary_metric
     if tracker.model_uri is None or tracker.served_model not in models:
         return
-    value = models[tracker.served_model][metric]
+    served = models[tracker.served_model]
+    if f"val_{metric}" not in served:
+        raise KeyError(f"use case '{usecase.name}': the served model's metrics have no 'val_{metric}', the primary "
+                       "metric on validation data that the registry compares versions by")
+    value, test_value = served[f"val_{metric}"], served[metric]
     tracker.set_tags({"primary_metric": metric, "primary_model": tracker.served_model})
-    tracker.log_metrics({f"primary/{metric}": value})
-    register_champion(tracker, usecase.name, metric, mode, value, data_sha256)
+    tracker.log_metrics({f"primary/{metric}": test_value, f"primary/val_{metric}": value})
+    source = str(data_tags.get("data_source", ""))
+    register_champion(tracker, usecase.name, metric, mode, value, data_tags["data_sha256"], test_value=test_value,
+                      data_source=source, synthetic=source.startswith("synthetic"))
 
 
 def run_demo(usecases: list[UseCase], device: str = "auto", frames: str = "auto") -> None:

@@ -2,7 +2,9 @@
 
 A use case is a Python package whose `__init__.py` declares `USECASE = UseCase.declare(__name__, ...)`. Its
 `pipeline` module provides `load_data(config, path) -> (data, tags)` and `run(config, data, job) -> models`, and
-an optional `benchmark` module `benchmark(config, data, job)`. Those modules are imported only when a run needs
+an optional `benchmark` module `benchmark(config, data, job)`. `models` maps each model's name to its metrics; the
+served model's hold the primary metric on test (`METRIC`, a report) and on validation (`val_METRIC`, by which the
+registry picks its champion). Those modules are imported only when a run needs
 them, after the DataFrame backend is chosen: declaring a use case imports its config schema and nothing heavier.
 
 Use cases are found in two places: the packages in a folder of use cases (the clone's `usecases/`, where

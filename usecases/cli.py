@@ -264,29 +264,34 @@ def _ui(port: int) -> int:
 
 
 def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: str | None = None) -> int:
-    """Replace this process with MLflow's scoring server for the use case's champion (or `model_uri`)."""
+    """Replace this process with MLflow's scoring server for the use case's champion (or `model_uri`); the first
+    line says which data set's champion it is."""
     import mlflow
-    from mlflow.exceptions import MlflowException
 
-    from common.registry import data_alias, registered_name
+    from common.registry import registered_name, served_champion
     from common.tracking import check_reachable, tracking_uri
 
     _usecase(name)
     uri = tracking_uri()
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
+    what = model_uri
     if model_uri is None:
-        alias = data_alias(data_sha256) if data_sha256 else "champion"
         if data_sha256 is not None and len(data_sha256) < 12:
             raise UserError(f"--data-sha256 {data_sha256}: give at least its first 12 hex digits")
-        try:
-            mlflow.MlflowClient().get_model_version_by_alias(registered_name(name), alias)
-        except MlflowException:
+        found = served_champion(mlflow.MlflowClient(), name, data_sha256)
+        if found is None:
             on = f" on data {data_sha256[:12]}" if data_sha256 else ""
             raise UserError(f"no champion of '{name}'{on} in {uri} yet (run `usecases run {name}` first, "
-                            f"or pass --model-uri)") from None
+                            f"or pass --model-uri)")
+        version, alias = found
         model_uri = f"models:/{registered_name(name)}@{alias}"
-    print(f"Serving {model_uri} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
+        source = version.tags.get("data_source") or "data"
+        what = (f"the champion of '{name}' on {source} (data {version.tags.get('data_sha256', '?')[:12]}, version "
+                f"{version.version}, {model_uri})")
+        if alias != "champion" and not data_sha256:
+            what += ": no run on real data has registered a model yet"
+    print(f"Serving {what} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "--host", host, "--port", str(port)],
               {**os.environ, "MLFLOW_TRACKING_URI": uri,  # MLflow starts `uvicorn` by name: this venv's first

@@ -16,12 +16,15 @@ class Constant(mlflow.pyfunc.PythonModel):
         return model_input
 
 
-def register(usecase: str, value: float, data: str, metric: str = "auc") -> tuple[str, str]:
+def register(usecase: str, value: float, data: str, metric: str = "auc", test_value: float = 0.5,
+             source: str = "real") -> tuple[str, str]:
+    """Register a model whose primary metric is `value` on validation data and `test_value` on test data."""
     with mlflow.start_run(nested=mlflow.active_run() is not None) as run:
         info = mlflow.pyfunc.log_model(name="model", python_model=Constant())
         tracker = Tracker(active=True, run_id=run.info.run_id)
         tracker.model_uri = info.model_uri
-        alias = registry.register_champion(tracker, usecase, metric, "max", value, data)
+        alias = registry.register_champion(tracker, usecase, metric, "max", value, data, test_value=test_value,
+                                           data_source=source, synthetic=source == "synthetic")
     return alias, mlflow.MlflowClient().get_registered_model(f"gpu-usecases-{usecase}").aliases
 
 
@@ -48,6 +51,57 @@ def test_a_champion_chosen_by_another_primary_metric_does_not_compete():
     alias, aliases = register("switched", 0.60, a)
     assert alias == "champion" and aliases["champion"] == 2
     assert register("switched", 0.50, a)[0] == "challenger"
+
+
+def test_versions_compete_on_validation_and_the_test_value_is_a_report():
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    a = "d" * 64
+    assert register("selection", 0.80, a, test_value=0.70)[0] == "champion"
+    alias, aliases = register("selection", 0.75, a, test_value=0.99)  # better on test, worse on validation
+    assert alias == "challenger" and aliases["champion"] == 1
+    champion = mlflow.MlflowClient().get_model_version_by_alias("gpu-usecases-selection", "champion")
+    assert (champion.tags["validation_value"], champion.tags["primary_value"]) == ("0.8", "0.7")
+
+
+def test_a_version_selected_on_test_data_before_does_not_compete():
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    a = "e" * 64
+    register("legacy", 0.99, a)
+    client = mlflow.MlflowClient()
+    client.delete_model_version_tag("gpu-usecases-legacy", "1", "validation_value")  # as registered before
+    assert register("legacy", 0.60, a)[0] == "champion"
+
+
+def test_a_run_on_synthetic_data_never_moves_the_champion_of_real_data():
+    """A smoke run (CI, a quick check) after a real-data run: `champion` stays on the real data's model, and the
+    synthetic model is the champion of its own data and `champion-synthetic`."""
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    client = mlflow.MlflowClient()
+    assert registry.served_champion(client, "synthetic-after") is None
+    register("synthetic-after", 0.5, "f" * 64, source="synthetic")
+    version, alias = registry.served_champion(client, "synthetic-after")  # before any real data: the synthetic one
+    assert (int(version.version), alias) == (1, "champion-synthetic")
+    register("synthetic-after", 0.7, "1" * 64, source="ml-latest-small")
+    alias, aliases = register("synthetic-after", 0.9, "2" * 64, source="synthetic")
+    assert alias == "champion" and aliases["champion"] == 2 and aliases["champion-synthetic"] == 3
+    assert aliases[f"champion-{'2' * 12}"] == 3
+    version, alias = registry.served_champion(client, "synthetic-after")
+    assert (int(version.version), version.tags["data_source"], alias) == (2, "ml-latest-small", "champion")
+
+
+def test_serve_names_the_data_whose_champion_it_serves(monkeypatch, capsys):
+    """`usecases serve` after a real-data run and then a smoke run serves the real data's champion, and says so."""
+    from usecases import cli
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    register("recsys", 0.3, "3" * 64, source="ml-latest-small")
+    register("recsys", 0.9, "4" * 64, source="synthetic")
+    served = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: served.append(args))
+    cli.main(["serve", "recsys"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "on ml-latest-small (data 333333333333, version 1" in first
+    assert served[0][served[0].index("-m", 2) + 1] == "models:/gpu-usecases-recsys@champion"
 
 
 def _racing(monkeypatch, usecase: str, rival_value: float):
