@@ -108,7 +108,7 @@ def run(config: Config, data: Interactions, job: Job) -> dict[str, dict[str, flo
         forms[name] = served_form(scorer, config)
         for key, history in (("served_ndcg@10", train), ("served_fresh_ndcg@10", seen_before_test)):
             as_served = Recommender(serving_bundle(forms[name], data, config, history))
-            models[name][key] = ranking(as_served, test, seen_before_test, [10])["ndcg@10"]
+            models[name][key] = ranking(as_served, test, seen_before_test, config.evaluation.ks)["ndcg@10"]
         log.info("%s: test NDCG@10 %.4f (served form %.4f), recall@10 %.4f", name, metrics["ndcg@10"],
                  models[name]["served_ndcg@10"], metrics["recall@10"])
     if not models:
