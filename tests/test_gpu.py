@@ -1,7 +1,11 @@
-"""Checks that need a CUDA GPU; skipped elsewhere (see tests/conftest.py). Run with `make test-gpu`."""
+"""Checks that need a CUDA GPU; skipped elsewhere (see tests/conftest.py). Run with `make test-gpu`. The one
+unmarked test checks on any machine that the CUDA extras install what these tests need."""
 
 import importlib.util
 import json
+import re
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,9 +13,24 @@ import torch
 from common.runtime import array_module, make_runtime, select_amp_dtype
 from tests.cli_helpers import usecases
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
+EXTRAS = ("cuda13", "cuda12")  # one per CUDA major; the RAPIDS wheels carry the major in their names
 
 
+@pytest.mark.parametrize("extra", EXTRAS)
+def test_each_cuda_extra_installs_the_gpu_stack_of_its_own_major(extra):
+    """The Dask engine's cuDF path (`dask_frames: cudf`, the last test here) needs dask-cudf beside cudf and
+    dask-cuda: without it that path cannot be installed, whatever the recsys README says."""
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    requirements = pyproject["project"]["optional-dependencies"][extra]
+    names = {re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+    major = extra.removeprefix("cuda")
+    assert {f"cudf-cu{major}", f"dask-cudf-cu{major}", "dask-cuda", f"cupy-cuda{major}x"} <= names, sorted(names)
+    other = "12" if major == "13" else "13"
+    assert not any(name.endswith((f"-cu{other}", f"cuda{other}x")) for name in names), "never mix the CUDA majors"
+
+
+@gpu
 def test_auto_picks_cuda_with_mixed_precision():
     runtime = make_runtime("auto")
     assert runtime.device.type == "cuda"
@@ -19,11 +38,13 @@ def test_auto_picks_cuda_with_mixed_precision():
     assert select_amp_dtype(torch.device("cuda"), "fp32") is None
 
 
+@gpu
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="the cuda13/cuda12 extra is not installed")
 def test_array_module_is_cupy():
     assert array_module().__name__ == "cupy"
 
 
+@gpu
 def test_finance_smoke_on_the_gpu(tmp_path):
     result = usecases("run", "finance", "--preset", "smoke", "--device", "cuda", "--summary", str(tmp_path / "s.json"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -34,6 +55,7 @@ def test_finance_smoke_on_the_gpu(tmp_path):
     assert models["neural"]["qlike_sq"] < 1.05 * models["ewma"]["qlike_sq"]
 
 
+@gpu
 def test_medical_smoke_on_the_gpu_holds_the_data_there(tmp_path):
     result = usecases("run", "medical", "--preset", "smoke", "--device", "cuda", "--summary", str(tmp_path / "s.json"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -42,6 +64,7 @@ def test_medical_smoke_on_the_gpu_holds_the_data_there(tmp_path):
     assert summary["device"] == "cuda" and summary["models"]["resnet18"]["auc"] > 0.9
 
 
+@gpu
 def test_medical_dataloader_path_on_the_gpu(tmp_path):
     result = usecases("run", "medical", "--preset", "smoke", "--device", "cuda", "--set", "data.in_memory=false",
                       "--set", "train.workers=2", "--summary", str(tmp_path / "s.json"))
@@ -49,6 +72,7 @@ def test_medical_dataloader_path_on_the_gpu(tmp_path):
     assert "DataLoader, 2 workers" in result.stderr
 
 
+@gpu
 def test_recsys_smoke_on_the_gpu(tmp_path):
     result = usecases("run", "recsys", "--preset", "smoke", "--device", "cuda", "--summary", str(tmp_path / "s.json"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -56,6 +80,7 @@ def test_recsys_smoke_on_the_gpu(tmp_path):
     assert summary["device"] == "cuda" and summary["models"]["lightgcn"]["ndcg@10"] > 0.05
 
 
+@gpu
 @pytest.mark.skipif(importlib.util.find_spec("dask_cudf") is None, reason="the cuda13/cuda12 extra is not installed")
 def test_recsys_on_the_dask_engine_prepares_on_cudf_what_pandas_prepares(tmp_path):
     """A LocalCUDACluster, its frames on cuDF: the same log after de-duplication, so the same popularity scores."""
