@@ -1,5 +1,6 @@
 """Loading the three data sources; every bad file fails with one line naming the file, column and row."""
 
+import gzip
 import io
 
 import numpy as np
@@ -38,6 +39,29 @@ def test_a_good_file_loads_sorted_with_its_checksum(tmp_path):
     panel = load_file(write(tmp_path, GOOD), Data())
     assert panel.tickers == ["AAA", "BBB"]
     assert len(panel.frame) == 5 and panel.source == "file:prices.csv" and len(panel.sha256) == 64
+
+
+def test_a_csv_saved_by_excel_with_a_byte_order_mark_loads_as_without_it(tmp_path):
+    """Excel's "CSV UTF-8" starts with the bytes EF BB BF, which must not stick to the first column's name as
+    '\\ufeffdate' ("missing column 'date'", issue 19), compressed or not."""
+    expected = load_file(write(tmp_path, GOOD), Data()).frame
+    for name, compress in (("excel.csv", bytes), ("excel.csv.gz", gzip.compress)):
+        path = tmp_path / name
+        path.write_bytes(compress(b"\xef\xbb\xbf" + GOOD.replace("\n", "\r\n").encode()))
+        pd.testing.assert_frame_equal(load_file(path, Data()).frame, expected)
+
+
+def test_a_byte_order_mark_left_on_the_first_name_by_another_reader_is_dropped(tmp_path, monkeypatch):
+    """pandas' C parser drops the mark itself (the test above passed before the fix too); a reader that keeps it on
+    the first column's name gave the issue's "missing column 'date'"."""
+    read_csv = pd.read_csv
+
+    def keeping_the_mark(path, **options):
+        frame = read_csv(path, **options)
+        return frame.rename(columns={frame.columns[0]: "\ufeff" + frame.columns[0]})
+
+    monkeypatch.setattr(pd, "read_csv", keeping_the_mark)
+    assert load_file(write(tmp_path, GOOD), Data()).tickers == ["AAA", "BBB"]
 
 
 def test_parquet_and_renamed_columns(tmp_path):

@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from common.errors import UserError
+from common.tracking import Tracker
 from usecases.finance.config import Config
 from usecases.finance.evaluate import qlike
 from usecases.finance.features import add_features
@@ -14,6 +15,7 @@ from usecases.finance.pipeline import (
     evaluation_window,
     neural_forecasts,
     training_window,
+    validation_window,
 )
 
 
@@ -119,6 +121,51 @@ def test_a_window_outside_the_data_is_a_user_error(panel, config):
         evaluation_window(add_features(panel), config)
 
 
+def prices_2019_to_2024(folder):
+    """A user's CSV: two tickers of daily prices from 2019-01-02 to 2024-12-31, in the README's long format."""
+    from usecases.finance.config import Synthetic
+    from usecases.finance.data import synthetic_panel
+
+    days = pd.bdate_range("2019-01-02", "2024-12-31")
+    frame = synthetic_panel(Synthetic(tickers=2, days=len(days), seed=2)).frame
+    path = folder / "my_prices.csv"
+    frame.assign(date=np.tile(days.strftime("%Y-%m-%d"), 2)).drop(columns="true_variance").to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize(("overrides", "first", "last"), [
+    pytest.param([], None, "2024-12-31", id="from-the-data"),
+    pytest.param(["evaluation.test_start=2023-01-03"], "2023-01-03", "2024-12-31", id="start-set"),
+    pytest.param(["evaluation.test_end=2023-12-29"], None, "2023-12-29", id="end-set"),
+])
+def test_a_user_file_is_tested_on_its_own_last_days_unless_the_window_is_set(tmp_path, overrides, first, last):
+    """`--data` under the `default` preset took the arch data's 2011-2018 window, so a later file failed (issue 19)."""
+    from common.config import load_config
+    from usecases import finance
+    from usecases.finance.pipeline import load_data
+
+    config = load_config(finance.Config, finance.USECASE.presets_dir, "default", overrides)
+    prepared, tags = load_data(config, prices_2019_to_2024(tmp_path))
+    frame = prepared.frame
+    calendar = np.sort(frame["target_date"].dropna().unique())
+    first = first or str(pd.Timestamp(calendar[int(len(calendar) * 0.7)]).date())
+    tested = frame.loc[prepared.test, "target_date"]
+    assert (str(tested.min().date()), str(tested.max().date())) == (first, last)
+    assert tags["test_window"] == f"{first}..{last}"
+    assert (config.evaluation.test_start is None) == (first != "2023-01-03"), "the params record the window used"
+    validation = tags["tails_validation"].split("..")
+    assert pd.Timestamp(validation[1]) < pd.Timestamp(first) < pd.Timestamp(validation[1]) + pd.Timedelta(days=5)
+
+
+def test_the_arch_data_keeps_the_reference_window():
+    from common.config import load_config
+    from usecases import finance
+
+    for preset in ("default", "full"):
+        evaluation = load_config(finance.Config, finance.USECASE.presets_dir, preset).evaluation
+        assert (str(evaluation.test_start), str(evaluation.test_end)) == ("2011-01-03", "2018-12-31")
+
+
 def test_exogenous_inputs_are_used_and_gaps_imputed(panel, config, cpu_job):
     """WTI covers the synthetic dates and VIX does not: the model trains and forecasts either way."""
     from usecases.finance.data import attach_exogenous
@@ -159,3 +206,58 @@ def test_neural_training_and_validation_rows_all_precede_the_refit_date(panel, c
     assert 0.1 < len(val_rows) / (len(train_rows) + len(val_rows)) < 0.2
     earlier = frame["target_date_h"] < refit_date - pd.Timedelta(days=30)
     assert ready[earlier].sum() < len(train_rows) + len(val_rows), "the window reaches up to the refit date"
+
+
+class RecordingTracker(Tracker):
+    """Keeps the tags and metrics a run would log."""
+
+    def __init__(self):
+        super().__init__(active=False)
+        self.tags, self.metrics = {}, {}
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+
+def test_the_validation_period_is_the_stretch_just_before_the_test_window(panel, config):
+    frame = add_features(panel)
+    mask = evaluation_window(frame, config)
+    validation = validation_window(frame, mask, config)
+    before = np.sort(frame.loc[frame["target_date"] < frame.loc[mask, "target_date"].min(), "target_date"].unique())
+    days = np.sort(frame.loc[validation, "target_date"].unique())
+    assert len(days) == len(before) // 2, "504 days asked for, half of the ~700 before the window given"
+    np.testing.assert_array_equal(days, before[-len(days):])
+    config.evaluation.val_days = 60
+    assert frame.loc[validation_window(frame, mask, config), "target_date"].nunique() == 60
+
+
+def tail_choice(panel, config, job, folder):
+    """The tail rule tag and the validation metrics that a neural walk-forward on `panel` logs."""
+    frame = add_features(panel)
+    job.tracker, job.checkpoint_dir = RecordingTracker(), folder
+    neural_forecasts(frame, evaluation_window(frame, config), config, job)
+    return job.tracker.tags["tails_rule"], {name: value for name, value in job.tracker.metrics.items()
+                                             if name.startswith("tails_val/")}
+
+
+def test_the_tail_rule_is_chosen_before_the_test_window_and_logged(panel, config, cpu_job, perturb_after, tmp_path):
+    """It was chosen on the test window (issue 19): now test prices cannot move it, validation prices can."""
+    config.train.epochs, config.train.refit_every = 2, 200  # three walk-forwards: the fewest refits that show it
+    frame = add_features(panel)
+    mask = evaluation_window(frame, config)
+    rule, metrics = tail_choice(panel, config, cpu_job, tmp_path / "base")
+    assert rule in ("training", "out_of_sample")
+    for name in ("training", "out_of_sample"):
+        assert {f"tails_val/{name}/{test}/SYN000" for test in ("var1_breaches", "kupiec_p", "christoffersen_cc_p",
+                                                               "es975_z2_p")} <= set(metrics)
+    assert metrics[f"tails_val/{rule}/worst_p"] >= max(metrics["tails_val/training/worst_p"],
+                                                        metrics["tails_val/out_of_sample/worst_p"])
+    test_start = frame.loc[mask, "target_date"].min()
+    last_before_test = frame.loc[frame["date"] < test_start, "date"].max()
+    assert tail_choice(perturb_after(panel, last_before_test), config, cpu_job, tmp_path / "test") == (rule, metrics)
+    validation_start = frame.loc[validation_window(frame, mask, config), "target_date"].min()
+    _, moved = tail_choice(perturb_after(panel, validation_start), config, cpu_job, tmp_path / "validation")
+    assert moved != metrics

@@ -49,9 +49,15 @@ class Data(ConfigModel):
 
 
 class Evaluation(ConfigModel):
+    """The test window defaults to the reference protocol's on the `arch` data; with --data each end not set
+    explicitly is taken from the file (`pipeline.window_from_data`)."""
+
     test_start: date | None = date(2011, 1, 3)
     test_end: date | None = date(2018, 12, 31)
     test_fraction: float = Field(0.3, gt=0, lt=1, description="used when test_start is null")
+    val_days: int = Field(504, ge=1, description="trading days just before the test window on which the neural "
+                          "model's tail rule is chosen and its val_qlike_sq measured (at most half of the days "
+                          "before it)")
     refit_every: int = Field(21, ge=1, description="trading days between baseline refits")
     horizon: int = Field(5, ge=2, description="the longer horizon in trading days, forecast beside the next day")
     dm_lags: int = Field(5, ge=0)

@@ -15,7 +15,7 @@ from arch.covariance.kernel import Bartlett
 from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
-from .tails import ES_LEVELS, VAR_LEVELS, es_columns, es_name, quantile_column
+from .tails import ES_LEVELS, TAIL_RULES, VAR_LEVELS, es_columns, es_name, quantile_column
 
 # Diebold-Mariano tests: each model's QLIKE against a proxy, paired with a reference model's on the same days. The
 # headline is the return scale against GJR-t; HAR-RV on Parkinson variance is the published protocol's.
@@ -203,6 +203,52 @@ def horizon_metrics(forecasts: pd.DataFrame, returns: np.ndarray, mu: np.ndarray
     metrics[f"h{horizon}_periods"] = float(len(realised))
     metrics.update(shortfall_metrics(realised, drift, sigma_h, periods, "_h", f"_h{horizon}"))
     return metrics
+
+
+def tail_backtests(rows: pd.DataFrame) -> dict[str, float]:
+    """The backtests a tail rule is chosen by, on one ticker's forecasts in date order (with the realised `ret`):
+    the 1 % VaR's breaches, Kupiec and conditional coverage p-values, the 97.5 % ES's Z2 and its p-value, and
+    `worst_p`, the smallest of those p-values (Z2's is NaN under 2 breaches): how near the rule comes to being
+    rejected."""
+    returns, mu = rows["ret"].to_numpy(), rows["mu"].to_numpy()
+    hits = (rows["ret"] < value_at_risk(rows, 0.01)).to_numpy()
+    metrics = {"var1_breaches": float(hits.sum()), "kupiec_p": kupiec_pof(int(hits.sum()), len(hits), 0.01)[1],
+               "christoffersen_cc_p": christoffersen(hits, 0.01)[3], "days": float(len(hits))}
+    sigma = np.sqrt(rows["variance"].to_numpy())
+    quantile, shortfall = (mu + sigma * rows[column].to_numpy() for column in es_columns(0.025))
+    metrics["es975_z2"], metrics["es975_z2_p"] = acerbi_szekely_z2(returns, shortfall, returns < quantile, 0.025)
+    metrics["worst_p"] = float(np.nanmin([metrics[name] for name in ("kupiec_p", "christoffersen_cc_p", "es975_z2_p")]))
+    return metrics
+
+
+def choose_tail_rule(candidates: dict[str, pd.DataFrame]) -> tuple[str, dict[str, float]]:
+    """The tail rule whose forecasts pass the validation backtests best: the largest `worst_p` averaged over the
+    tickers; a tie (as when the validation period is too short for out-of-sample residuals to take over) goes to
+    the first of TAIL_RULES. `candidates` are each rule's validation forecasts (`ticker`, `date`, `ret`, `mu`,
+    `variance` and the tail columns; NaN variance for a ticker not yet listed at a refit); returns the rule and every
+    candidate's backtests as `RULE/METRIC/TICKER`, with `RULE/worst_p` their mean."""
+    backtests, scores = {}, {}
+    for rule in TAIL_RULES:
+        forecasts = candidates[rule]
+        forecasts = forecasts[np.isfinite(forecasts["variance"])]
+        worst = []
+        for ticker, rows in forecasts.groupby("ticker", sort=False):
+            metrics = tail_backtests(rows.sort_values("date"))
+            backtests.update({f"{rule}/{name}/{ticker}": value for name, value in metrics.items()})
+            worst.append(metrics["worst_p"])
+        scores[rule] = backtests[f"{rule}/worst_p"] = float(np.mean(worst))
+    return max(TAIL_RULES, key=scores.__getitem__), backtests
+
+
+def validation_qlike(forecasts: pd.DataFrame) -> dict[str, float]:
+    """The served model's QLIKE against the squared return (demeaned as in `series_metrics`) on the validation
+    period, per ticker as `val_qlike_sq/TICKER` and averaged as `val_qlike_sq`: the registry compares versions by it,
+    so that no test value chooses what is served."""
+    per_ticker = {}
+    for ticker, rows in forecasts[np.isfinite(forecasts["variance"])].groupby("ticker", sort=False):
+        returns = rows["ret"].to_numpy()
+        per_ticker[f"val_qlike_sq/{ticker}"] = qlike((returns - returns.mean()) ** 2, rows["variance"].to_numpy())
+    return {"val_qlike_sq": float(np.mean(list(per_ticker.values()))), **per_ticker}
 
 
 def evaluate(forecasts: pd.DataFrame, horizon: int = 5, dm_lags: int = 5) -> dict[str, dict[str, float]]:

@@ -78,6 +78,9 @@ def _read_csv(path: Path) -> pd.DataFrame:
             if head.startswith(signature):
                 raise UserError(f"{path}: this is {what}; expected comma-separated text")
     raw = pd.read_csv(path, dtype=str)
+    # Excel's "CSV UTF-8" starts with a byte-order mark: pandas' own parser drops it, and this keeps it off the first
+    # column's name (where it would hide 'date') whatever read the file.
+    raw = raw.rename(columns={raw.columns[0]: str(raw.columns[0]).removeprefix("\ufeff")})
     if len(raw.columns) == 1:
         separator = next((mark for mark in DELIMITERS if mark in str(raw.columns[0])), None)
         if separator is not None:

@@ -2,7 +2,9 @@
 
 A forecast for test day d is made at the close of the previous trading day (the origin) from data up to the
 origin only. Models are refit at the start of each block of test days: the baselines every
-`evaluation.refit_every` days, the neural model every `train.refit_every` days (it costs more to fit).
+`evaluation.refit_every` days, the neural model every `train.refit_every` days (it costs more to fit). The neural
+model's walk-forward starts earlier, on a validation period just before the test window, where the rule for its
+VaR and ES tails is chosen; the test window then only measures it.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from common.sharding import gather_objects, my_share
 from common.training import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
 from common.workload import cpu_part
 from .baselines import fit_baselines, forecast_frame
-from .tails import VAR_LEVELS, empirical_columns, recalibrate
-from .config import Config
+from .tails import VAR_LEVELS, empirical_columns, quantile_column, recalibrate
+from .config import Config, Evaluation
 from .data import Panel, load_panel
-from .evaluate import evaluate, forecast_figure, risk_figure
+from .evaluate import choose_tail_rule, evaluate, forecast_figure, risk_figure, validation_qlike
 from .features import add_features, feature_names, usable
 from .models import VolatilityMLP, ensemble_forecast, qlike, qlike_loss
 from .serving import log_forecaster
@@ -50,13 +52,33 @@ class Prepared:
 
 def load_data(config: Config, path: Path | None, client=None) -> tuple[Prepared, dict[str, str]]:
     """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
-    `client`, the features are computed on its workers."""
+    `client`, the features are computed on its workers. The tags name the test window and the validation period
+    that were used."""
+    if path is not None:
+        window_from_data(config.evaluation)
     panel = load_panel(config.data, path)
     frame = features_per_ticker(panel.frame, config.evaluation.horizon, client)
-    prepared = Prepared(panel, frame, evaluation_window(frame, config, str(path) if path else panel.source))
-    return prepared, {"data_source": panel.source, "data_sha256": panel.sha256,
-                      "data_filled_rows": panel.filled_rows, **({"data_path": str(path)} if path else {}),
-                      "data_schema": DATA_SCHEMA}
+    test = evaluation_window(frame, config, str(path) if path else panel.source)
+    validation = validation_window(frame, test, config)
+    return Prepared(panel, frame, test), {
+        "data_source": panel.source, "data_sha256": panel.sha256, "data_filled_rows": panel.filled_rows,
+        **({"data_path": str(path)} if path else {}), "data_schema": DATA_SCHEMA,
+        "test_window": _span(frame, test), "tails_validation": _span(frame, validation)}
+
+
+def window_from_data(evaluation: Evaluation) -> None:
+    """For a user's file: the schema's 2011-2018 test window is the `arch` data's, so each end the user did not set
+    (with --set or in a preset) becomes null, and the window is the file's last `test_fraction`, or runs to its
+    end. Set in the config itself, so that the run's params record the window used."""
+    for end in ("test_start", "test_end"):
+        if end not in evaluation.model_fields_set:
+            setattr(evaluation, end, None)
+
+
+def _span(frame: pd.DataFrame, rows: pd.Series) -> str:
+    """The target days of `rows` as FIRST..LAST."""
+    dates = frame.loc[rows, "target_date"]
+    return f"{dates.min().date()}..{dates.max().date()}"
 
 
 def features_per_ticker(panel: pd.DataFrame, horizon: int, client=None) -> pd.DataFrame:
@@ -123,22 +145,39 @@ def _check_prices_move(rows: pd.DataFrame, part: str, returns: pd.Series, parkin
 
 
 def _check_first_refit(frame: pd.DataFrame, mask: pd.Series, config: Config, where: str) -> None:
-    """The first refit of the network trains on the fewest pairs (the windows expand): it needs some to train on
-    and some to stop early on."""
-    first = block_starts(frame, mask, config.train.refit_every)[0]
+    """The first refit of the network (at the start of the validation period) trains on the fewest pairs (the
+    windows expand): it needs some to train on and some to stop early on."""
+    first = walk_starts(frame, validation_window(frame, mask, config), mask, config.train.refit_every)[0]
     train_rows, val_rows = training_window(frame, trainable(frame), first, config.train.val_fraction)
     if len(train_rows) == 0 or len(val_rows) == 0:
         horizon = config.evaluation.horizon
         raise UserError(f"{where}: evaluation.horizon={horizon}: {len(train_rows)} training and {len(val_rows)} "
-                        f"validation pairs whose {horizon} target days all precede the test window on "
+                        f"validation pairs whose {horizon} target days all precede the network's first refit on "
                         f"{first.date()}; expected some of each (a shorter evaluation.horizon or a later "
                         f"evaluation.test_start gives more)")
+
+
+def validation_window(frame: pd.DataFrame, mask: pd.Series, config: Config) -> pd.Series:
+    """Origins whose target day lies in the validation period, where the neural model's tail rule is chosen and its
+    `val_qlike_sq` measured: the `evaluation.val_days` trading days just before the test window, or half of the
+    days before it (MIN_HISTORY at least, `evaluation_window`) where there are fewer, so that the first fit keeps
+    the other half."""
+    dates = frame["target_date"]
+    start = dates[mask].min()
+    calendar = np.sort(dates[dates < start].unique())
+    return (dates >= calendar[-min(config.evaluation.val_days, len(calendar) // 2)]) & (dates < start)
 
 
 def block_starts(frame: pd.DataFrame, mask: pd.Series, every: int) -> list[pd.Timestamp]:
     """Refit dates: every `every`-th trading day of the test window, on the calendar of all tickers."""
     calendar = np.sort(frame.loc[mask, "target_date"].unique())
     return [pd.Timestamp(date) for date in calendar[::every]]
+
+
+def walk_starts(frame: pd.DataFrame, validation: pd.Series, mask: pd.Series, every: int) -> list[pd.Timestamp]:
+    """Refit dates of a walk-forward over the validation period, then the test window, each cut from its own
+    first day, so that the test window starts a block as it does without a validation period."""
+    return block_starts(frame, validation, every) + block_starts(frame, mask, every)
 
 
 def ticker_blocks(rows: pd.DataFrame, mask: pd.Series, starts: list[pd.Timestamp]) -> list[tuple[int, int]]:
@@ -237,12 +276,15 @@ def overnight_factors(frame: pd.DataFrame, rows: np.ndarray) -> pd.Series:
 
 
 def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[pd.DataFrame, dict]:
-    """Walk-forward training of the global model; returns the test forecasts and the last refit for serving.
+    """Walk-forward training of the global model over the validation period and the test window; returns the test
+    forecasts, and the last refit for serving with its `validation` metrics.
 
     At each refit the network sees only the rows `training_window` gives. With `neural.target=scaled_range` it
     learns Parkinson variance and its forecasts are multiplied by each ticker's `overnight_factors` in that window.
     Its VaR quantiles and Expected Shortfalls are those of its own standardised returns (filtered historical
-    simulation): in its training window at first, then out of sample (`tails.recalibrate`).
+    simulation), by the tail rule whose validation forecasts backtest best (`choose_tail_rule`): the training
+    window's, or its own earlier out-of-sample residuals (`tails.recalibrate`). The choice sees no test day; the
+    run's tag `tails_rule` names it and the metrics `tails_val/RULE/...` show why.
     """
     device, horizon, target = job.runtime.device, config.evaluation.horizon, config.neural.target
     names = feature_names(config.data.exogenous)
@@ -250,10 +292,16 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     proxies = ["target_sq", "target_sq_h"] if target == "returns" else ["target", "target_h"]
     targets = torch.tensor(frame[proxies].to_numpy(), dtype=torch.float32)
     ready = trainable(frame)
-    starts = block_starts(frame, mask, config.train.refit_every)
+    validation = validation_window(frame, mask, config)
+    forecast_rows = validation | mask
+    starts = walk_starts(frame, validation, mask, config.train.refit_every)
+    tested = len(block_starts(frame, mask, config.train.refit_every))
+    # Refits numbered (seeded) from the test window's first, the validation ones after the last: the test forecasts
+    # are the same whatever the validation period.
+    blocks = [*range(tested, len(starts)), *range(tested)]
     parts, step, latest = [], 0, {}
-    for block, start in enumerate(starts):
-        end = starts[block + 1] if block + 1 < len(starts) else pd.Timestamp.max
+    for position, (block, start) in enumerate(zip(blocks, starts)):
+        end = starts[position + 1] if position + 1 < len(starts) else pd.Timestamp.max
         train_rows, val_rows = training_window(frame, ready, start, config.train.val_fraction)
         members = []
         for member in range(config.neural.ensemble):
@@ -264,7 +312,7 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
             step += epochs
         fitted_rows = np.union1d(train_rows, val_rows)
         factors = overnight_factors(frame, fitted_rows) if target == "scaled_range" else None
-        predict_rows = np.flatnonzero(mask & (frame["target_date"] >= start) & (frame["target_date"] < end))
+        predict_rows = np.flatnonzero(forecast_rows & (frame["target_date"] >= start) & (frame["target_date"] < end))
         fitted, forecast = (_scaled(ensemble_forecast(members, features[rows].to(device)).cpu().numpy(),
                                     frame["ticker"].to_numpy()[rows], factors) for rows in (fitted_rows, predict_rows))
         realised = frame[["target_ret", "target_ret_h"]].to_numpy()[fitted_rows]
@@ -275,14 +323,27 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
         latest = {"models": members, "features": names, "exogenous": config.data.exogenous,
                   "architecture": {**config.neural.model_dump(exclude={"ensemble", "target"}), "horizon": horizon},
                   "overnight_factors": {} if factors is None else factors.to_dict(),
-                  "mu": mu, "trained_until": str(start.date())}
-        log.info("neural: refit %d/%d (training targets before %s) done", block + 1, len(starts), start.date())
+                  "mu": mu, "trained_until": str(start.date()),
+                  "quantiles": [tails[quantile_column(level)] for level in VAR_LEVELS]}
+        log.info("neural: refit %d/%d (training targets before %s) done", position + 1, len(starts), start.date())
     forecasts = pd.concat(parts).join(frame[["ticker", "target_date", "target_date_h", "target_ret", "target_ret_h"]]
                                       .set_axis(["ticker", "date", "date_h", "ret", "ret_h"], axis=1))
-    forecasts = recalibrate(forecasts, block_starts(frame, mask, config.evaluation.refit_every), horizon)
-    residuals = ((forecasts["ret"] - forecasts["mu"]) / np.sqrt(forecasts["variance"])).to_numpy()
-    latest["quantiles"] = np.quantile(residuals, VAR_LEVELS).tolist()  # served: all the test residuals, pooled
-    return forecasts.drop(columns=["ticker", "date", "date_h", "ret", "ret_h"]).assign(model="neural"), latest
+    renewals = walk_starts(frame, validation, mask, config.evaluation.refit_every)
+    candidates = {"training": forecasts, "out_of_sample": recalibrate(forecasts, renewals, horizon)}
+    in_validation = validation[forecasts.index].to_numpy()
+    rule, backtests = choose_tail_rule({name: rows[in_validation] for name, rows in candidates.items()})
+    log.info("neural: tail rule %s, chosen on %d validation days (worst backtest p %s)", rule,
+             len(np.unique(frame.loc[validation, "target_date"])),
+             ", ".join(f"{name} {backtests[f'{name}/worst_p']:.3f}" for name in candidates))
+    job.tracker.set_tags({"tails_rule": rule})
+    job.tracker.log_metrics({f"tails_val/{name}": value for name, value in backtests.items()})
+    forecasts = candidates[rule]
+    latest["validation"] = validation_qlike(forecasts[in_validation])
+    if rule == "out_of_sample":  # served: the quantiles its next renewal would give, of every residual so far
+        residuals = ((forecasts["ret"] - forecasts["mu"]) / np.sqrt(forecasts["variance"])).to_numpy()
+        latest["quantiles"] = np.quantile(residuals[np.isfinite(residuals)], VAR_LEVELS).tolist()
+    in_test = forecasts[mask[forecasts.index].to_numpy()]
+    return in_test.drop(columns=["ticker", "date", "date_h", "ret", "ret_h"]).assign(model="neural"), latest
 
 
 def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None) -> np.ndarray:
@@ -303,6 +364,7 @@ def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]
     realised = frame[[name for name in names if name in frame]].rename(columns=names)
     forecasts = pd.concat([baselines, neural]).join(realised)
     models = evaluate(forecasts, config.evaluation.horizon, config.evaluation.dm_lags)
+    models["neural"].update(latest["validation"])
     _log_artifacts(forecasts, job)
     log_forecaster(latest, data.panel.frame, job)
     return models

@@ -5,7 +5,9 @@ distribution of standardised returns Z (mean 0, variance 1), at the FRTB's 97.5 
 Normal (EWMA, GARCH, HAR): es = −φ(z_α)/α. Student-t with ν degrees of freedom (GJR-t), scaled to unit variance by
 √((ν − 2)/ν): es = −(ν + t_α²)/(ν − 1) · f_ν(t_α)/α, times that scale (McNeil, Frey and Embrechts 2015, §2.3).
 Empirical (the neural model's filtered historical simulation): the mean of the standardised returns at or below
-their α-quantile, from its training window until a year of its own out-of-sample residuals exists, from those after.
+their α-quantile. Two rules give those returns (TAIL_RULES): `training`, its training window's; `out_of_sample`,
+its own earlier out-of-sample residuals once a year of them exists (`recalibrate`). The run chooses between them on
+a validation period before the test window (`evaluate.choose_tail_rule`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from scipy.stats import norm, t
 VAR_LEVELS = (0.01, 0.05)
 ES_LEVELS = (0.025, 0.01)  # tail probabilities: ES at 97.5 % (FRTB) and at 99 %
 MIN_RESIDUALS = 250  # a year of out-of-sample residuals before they replace the training window's
+TAIL_RULES = ("training", "out_of_sample")  # in order of preference when the validation backtests tie
 
 
 def quantile_column(level: float) -> str:
@@ -83,6 +86,7 @@ def empirical_columns(standardised: np.ndarray, standardised_h: np.ndarray) -> d
 def recalibrate(forecasts: pd.DataFrame, starts: list[pd.Timestamp], horizon: int) -> pd.DataFrame:
     """The tails of each ticker's forecasts from its own earlier out-of-sample residuals, renewed at every date in
     `starts`: the residuals of the days before it (of the H-day sums wholly before it), once MIN_RESIDUALS exist.
+    Rows without a forecast (NaN variance) give no residual.
 
     `forecasts` holds `date` and `date_h` (the first and last target day), `ret` and `ret_h` (the realised 1-day
     return and H-day sum), `mu`, `variance`, `variance_h`, and the training window's tail columns, kept until then.
@@ -97,7 +101,7 @@ def recalibrate(forecasts: pd.DataFrame, starts: list[pd.Timestamp], horizon: in
             block = rows[(dates[rows] >= start) & (dates[rows] < end)]
             past = residuals[rows[dates[rows] < start]]
             past_h = residuals_h[rows[dates_h[rows] < start]]
-            past_h = past_h[np.isfinite(past_h)]
+            past, past_h = past[np.isfinite(past)], past_h[np.isfinite(past_h)]
             if len(block) == 0 or len(past) < MIN_RESIDUALS or len(past_h) < MIN_RESIDUALS:
                 continue
             for column, value in empirical_columns(past, past_h).items():
