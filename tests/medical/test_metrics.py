@@ -185,7 +185,7 @@ def test_metric_safe_names():
     assert metric_safe("b (c)") == "b _c_"
 
 
-REQUIRED = ("auc", "acc", "auc_ci_low", "auc_ci_high", "ece", "brier", "ece_calibrated", "brier_calibrated",
+REQUIRED = ("auc", "val_auc", "acc", "auc_ci_low", "auc_ci_high", "ece", "brier", "ece_calibrated", "brier_calibrated",
             "temperature", "threshold", "sensitivity_at_threshold", "specificity_at_threshold", "ppv_at_threshold",
             "npv_at_threshold")
 
@@ -204,6 +204,7 @@ def test_evaluate_model_reports_every_metric(task):
     assert metrics["auc_ci_low"] < metrics["auc"] < metrics["auc_ci_high"]
     assert metrics["sensitivity_at_threshold"] > 0.75
     assert metrics["auc"] == pytest.approx(auc(test_labels, test_logits, task))
+    assert metrics["val_auc"] == pytest.approx(auc(val_labels, val_logits, task))
     assert details.threshold == metrics["threshold"] and details.positive_class == 1
     for figure in (roc_pr_figure(details), reliability_figure(details)):
         figure.savefig(io.BytesIO(), format="png")

@@ -50,6 +50,16 @@ def test_both_data_paths_train_with_either_imbalance_option(tmp_path, data, in_m
     assert not model.training
 
 
+def test_a_saturated_validation_auc_keeps_the_epoch_of_lowest_validation_loss(tmp_path, data, monkeypatch):
+    """A validation AUC of 1.0 from the first epoch on would otherwise keep that least-trained epoch."""
+    from usecases.medical import train
+
+    monkeypatch.setattr(train, "auc", lambda labels, logits, task: 1.0)
+    _, _, result = fit_network(tiny_config(epochs=3), data, Job(CPU, Tracker(active=False), tmp_path))
+    losses = [row["val/loss"] for row in result.history]
+    assert result.best_epoch == int(np.argmin(losses)) and len(set(losses)) == 3
+
+
 def test_tta_averages_an_image_and_its_mirror(data):
     class LeftBright(torch.nn.Module):
         def forward(self, images):

@@ -101,12 +101,23 @@ class Train(TrainConfig):
 
 
 class Evaluation(ConfigModel):
-    positive_class: int = Field(1, ge=0, description="the class the operating point and the clinical rates are for")
+    positive_class: Annotated[int, Field(ge=0)] | str | None = Field(
+        None, description="the class the operating point and the clinical rates are for: an index into the sorted "
+                          "class names, or a class name; null: the class with a conventional positive name "
+                          "(malignant, pneumonia, abnormal, tumor, positive, disease, 1), else class 1, except that "
+                          "your own binary data with no such name is refused")
     target_sensitivity: float = Field(0.95, gt=0, le=1)
     calibration_bins: int = Field(15, ge=2)
     bootstrap: int = Field(1000, ge=0, description="resamples for the AUC confidence interval; 0 skips it")
-    tta: bool = Field(False, description="average the probabilities over horizontal flips at test time")
+    tta: bool = Field(False, description="average the logits of each image and its mirror image, in validation, "
+                                         "test and the served model alike")
     gradcam_examples: int = Field(4, ge=0, description="per row: true positives, false positives, false negatives")
+
+    @field_validator("positive_class", mode="before")
+    @classmethod
+    def _an_index_as_a_number(cls, value):
+        """`--set evaluation.positive_class=0` arrives as text: digits are an index, as in the presets."""
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
 
 class Baselines(ConfigModel):

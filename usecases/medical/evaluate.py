@@ -41,6 +41,7 @@ MEDMNIST_TASKS = {"binary": "binary-class", "multi-class": "multi-class", "multi
 LOG_TEMPERATURE_BOUNDS = (math.log(0.05), math.log(20.0))
 BOOTSTRAP_CHUNK_ELEMENTS = 1 << 22  # resampled scores ranked at once: bounds memory on test sets of 20k images
 LABEL_THRESHOLD = 0.5
+POSITIVE_NAMES = {"malignant", "pneumonia", "abnormal", "tumor", "tumour", "positive", "disease", "1"}  # casefolded
 
 
 def probabilities(logits: np.ndarray, task: Task, temperature: float = 1.0) -> np.ndarray:
@@ -230,22 +231,48 @@ class EvaluationDetails:
         return self.score >= self.threshold
 
 
-def check_positive_class(positive_class: int, classes: list[str]) -> None:
-    if positive_class >= len(classes):
-        listed = ", ".join(f"{index} '{name}'" for index, name in enumerate(classes))
-        raise UserError(f"evaluation.positive_class: {positive_class} is not a class index (classes: {listed})")
+def conventional_positive(classes: list[str]) -> int | None:
+    """The one class named as clinicians name a finding (malignant, pneumonia, ...; any case), else None."""
+    named = [index for index, name in enumerate(classes) if name.strip().casefold() in POSITIVE_NAMES]
+    return named[0] if len(named) == 1 else None
+
+
+def positive_class_index(setting: int | str | None, classes: list[str], task: Task, own_data: bool = False) -> int:
+    """`evaluation.positive_class` as a class index. An index or a class name is taken as given; unset, the class
+    with a conventional positive name, else class 1. Unset on your own binary data with no such name, the run is
+    refused: a wrong guess would choose the threshold for, and report the sensitivity of, the healthy class
+    without a word."""
+    listed = ", ".join(f"{index} '{name}'" for index, name in enumerate(classes))
+    if isinstance(setting, int):
+        if setting >= len(classes):
+            raise UserError(f"evaluation.positive_class: {setting} is not a class index (classes: {listed})")
+        return setting
+    if isinstance(setting, str):
+        if setting in classes:
+            return classes.index(setting)
+        matches = [index for index, name in enumerate(classes) if name.casefold() == setting.strip().casefold()]
+        if len(matches) == 1:
+            return matches[0]
+        raise UserError(f"evaluation.positive_class: '{setting}' is not a class name nor index (classes: {listed})")
+    named = conventional_positive(classes)
+    if named is not None:
+        return named
+    if own_data and task == "binary":
+        raise UserError(f"evaluation.positive_class: cannot tell which of {listed} is the positive class (the one "
+                        f"the threshold and sensitivity are for); name it with --set evaluation.positive_class=NAME")
+    return 1
 
 
 def evaluate_model(val_logits: np.ndarray, val_labels: np.ndarray, test_logits: np.ndarray, test_labels: np.ndarray,
                    task: Task, classes: list[str], config: Evaluation,
                    seed: int) -> tuple[dict[str, float], EvaluationDetails]:
-    """The test metrics, flat for MLflow, with the operating threshold and the temperature fitted on validation.
+    """The test metrics (and `val_auc`), flat for MLflow, with the operating threshold and the temperature fitted on
+    validation.
 
     The threshold is on the model's own (uncalibrated) probability of `config.positive_class`. The bootstrap
     interval keys are absent when `config.bootstrap` is 0.
     """
-    check_positive_class(config.positive_class, classes)
-    positive = config.positive_class
+    positive = positive_class_index(config.positive_class, classes, task)
     val_probs, test_probs = probabilities(val_logits, task), probabilities(test_logits, task)
     temperature = fit_temperature(val_logits, val_labels, task)
     calibrated = probabilities(test_logits, task, temperature)
@@ -255,6 +282,7 @@ def evaluate_model(val_logits: np.ndarray, val_labels: np.ndarray, test_logits: 
                                 positive, threshold, config.target_sensitivity, config.calibration_bins)
     metrics = {
         "auc": auc(test_labels, test_logits, task),
+        "val_auc": auc(val_labels, val_logits, task),  # what the registry compares versions by, not the test value
         "acc": acc(test_labels, test_logits, task),
         "ece": expected_calibration_error(test_labels, test_probs, task, config.calibration_bins),
         "brier": brier(test_labels, test_probs, task),

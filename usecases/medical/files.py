@@ -9,7 +9,6 @@ manifest or the files fails before training with one line naming the file, colum
 from __future__ import annotations
 
 import hashlib
-import logging
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -25,8 +24,6 @@ from .config import Files
 from .images import SPLITS, ImageSet, check_classes, short
 from .pixels import is_image_file, read_image
 
-log = logging.getLogger(__name__)
-
 MANIFEST_NAME = "manifest.csv"
 
 
@@ -41,7 +38,7 @@ class Listing:
     has_patients: bool
     splits: list[str] | None = None
     manifest: Path | None = None
-    notices: list[str] = field(default_factory=list)  # warnings, logged once the data passed every check
+    notices: list[str] = field(default_factory=list)  # warnings, for ImageSet.notices
 
 
 def load_files(path: Path, config: Files, seed: int, client=None) -> ImageSet:
@@ -92,10 +89,9 @@ def load_files(path: Path, config: Files, seed: int, client=None) -> ImageSet:
         source=f"files:{path.name}",
         sha256=sha256,
         patients={split: patients[members] for split, members in rows.items()},
+        notices=listing.notices,
     )
     check_classes(data, where=str(path))
-    for notice in listing.notices:  # not before: a rejected input is reported in one line, without them
-        log.warning(notice)
     return data
 
 

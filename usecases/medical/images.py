@@ -28,6 +28,7 @@ class ImageSet:
     source: str
     sha256: str
     patients: dict[str, np.ndarray] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)  # warnings, logged once the data passed every check
 
     @property
     def channels(self) -> int:

@@ -18,7 +18,7 @@ from common.workload import cpu_part
 from .baselines import logreg_logits
 from .config import Config
 from .data import load_images
-from .evaluate import check_positive_class, evaluate_model, reliability_figure, roc_pr_figure
+from .evaluate import conventional_positive, evaluate_model, positive_class_index, reliability_figure, roc_pr_figure
 from .explain import grad_cam, overlay_figure, pick_examples
 from .images import ImageSet
 from .models import check_backbone_fits, use_cifar_stem
@@ -30,9 +30,16 @@ log = logging.getLogger(__name__)
 
 def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet, dict[str, str]]:
     """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
-    `client`, image files are decoded on its cluster."""
+    `client`, image files are decoded on its cluster. `evaluation.positive_class` is resolved to an index here, so
+    that the run's params say which class the threshold is for."""
     data = load_images(config.data, path, config.runtime.seed, client)
-    check_positive_class(config.evaluation.positive_class, data.classes)
+    own_data = path is not None and data.source.startswith("files:")
+    setting = config.evaluation.positive_class
+    config.evaluation.positive_class = positive_class_index(setting, data.classes, data.task, own_data)
+    if own_data and setting is None and conventional_positive(data.classes) is None:
+        data.notices.append(f"evaluation.positive_class: no class has a conventional positive name, so the operating "
+                            f"threshold is for class 1 '{data.classes[1]}' (name another with --set "
+                            f"evaluation.positive_class=NAME)")
     if config.train.imbalance == "sampler" and data.task == "multi-label":
         raise UserError(f"train.imbalance: 'sampler' draws one class per image, but {data.source} is multi-label "
                         f"(use class_weights)")
@@ -40,12 +47,15 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet,
     check_backbone_fits(model.name, data.channels, len(data.classes),
                         use_cifar_stem(model.cifar_stem, model.name, data.size), data.size)
     sizes = {split: len(data.labels[split]) for split in ("train", "val", "test")}
-    log.info("data: %s, %s, %d classes, %s px, train/val/test %s", data.source, data.task, len(data.classes),
-             data.size, "/".join(map(str, sizes.values())))
+    positive = data.classes[config.evaluation.positive_class]
+    log.info("data: %s, %s, %d classes, %s px, train/val/test %s, positive class '%s'", data.source, data.task,
+             len(data.classes), data.size, "/".join(map(str, sizes.values())), positive)
+    for notice in data.notices:  # not before: a rejected input is reported in one line, without them
+        log.warning(notice)
     schema = "image:binary,label:long" + (",patient_id:string" if data.patients else "")  # uint8 H x W x C images
     return data, {"data_source": data.source, "data_sha256": data.sha256, "task": data.task,
                   **{f"data_{split}_images": count for split, count in sizes.items()},
-                  **({"data_path": str(path)} if path else {}), "data_schema": schema}
+                  **({"data_path": str(path)} if path else {}), "data_schema": schema, "positive_class": positive}
 
 
 AUTO_DASK_IMAGES = 50_000  # runtime.engine=auto decodes image files on Dask above this many
@@ -83,8 +93,9 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
     log_classifier(model, arch, data, {"operating_threshold": metrics["threshold"],
                                        "positive_class": data.classes[evaluation.positive_class],
                                        "target_sensitivity": evaluation.target_sensitivity,
-                                       "temperature": metrics["temperature"], "best_epoch": result.best_epoch + 1},
-                   job)
+                                       "temperature": metrics["temperature"], "best_epoch": result.best_epoch + 1,
+                                       "tta": evaluation.tta},
+                   job, tta=evaluation.tta)
     for name in config.baselines.models:
         with cpu_part(name, job.tracker.log_metrics):  # scikit-learn's lbfgs, on one core
             baseline = logreg_logits(data, config.baselines, config.runtime.seed)

@@ -23,7 +23,8 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     training size. Output: a column of probabilities per class (softmax; sigmoid per label for multi-label tasks).
 
     The operating threshold chosen on validation, the positive class and the calibration temperature travel
-    in the model's metadata.
+    in the model's metadata. A run with `evaluation.tta` averages the logits of each image and its mirror image
+    here too, so that the threshold and the temperature apply to the scores they were fitted on.
     """
 
     def load_context(self, context) -> None:
@@ -34,6 +35,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         self.network.load_state_dict(bundle["state"])
         self.classes, self.task, self.size = bundle["classes"], bundle["task"], bundle["size"]
         self.channels = bundle["architecture"]["in_channels"]
+        self.tta = bundle.get("tta", False)  # absent from the bundles of models logged before TTA was served
 
     def _as_batch(self, images) -> torch.Tensor:
         array = np.asarray(images)
@@ -53,17 +55,25 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     @torch.no_grad()
     def predict(self, context, model_input: np.ndarray, params=None) -> pd.DataFrame:
         images = self._as_batch(model_input)
-        logits = torch.cat([self.network(images[start : start + BATCH]) for start in range(0, len(images), BATCH)])
+        logits = torch.cat([self._logits(images[start : start + BATCH]) for start in range(0, len(images), BATCH)])
+        logits = logits.double()  # as the run's metrics took them: in float32, a confident model's 1 - 1e-9 is 1.0
         probabilities = torch.sigmoid(logits) if self.task == "multi-label" else torch.softmax(logits, dim=1)
-        return pd.DataFrame(probabilities.numpy().astype(np.float64), columns=self.classes)
+        return pd.DataFrame(probabilities.numpy(), columns=self.classes)
 
 
-def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job) -> None:
-    """Log the best-epoch network as `model`, with a signature and real test images as the input example."""
+    def _logits(self, images: torch.Tensor) -> torch.Tensor:
+        """As `predict_logits` in train.py scores the validation and test splits."""
+        logits = self.network(images)
+        return (logits + self.network(images.flip(-1))) / 2 if self.tta else logits
+
+
+def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job, tta: bool = False) -> None:
+    """Log the best-epoch network as `model`, with a signature and real test images as the input example; `tta`:
+    served with the mirror image, as it was evaluated."""
     if not job.tracker.active:
         return
     bundle = {"state": {key: value.cpu() for key, value in model.state_dict().items()}, "architecture": arch,
-              "classes": data.classes, "task": data.task, "size": data.size}
+              "classes": data.classes, "task": data.task, "size": data.size, "tta": tta}
     probe = ImageClassifierModel()
     probe._load(bundle)
     example = data.images["test"][:EXAMPLE_IMAGES]

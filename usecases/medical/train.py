@@ -4,6 +4,7 @@ a DataLoader with workers and pinned memory when it does not; best epoch by vali
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import psutil
@@ -16,7 +17,7 @@ from common.runtime import Runtime
 from common.sharding import shared_predictions
 from common.training import FitResult, TensorBatches, Trainer, make_loader, supervised
 from .config import Config
-from .evaluate import auc
+from .evaluate import auc, nll
 from .images import ImageSet
 from .models import ImageClassifier, architecture, build_classifier, use_cifar_stem
 from .transforms import build_augment
@@ -116,7 +117,8 @@ def new_classifier(config: Config, data: ImageSet) -> tuple[ImageClassifier, dic
 
 
 def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifier, dict, FitResult]:
-    """Train from scratch; the returned model holds the weights of the epoch with the best validation AUC."""
+    """Train from scratch; the returned model holds the weights of the epoch with the best validation AUC, the
+    lowest validation loss among epochs of equal AUC."""
     runtime, settings = job.runtime, config.train
     torch.manual_seed(config.runtime.seed)
     model, arch = new_classifier(config, data)
@@ -139,13 +141,18 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
     val_images = channels_first(data.images["val"]).to(runtime.device) if in_memory else data.images["val"]
     val_labels = data.labels["val"]
 
+    as_served, tta = replace(runtime, amp_dtype=None), config.evaluation.tta
+
     def validate(network: nn.Module) -> dict[str, float]:
-        logits = shared_predictions(lambda rows: predict_logits(network, val_images[rows], runtime), len(val_labels),
-                                    runtime)  # each rank scores its share of the images
-        return {"val/auc": auc(val_labels, logits, data.task)}
+        """Scored as the logged model scores: in fp32 (also when training in bf16), with the mirror image under TTA.
+        The loss decides between epochs of equal AUC (a saturated AUC of 1.0 would keep the first of them)."""
+        logits = shared_predictions(lambda rows: predict_logits(network, val_images[rows], as_served, tta=tta),
+                                    len(val_labels), runtime)  # each rank scores its share of the images
+        return {"val/auc": auc(val_labels, logits, data.task), "val/loss": nll(logits, val_labels, data.task)}
 
     trainer = Trainer(model, optimizer, supervised(loss_function(data, settings.imbalance, runtime.device)), runtime,
-                      settings, monitor="val/auc", mode="max", scheduler=scheduler, checkpoint_dir=job.checkpoint_dir / arch["name"],
-                      log_metrics=job.tracker.log_metrics, name=arch["name"])
+                      settings, monitor="val/auc", mode="max", tie_break="val/loss", scheduler=scheduler,
+                      checkpoint_dir=job.checkpoint_dir / arch["name"], log_metrics=job.tracker.log_metrics,
+                      name=arch["name"])
     result = trainer.fit(batches, validate, resume=job.resume)
     return trainer.module.eval(), arch, result
