@@ -61,9 +61,12 @@ def test_one_champion_and_challengers_on_the_same_data(four_runs):
     assert len(versions) == 4
     aliases = [run.data.tags["registry_alias"] for run in runs("finance", uri)]
     assert set(aliases) <= {"champion", "challenger"} and "challenger" in aliases  # equal metrics: the first wins
-    champion = client.get_model_version_by_alias("gpu-usecases-finance", "champion")
-    assert champion.tags["primary_metric"] == "qlike_sq"
+    registered = client.get_registered_model("gpu-usecases-finance").aliases
+    assert "champion" not in registered, "a run on synthetic data moved the champion of real data"
+    champion = client.get_model_version_by_alias("gpu-usecases-finance", "champion-synthetic")
+    assert champion.tags["primary_metric"] == "qlike_sq" and champion.tags["data_source"].startswith("synthetic")
     champion_run = client.get_run(champion.tags["run_id"])
+    assert float(champion.tags["validation_value"]) == pytest.approx(champion_run.data.metrics["primary/val_qlike_sq"])
     assert float(champion.tags["primary_value"]) == pytest.approx(
         champion_run.data.metrics["primary/qlike_sq"])
     assert float(champion.tags["primary_value"]) == pytest.approx(

@@ -115,3 +115,19 @@ def test_on_a_gapped_panel_a_model_of_range_variance_is_caught_and_the_return_sc
     excess = {name: metrics["qlike_sq"] - metrics["qlike_sq_oracle"] for name, metrics in results.items()}
     assert excess["har_rv"] > 3 * max(excess["gjr_garch_t"], 0.01), excess
     assert range_model["var1_breaches"] > 2 * right["var1_breaches"], "its VaR is breached too often"
+
+
+def test_a_har_forecast_ols_puts_at_or_below_zero_is_the_mean_of_its_targets(series):
+    """A calm spell after a volatile window: the regression line (here: target = 2 x RV - 1) goes below zero, and a
+    variance of 1e-6 would make every QLIKE of the block explode. The mean of the fitted targets stands in for it."""
+    frame = series.copy()
+    first = BLOCKS[1][0]
+    inputs = np.random.default_rng(0).uniform(1, 3, len(frame))
+    for column in ("rv_d", "rv_w", "rv_m"):
+        frame[column] = inputs
+    frame["target_sq"] = 2 * inputs - 1
+    frame.loc[first:, ["rv_d", "rv_w", "rv_m"]] = 1e-8
+    ours = har(frame, BLOCKS, 5, proxy="returns")
+    fitted = frame["target_sq"].iloc[:first].dropna()
+    np.testing.assert_allclose(ours.loc[frame.index[first:BLOCKS[1][1] + 1], "variance"], fitted.mean())
+    assert ours.loc[frame.index[BLOCKS[0][0]], "variance"] == pytest.approx(2 * inputs[BLOCKS[0][0]] - 1)

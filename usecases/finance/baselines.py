@@ -83,7 +83,9 @@ def har(frame: pd.DataFrame, blocks: Blocks, horizon: int, proxy: str = "returns
     Parkinson variance itself.
 
     The H-day sum gets its own regression (direct, not iterated). Each is fitted on the pairs whose target
-    days are all at or before the origin; the VaR uses the window's mean return and normal quantiles.
+    days are all at or before the origin; the VaR uses the window's mean return and normal quantiles. A forecast
+    at or below zero (OLS has no floor: a calm spell after a volatile window) is replaced by the mean of the targets
+    it was fitted on, the lower half of Bollerslev, Patton and Quaedvlieg's (2016) "insanity filter".
     """
     inputs = frame[HAR_INPUTS].to_numpy()
     returns = frame["ret"].to_numpy()
@@ -97,7 +99,8 @@ def har(frame: pd.DataFrame, blocks: Blocks, horizon: int, proxy: str = "returns
             values = frame[target].to_numpy()
             train = known & np.isfinite(values)
             train[first - lag + 1 :] = False
-            forecasts.append(LinearRegression().fit(inputs[train], values[train]).predict(inputs[positions]))
+            forecast = LinearRegression().fit(inputs[train], values[train]).predict(inputs[positions])
+            forecasts.append(np.where(forecast > 0, forecast, values[train].mean()))
         mu = np.nanmean(returns[: first + 1])
         tails = tail_columns(norm.ppf(VAR_LEVELS), normal_tails())
         parts.append(forecast_frame(frame, positions, *forecasts, mu, tails))
