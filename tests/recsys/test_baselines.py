@@ -143,6 +143,7 @@ def test_ease_is_served_whole_when_it_fits_the_budget_and_pruned_above_it(data):
     model = MODELS["ease"](train)
     whole = model.similarity_matrix(5, max_bytes=model.weights.numel() * 4)
     assert isinstance(whole, torch.Tensor) and torch.equal(whole, model.weights)
+    assert whole.is_contiguous(), "a column-major matrix is copied whole by every served request's product"
     assert sp.issparse(model.similarity_matrix(5, max_bytes=model.weights.numel() * 4 - 1))
 
 

@@ -112,7 +112,7 @@ class EASE:
         del gram, identity
         weights = precision / -precision.diagonal()[None, :]
         weights.diagonal().zero_()
-        self.weights = weights.float()
+        self.weights = weights.float().contiguous()  # LAPACK's solve leaves it column-major: a copy per product
 
     def score(self, users: torch.Tensor) -> torch.Tensor:
         return _history_times(self.train, users, self.weights, self.device)
