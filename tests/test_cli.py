@@ -8,12 +8,14 @@ import sys
 import time
 import urllib.request
 
+import mlflow
 import pytest
 import torch
 
 from common import runner
 from common.errors import DataUnavailable
 from tests.cli_helpers import runs, usecases
+from tests.common.test_registry import register as register_model
 from usecases import cli
 
 
@@ -179,6 +181,19 @@ def test_serve_for_given_data_names_what_is_missing():
     assert short.returncode == 2 and "at least its first 12 hex digits" in short.stderr
     unknown = usecases("serve", "finance", "--data-sha256", "0123456789abcdef")
     assert unknown.returncode == 2 and "no champion of 'finance' on data 0123456789ab" in unknown.stderr
+
+
+def test_serve_names_the_data_whose_champion_it_serves(monkeypatch, capsys):
+    """`usecases serve` after a real-data run and then a smoke run serves the real data's champion, and says so."""
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    register_model("recsys", 0.3, "3" * 64, source="ml-latest-small")
+    register_model("recsys", 0.9, "4" * 64, source="synthetic")
+    served = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: served.append(args))
+    cli.main(["serve", "recsys"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "on ml-latest-small (data 333333333333, version 1" in first
+    assert served[0][served[0].index("-m", 2) + 1] == "models:/gpu-usecases-recsys@champion"
 
 
 def server_command(monkeypatch, *args):

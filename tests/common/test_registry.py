@@ -89,21 +89,6 @@ def test_a_run_on_synthetic_data_never_moves_the_champion_of_real_data():
     assert (int(version.version), version.tags["data_source"], alias) == (2, "ml-latest-small", "champion")
 
 
-def test_serve_names_the_data_whose_champion_it_serves(monkeypatch, capsys):
-    """`usecases serve` after a real-data run and then a smoke run serves the real data's champion, and says so."""
-    from usecases import cli
-
-    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-    register("recsys", 0.3, "3" * 64, source="ml-latest-small")
-    register("recsys", 0.9, "4" * 64, source="synthetic")
-    served = []
-    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: served.append(args))
-    cli.main(["serve", "recsys"])
-    first = capsys.readouterr().out.splitlines()[0]
-    assert "on ml-latest-small (data 333333333333, version 1" in first
-    assert served[0][served[0].index("-m", 2) + 1] == "models:/gpu-usecases-recsys@champion"
-
-
 def _racing(monkeypatch, usecase: str, rival_value: float):
     """Make another run register and set its aliases just after this run first sets the data alias, as a run
     finishing at the same moment does."""
