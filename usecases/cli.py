@@ -268,7 +268,7 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
     line says which data set's champion it is."""
     import mlflow
 
-    from common.registry import registered_name, served_champion
+    from common.registry import SYNTHETIC_ALIAS, registered_name, served_champion
     from common.tracking import check_reachable, tracking_uri
 
     _usecase(name)
@@ -287,10 +287,9 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
         version, alias = found
         model_uri = f"models:/{registered_name(name)}@{alias}"
         source = version.tags.get("data_source") or "data"
-        what = (f"the champion of '{name}' on {source} (data {version.tags.get('data_sha256', '?')[:12]}, version "
-                f"{version.version}, {model_uri})")
-        if alias != "champion" and not data_sha256:
-            what += ": no run on real data has registered a model yet"
+        fallback = "no run on real data has registered a model yet; " if alias == SYNTHETIC_ALIAS else ""
+        what = (f"the champion of '{name}' on {source} ({fallback}data {version.tags.get('data_sha256', '?')[:12]}, "
+                f"version {version.version}, {model_uri})")
     print(f"Serving {what} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "--host", host, "--port", str(port)],
