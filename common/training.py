@@ -283,11 +283,15 @@ class Trainer:
         return state
 
     def _restore_random_state(self, state: dict) -> None:
-        """This rank's random state as it was saved (a job restarted on fewer or more ranks reuses them in turn)."""
-        own = self.runtime.rank % len(state["torch_rng"])
-        torch.set_rng_state(state["torch_rng"][own].cpu())
-        if state["cuda_rng"][own] and self.runtime.device.type == "cuda":  # dropout, flips, negatives on the GPU
-            torch.cuda.set_rng_state_all([rng.cpu() for rng in state["cuda_rng"][own]])
+        """This rank's random state as it was saved (a job restarted on fewer or more ranks reuses them in turn; a
+        checkpoint written before the states were per rank holds one state, not a list of them)."""
+        states, cuda_states = state["torch_rng"], state["cuda_rng"]
+        if torch.is_tensor(states):
+            states, cuda_states = [states], [cuda_states]
+        own = self.runtime.rank % len(states)
+        torch.set_rng_state(states[own].cpu())
+        if cuda_states[own] and self.runtime.device.type == "cuda":  # dropout, flips, negatives on the GPU
+            torch.cuda.set_rng_state_all([rng.cpu() for rng in cuda_states[own]])
 
     def _own_random_stream(self) -> None:
         """Under DDP, a random stream per rank, derived from the seed (rank 0 keeps it, so a one-rank job and rank

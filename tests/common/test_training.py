@@ -448,3 +448,31 @@ def test_a_tie_on_the_monitored_metric_goes_to_the_lower_tie_break_loss():
 def test_a_missing_tie_break_metric_is_named():
     with pytest.raises(KeyError, match="val/loss"):
         make_trainer(linear(), tie_break="val/loss").fit(batches(), val_mse)
+
+
+def test_a_checkpoint_from_before_per_rank_random_states_resumes(tmp_path):
+    """Such a checkpoint holds one random state where a list of them is now: a run interrupted before an upgrade
+    still resumes after it, with the state it saved."""
+    settings = {"epochs": 4, "lr": 0.05}
+
+    def interrupt_after_two_epochs(metrics, step):
+        if step == 1:
+            raise Terminated("signal 15")
+
+    with pytest.raises(Terminated):
+        make_trainer(mlp(seed=0), checkpoint_dir=tmp_path, log_metrics=interrupt_after_two_epochs,
+                     **settings).fit(batches(), val_mse)
+    state = torch.load(tmp_path / CHECKPOINT_NAME, weights_only=True)
+    saved = state["torch_rng"][0]
+    state["torch_rng"], state["cuda_rng"] = saved, []
+    torch.save(state, tmp_path / CHECKPOINT_NAME)
+    trainer = make_trainer(mlp(seed=1), checkpoint_dir=tmp_path, **settings)
+    states, train_epoch = [], trainer._train_epoch
+
+    def recording(epoch_batches):
+        states.append(torch.get_rng_state())
+        return train_epoch(epoch_batches)
+
+    trainer._train_epoch = recording
+    assert trainer.fit(batches(), val_mse, resume=True).resumed_from == 1
+    assert torch.equal(states[0], saved)
