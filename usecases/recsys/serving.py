@@ -41,7 +41,7 @@ class Recommender:
         self.history: sp.csr_matrix = bundle["history"]
         self.seen: sp.csr_matrix = bundle["seen"]
         self.popularity = torch.as_tensor(bundle["popularity"], dtype=torch.float32)
-        has_rows = torch.as_tensor(bundle["trained"]) if self.kind == "factors" else np.diff(self.history.indptr) > 0
+        has_rows = bundle["trained"] if self.kind == "factors" else np.diff(self.history.indptr) > 0
         self.cold = ~torch.as_tensor(has_rows)
         self.cold[UNKNOWN] = True
 
