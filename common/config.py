@@ -36,7 +36,7 @@ class RuntimeConfig(ConfigModel):
                                              "the logged throughput")
     engine: Literal["pandas", "dask", "auto"] = Field(
         "pandas", description="where per-series and data work runs: this process, or a Dask cluster "
-                              "(common/engine.py); auto: Dask when the use case finds its data large (its README "
+                              "(common/runtime/engine.py); auto: Dask when the use case finds its data large (its README "
                               "says above what) and Dask is installed")
     cluster: str | None = Field(None, description="Dask scheduler address, e.g. tcp://10.0.0.5:8786; null: "
                                                   "$DASK_SCHEDULER_ADDRESS, else a local cluster")

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.runtime import Runtime
-from common.tracking import Tracker
+from common.runtime.devices import Runtime
+from common.tracking.runs import Tracker
 
 
 @dataclass

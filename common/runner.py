@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import DataUnavailable, UserError
-from common.interrupt import Terminated
-from common.memory import PeakMemory
+from common.runtime.interrupt import Terminated
+from common.runtime.memory import PeakMemory
 from common.usecase import UseCase
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def run_usecase(usecase: UseCase, preset: str, overrides: list[str], device: str
 
     Whatever the run sets process-wide (threads, seeds, deterministic algorithms, environment, log levels) is undone
     afterwards, so several runs in one process (`usecases demo`) each get the settings their own presets ask for."""
-    from common.runtime import isolated_process_state, use_gpu_frames
+    from common.runtime.devices import isolated_process_state, use_gpu_frames
 
     started = time.perf_counter()
     backend = use_gpu_frames(frames, device)
@@ -54,8 +54,8 @@ def run_usecase(usecase: UseCase, preset: str, overrides: list[str], device: str
 def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backend: str, data: Path | None,
          summary: Path | None, resume: bool, bench: bool, started: float) -> dict:
     from common.config import load_config
-    from common.runtime import make_runtime, shutdown
-    from common.tracking import check_reachable, tracking_uri
+    from common.runtime.devices import make_runtime, shutdown
+    from common.tracking.runs import check_reachable, tracking_uri
 
     check_reachable(tracking_uri())
     if bench and not usecase.has_benchmark:
@@ -84,12 +84,12 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
 def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, client, data: Path | None,
              summary: Path | None, resume: bool, bench: bool, started: float, memory: PeakMemory) -> dict:
     from common.config import flatten
-    from common.engine import client_tags
+    from common.runtime.engine import client_tags
     from common.job import Job
-    from common.lifecycle import STATE_FILE, checkpoint_root
+    from common.tracking.lifecycle import STATE_FILE, checkpoint_root
     from common.paths import write_json_atomic
-    from common.runtime import hardware_info, precision_notice, seed_everything
-    from common.tracking import tracked_run, write_summary
+    from common.runtime.devices import hardware_info, precision_notice, seed_everything
+    from common.tracking.runs import tracked_run, write_summary
     from torch import distributed as dist
 
     seed_everything(config.runtime.seed, config.runtime.deterministic)
@@ -160,7 +160,7 @@ def resolve_engine(usecase: UseCase, config, data: Path | None, runtime) -> str:
 
 def _engine(settings, runtime):
     """The Dask client the run uses; one process per job for now (under torchrun, ranks would each start one)."""
-    from common.engine import dask_client
+    from common.runtime.engine import dask_client
 
     if runtime.distributed:
         raise UserError("runtime.engine=dask: start the run without torchrun (the Dask engine drives its cluster "
@@ -172,8 +172,8 @@ def _prepare(name: str, experiment: str, description: str, root: Path, preset: s
              data_tags: dict) -> str | None:
     """Before the run starts: end the runs of this preset whose process died, pick the run to resume, and drop the
     checkpoints no run can resume any more."""
-    from common.lifecycle import mark_dead_runs, prune_checkpoints, resumable_run
-    from common.tracking import check_project_run, ensure_experiment
+    from common.tracking.lifecycle import mark_dead_runs, prune_checkpoints, resumable_run
+    from common.tracking.runs import check_project_run, ensure_experiment
 
     experiment_id = ensure_experiment(experiment, description)
     check_project_run(experiment, experiment_id, resuming=resume)  # here, where every rank hears of its refusal
@@ -221,7 +221,7 @@ def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: floa
 def register(tracker, usecase: UseCase, models: dict, data_tags: dict) -> None:
     """Log the served model's primary metric on validation and test data, and register the model as champion or
     challenger by the validation value."""
-    from common.registry import register_champion
+    from common.tracking.registry import register_champion
 
     metric, mode = usecase.primary_metric
     if tracker.model_uri is None or tracker.served_model not in models:

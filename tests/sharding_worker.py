@@ -10,14 +10,14 @@ import scipy.sparse as sp
 import torch
 import torch.distributed as dist
 
-from common import interrupt
+from common.runtime import interrupt
 from common.errors import UserError
-from common.interrupt import Terminated, stop_point, stops_deferred
+from common.runtime.interrupt import Terminated, stop_point, stops_deferred
 from common.runner import _on_main
 from common.config import TrainConfig
-from common.runtime import make_runtime, shutdown
-from common.sharding import all_reduce_max, gather_objects, gather_rows, my_share, shared_predictions
-from common.training import TensorBatches, Trainer, stop_if_any_rank_asked
+from common.runtime.devices import make_runtime, shutdown
+from common.runtime.sharding import all_reduce_max, gather_objects, gather_rows, my_share, shared_predictions
+from common.training.loop import TensorBatches, Trainer, stop_if_any_rank_asked
 from usecases.recsys.evaluate import full_ranking
 from usecases.recsys.models import BPR, NegativeSampler
 from usecases.recsys.train import bpr_step, training_pairs

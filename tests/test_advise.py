@@ -10,8 +10,8 @@ import mlflow
 import pandas as pd
 import pytest
 
-from common.advisor import BOUNDS, MEASURED_SPREAD
-from common.catalog import FOLDER
+from common.advisor.estimate import BOUNDS, MEASURED_SPREAD
+from common.advisor.catalog import FOLDER
 from tests.cli_helpers import assert_rejected, runs
 from usecases.cli import main
 

@@ -131,7 +131,7 @@ def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatc
 
 
 def test_the_cli_imports_no_pandas_before_choosing_the_dataframe_backend():
-    code = "import sys, usecases.cli, common.runtime; sys.exit('pandas' in sys.modules)"
+    code = "import sys, usecases.cli, common.runtime.devices; sys.exit('pandas' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -143,7 +143,7 @@ def interrupted_state(params_change=None, data_sha256=None):
     import mlflow
 
     from common.config import flatten, load_config
-    from common.tracking import ensure_experiment
+    from common.tracking.runs import ensure_experiment
     from usecases import finance
     from usecases.finance.pipeline import load_data
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.runtime import array_module, make_runtime, select_amp_dtype
+from common.runtime.devices import array_module, make_runtime, select_amp_dtype
 from tests.cli_helpers import usecases
 
 gpu = pytest.mark.gpu

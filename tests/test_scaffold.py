@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.scaffold import rename_text
+from common.tools.scaffold import rename_text
 from tests.cli_helpers import runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_an_export_needs_only_its_own_dependencies(exports):
 @pytest.mark.parametrize("name", IN_DEFAULT_SUITE)
 def test_an_export_runs_its_smoke_preset_and_its_tests(exports, name):
     export = exports[name]
-    modules = ["common.runner", "common.scaffold", "common.tracking", "usecases.cli", f"usecases.{name}.pipeline",
+    modules = ["common.runner", "common.tools.scaffold", "common.tracking.runs", "usecases.cli", f"usecases.{name}.pipeline",
                f"usecases.{name}.serving"]
     code = f"import importlib; print('\\n'.join(importlib.import_module(m).__file__ for m in {modules!r}))"
     files = in_folder(export, "-c", code).stdout.split()

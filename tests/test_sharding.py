@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sharding import share_bounds
+from common.runtime.sharding import share_bounds
 from tests.cli_helpers import two_ranks
 from tests.sharding_worker import FixedScores, interactions
 from usecases.recsys.evaluate import full_ranking

@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from common.errors import UserError
-from common.interrupt import Terminated, stop_on_signals
+from common.runtime.interrupt import Terminated, stop_on_signals
 
 EXIT_OK, EXIT_FAILURE, EXIT_USER_ERROR = 0, 1, 2
 log = logging.getLogger("usecases")
@@ -211,7 +211,7 @@ def _list() -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from common.runner import run_demo
-    from common.runtime import use_gpu_frames
+    from common.runtime.devices import use_gpu_frames
 
     use_gpu_frames(args.frames, args.device)  # before any use case is imported, as `run` does
     loaded = _loaded()
@@ -225,7 +225,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _doctor(device: str) -> int:
-    from common.doctor import run_checks, verdict
+    from common.tools.doctor import run_checks, verdict
 
     checks = run_checks(device)
     for check in checks:
@@ -236,7 +236,7 @@ def _doctor(device: str) -> int:
 
 
 def _new(name: str, source: str) -> int:
-    from common.scaffold import new_usecase
+    from common.tools.scaffold import new_usecase
 
     created = new_usecase(_usecase(source), name, set(_found()))
     print(f"created {', '.join(str(path) for path in created)}\n"
@@ -245,7 +245,7 @@ def _new(name: str, source: str) -> int:
 
 
 def _export(name: str, folder: Path, force: bool) -> int:
-    from common.scaffold import export_usecase
+    from common.tools.scaffold import export_usecase
 
     others = [usecase for other, usecase in _loaded().items() if other != name and not isinstance(usecase, UserError)]
     export_usecase(_usecase(name), others, folder, force)
@@ -255,7 +255,7 @@ def _export(name: str, folder: Path, force: bool) -> int:
 
 def _ui(port: int) -> int:
     """Replace this process with MLflow's server, so Ctrl-C and SIGTERM reach it and its workers directly."""
-    from common.tracking import tracking_uri
+    from common.tracking.runs import tracking_uri
 
     uri = tracking_uri()
     print(f"MLflow UI on http://127.0.0.1:{port} (store: {uri}); Ctrl-C to stop", flush=True)
@@ -268,8 +268,8 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
     line says which data set's champion it is."""
     import mlflow
 
-    from common.registry import SYNTHETIC_ALIAS, registered_name, served_champion
-    from common.tracking import check_reachable, tracking_uri
+    from common.tracking.registry import SYNTHETIC_ALIAS, registered_name, served_champion
+    from common.tracking.runs import check_reachable, tracking_uri
 
     _usecase(name)
     uri = tracking_uri()
@@ -298,7 +298,7 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
 
 
 def _advise(args) -> int:
-    from common.advice_report import advise_command
+    from common.advisor.report import advise_command
 
     if args.workload is None and args.name is None:
         raise UserError("advise needs a use case name (see `usecases list`) or --workload FILE.json")
@@ -309,7 +309,7 @@ def _advise(args) -> int:
 
 
 def _compare(name: str, output_format: str) -> int:
-    from common.comparison import compare_runs
+    from common.tracking.comparison import compare_runs
 
     metric, mode = _usecase(name).primary_metric
     table = compare_runs(name, metric, mode)
@@ -328,7 +328,7 @@ def _compare(name: str, output_format: str) -> int:
 
 def _server(host: str, port: int, backend_store_uri: str | None, artifacts_destination: str | None) -> int:
     """Replace this process with `mlflow server`, so that Ctrl-C and SIGTERM reach it directly."""
-    from common.tracking import server_stores
+    from common.tracking.runs import server_stores
 
     store, artifacts = server_stores(backend_store_uri, artifacts_destination)
     print(f"MLflow tracking server on http://{host}:{port} (store: {store}, artifacts: {artifacts})\n"
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "advise":
             return _advise(args)
         if args.command == "gpu-check":
-            from common.gpu_check import gpu_check
+            from common.tools import gpu_check
 
             usable = [usecase for usecase in _loaded().values() if not isinstance(usecase, UserError)]
             return gpu_check(usable, args.out, args.budget_s)
@@ -375,13 +375,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args.name, args.folder, args.force)
         if args.command == "bench" and args.scale:
-            from common.scaling import parse_list, scale_bench
+            from common.tools.scaling import parse_list, scale_bench
 
             scale_bench(_usecase(args.name), args.overrides, parse_list(args.sizes, "--sizes", int),
                         parse_list(args.scale_engines, "--scale-engines"), args.base, args.timeout_s)
             return EXIT_OK
         from common.runner import run_usecase
-        from common.runtime import use_gpu_frames
+        from common.runtime.devices import use_gpu_frames
 
         use_gpu_frames(args.frames, args.device)  # before the use case's package is imported: cudf.pandas takes over
         run_usecase(_usecase(args.name), args.preset, args.overrides + _engine_overrides(args), args.device,

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.interrupt import Terminated, stop_on_signals
-from common.runtime import make_runtime, shutdown
+from common.runtime.interrupt import Terminated, stop_on_signals
+from common.runtime.devices import make_runtime, shutdown
 from common.config import TrainConfig
-from common.training import TensorBatches, Trainer, supervised
+from common.training.loop import TensorBatches, Trainer, supervised
 
 
 def main(outdir: Path, signal_rank: int | None = None) -> None:

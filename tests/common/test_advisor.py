@@ -11,13 +11,13 @@ import pandas as pd
 import pytest
 import torch
 
-from common.advisor import (CALIBRATION, COMPUTE_EFFICIENCY, EFFICIENCY_SPREAD, MEASURED_SPREAD, Published, Range,
+from common.advisor.estimate import (CALIBRATION, COMPUTE_EFFICIENCY, EFFICIENCY_SPREAD, MEASURED_SPREAD, Published, Range,
                              Workload, calibrate, cpu_seconds, data_parallel, estimate, gpu_precision,
                              leave_one_model_out)
-from common.catalog import FOLDER, INSTANCE_COLUMNS, load_gpus, load_instances, match_gpu
+from common.advisor.catalog import FOLDER, INSTANCE_COLUMNS, load_gpus, load_instances, match_gpu
 from common.errors import UserError
-from common.training import supervised
-from common.workload import measure_model
+from common.training.loop import supervised
+from common.training.workload import measure_model
 
 GPUS = load_gpus()
 REFERENCE = "V100-16GB-SXM2"  # the measured GPU every other published figure is predicted from
@@ -166,7 +166,7 @@ def loo_table(figures=None) -> pd.DataFrame:
 
 def test_the_shipped_calibration_is_the_fit_on_every_published_figure():
     """Two model families (ResNet-50 v1.5 in TensorFlow and PyTorch, NCF), three GPUs besides the V100-32GB; the
-    constants in common/advisor.py are this fit, rounded."""
+    constants in common/advisor/estimate.py are this fit, rounded."""
     figures = published_figures()
     assert {figure.family for figure in figures} == {"ResNet-50 v1.5", "NCF"}
     fitted = calibrate(list(figures))
@@ -193,7 +193,7 @@ def test_a_held_out_model_is_predicted_by_a_calibration_that_never_saw_its_figur
 
 
 def test_the_ranges_cover_every_leave_one_model_out_error_and_no_more():
-    """The rule stated in README.md and common/advisor.py: each range is the envelope of the out-of-sample errors,
+    """The rule stated in README.md and common/advisor/estimate.py: each range is the envelope of the out-of-sample errors,
     published / expected, rounded outwards to 0.05; every held-out figure then lies in its predicted range."""
     table = loo_table()
     assert set(table["bound"]) <= {"compute", "memory bandwidth"}

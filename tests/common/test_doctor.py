@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import doctor
-from common.doctor import FAIL, OK, SKIP, WARN, Check, verdict
+from common.tools import doctor
+from common.tools.doctor import FAIL, OK, SKIP, WARN, Check, verdict
 from common.errors import UserError
 
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from common import engine
+from common.runtime import engine
 
 distributed = pytest.importorskip("distributed")
 
@@ -27,7 +27,7 @@ def fake_dask_cuda(monkeypatch) -> list[dict]:
 
 
 def test_a_gpu_run_gets_one_cuda_worker_per_gpu(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="common.engine")
+    caplog.set_level(logging.INFO, logger="common.runtime.engine")
     made = fake_dask_cuda(monkeypatch)
     with engine.dask_client(gpus=True) as client:
         assert len(client.scheduler_info()["workers"]) == 2
@@ -36,7 +36,7 @@ def test_a_gpu_run_gets_one_cuda_worker_per_gpu(monkeypatch, caplog):
 
 
 def test_a_cpu_run_or_no_dask_cuda_gets_a_cpu_cluster(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="common.engine")
+    caplog.set_level(logging.INFO, logger="common.runtime.engine")
     made = fake_dask_cuda(monkeypatch)
     with engine.dask_client(workers=1) as client:
         assert len(client.scheduler_info()["workers"]) == 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import gpu_check
+from common.tools import gpu_check
 from common.config import ConfigModel
 from common.usecase import UseCase
 

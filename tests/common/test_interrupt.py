@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from common import interrupt
-from common.interrupt import Terminated, stop_on_signals, stop_point
-from common.runtime import Runtime
+from common.runtime import interrupt
+from common.runtime.interrupt import Terminated, stop_on_signals, stop_point
+from common.runtime.devices import Runtime
 from common.config import TrainConfig
-from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, supervised
+from common.training.loop import CHECKPOINT_NAME, TensorBatches, Trainer, supervised
 
 
 @pytest.fixture(autouse=True)

@@ -13,9 +13,9 @@ import mlflow
 import psutil
 import pytest
 
-from common import lifecycle
+from common.tracking import lifecycle
 from common.errors import UserError
-from common.tracking import ensure_experiment
+from common.tracking.runs import ensure_experiment
 
 NOW = 1_800_000_000.0
 USECASE = "mine"  # any name: this is the core's behaviour, not a use case's

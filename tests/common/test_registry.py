@@ -7,8 +7,8 @@ import os
 
 import mlflow
 
-from common import registry
-from common.tracking import Tracker
+from common.tracking import registry
+from common.tracking.runs import Tracker
 
 
 class Constant(mlflow.pyfunc.PythonModel):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from common import runtime
+from common.runtime import devices as runtime
 from common.errors import UserError
-from common.runtime import (
+from common.runtime.devices import (
     Runtime,
     array_module,
     hardware_info,
@@ -226,7 +226,7 @@ def test_make_test_no_bf16_fakes_a_cpu_without_native_bf16_in_every_process():
     from pathlib import Path
 
     folder = Path(__file__).resolve().parents[1] / "cpu_without_bf16"
-    code = ("import torch; from common.runtime import cpu_has_native_bf16, select_amp_dtype; "
+    code = ("import torch; from common.runtime.devices import cpu_has_native_bf16, select_amp_dtype; "
             "print(cpu_has_native_bf16(), select_amp_dtype(torch.device('cpu'), 'auto'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(folder)})

@@ -12,8 +12,8 @@ import mlflow
 import pytest
 
 from common.config import ConfigModel, flatten
-from common.interrupt import Terminated
-from common.tracking import Tracker, experiment_name, git_commit, tracked_run, write_summary
+from common.runtime.interrupt import Terminated
+from common.tracking.runs import Tracker, experiment_name, git_commit, tracked_run, write_summary
 
 USECASE = "unit"
 
@@ -161,7 +161,7 @@ def test_log_metrics_drops_nan_and_none(client):
 
 
 def test_logged_models_pin_public_versions_and_name_the_index_of_a_cuda_build(monkeypatch):
-    from common import tracking
+    from common.tracking import runs as tracking
 
     versions = {"torch": "2.14.1+cu130", "numpy": "2.4.6", "mlflow": "3.17.2"}
     monkeypatch.setattr(tracking, "version", versions.get)
@@ -172,7 +172,7 @@ def test_logged_models_pin_public_versions_and_name_the_index_of_a_cuda_build(mo
 
 
 def test_a_dataset_two_runs_insert_at_once_is_linked_on_the_second_try(monkeypatch):
-    from common import tracking
+    from common.tracking import runs as tracking
 
     calls = []
 

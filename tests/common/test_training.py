@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from common import training
+from common.training import loop as training
 from common.errors import UserError
-from common.interrupt import Terminated
-from common.runtime import Runtime
+from common.runtime.interrupt import Terminated
+from common.runtime.devices import Runtime
 from common.config import TrainConfig
-from common.training import CHECKPOINT_NAME, TensorBatches, Trainer, save_atomic, supervised
+from common.training.loop import CHECKPOINT_NAME, TensorBatches, Trainer, save_atomic, supervised
 
 CPU = Runtime(torch.device("cpu"), None)
 
@@ -390,7 +390,7 @@ def test_make_loader_samples_by_weight_and_refuses_it_under_ddp():
 
 
 def test_batch_norm_is_synchronised_under_ddp_on_gpus_only():
-    from common.training import synchronised_batch_norm
+    from common.training.loop import synchronised_batch_norm
 
     def network():
         return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import runner, usecase
+from common import runner
+
+from common import usecase
 from common.errors import UserError
 from common.usecase import UseCase, discover, resolve
 

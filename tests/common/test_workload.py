@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from common.config import TrainConfig
-from common.runtime import Runtime
-from common.training import TensorBatches, Trainer, supervised
-from common.workload import cpu_part, loader_rate, measure_model
+from common.runtime.devices import Runtime
+from common.training.loop import TensorBatches, Trainer, supervised
+from common.training.workload import cpu_part, loader_rate, measure_model
 
 CPU = Runtime(torch.device("cpu"), None)
 

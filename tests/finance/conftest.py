@@ -1,8 +1,8 @@
 import pytest
 
 from common.job import Job
-from common.runtime import Runtime
-from common.tracking import Tracker
+from common.runtime.devices import Runtime
+from common.tracking.runs import Tracker
 from usecases.finance.config import Synthetic
 from usecases.finance.data import synthetic_panel
 

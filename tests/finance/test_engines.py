@@ -50,7 +50,7 @@ def test_an_unreachable_cluster_is_one_line_and_no_run(capsys):
 
 
 def test_a_scheduler_without_workers_is_one_line_and_no_run(capsys, monkeypatch):
-    from common import engine
+    from common.runtime import engine
 
     monkeypatch.setattr(engine, "WORKERS_TIMEOUT_S", 1)
     with distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty:

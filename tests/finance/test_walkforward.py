@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from common.errors import UserError
-from common.tracking import Tracker
+from common.tracking.runs import Tracker
 from usecases.finance.config import Config
 from usecases.finance.evaluate import qlike
 from usecases.finance.features import add_features

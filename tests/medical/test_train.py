@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from common.job import Job
-from common.runtime import Runtime
-from common.tracking import Tracker
+from common.runtime.devices import Runtime
+from common.tracking.runs import Tracker
 from usecases.medical.config import Config
 from usecases.medical.data import synthetic_images
 from usecases.medical.train import class_weights, fit_network, predict_logits, sample_weights

@@ -18,7 +18,7 @@ from arch.utility.exceptions import StartingValueWarning
 from scipy.stats import norm
 from sklearn.linear_model import LinearRegression
 
-from common.interrupt import stop_point
+from common.runtime.interrupt import stop_point
 from .tails import VAR_LEVELS, normal_tails, student_t_tails, tail_columns
 
 HAR_INPUTS = ["rv_d", "rv_w", "rv_m"]

@@ -19,12 +19,12 @@ import pandas as pd
 import torch
 
 from common.errors import UserError
-from common.interrupt import stop_point, stops_deferred
+from common.runtime.interrupt import stop_point, stops_deferred
 from common.job import Job
-from common.runtime import Runtime
-from common.sharding import gather_objects, my_share
-from common.training import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
-from common.workload import cpu_part
+from common.runtime.devices import Runtime
+from common.runtime.sharding import gather_objects, my_share
+from common.training.loop import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
+from common.training.workload import cpu_part
 from .baselines import fit_baselines, forecast_frame
 from .tails import VAR_LEVELS, empirical_columns, quantile_column, recalibrate
 from .config import Config, Evaluation

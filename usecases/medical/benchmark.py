@@ -17,9 +17,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from common.interrupt import stop_point
+from common.runtime.interrupt import stop_point
 from common.job import Job
-from common.runtime import Runtime
+from common.runtime.devices import Runtime
 from .config import Config
 from .images import ImageSet
 from .models import build_classifier

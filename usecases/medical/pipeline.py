@@ -13,8 +13,8 @@ import torch
 
 from common.errors import UserError
 from common.job import Job
-from common.sharding import shared_predictions
-from common.workload import cpu_part
+from common.runtime.sharding import shared_predictions
+from common.training.workload import cpu_part
 from .baselines import logreg_logits
 from .config import Config
 from .data import load_images

@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from common.job import Job
-from common.runtime import Runtime
-from common.sharding import shared_predictions
-from common.training import FitResult, TensorBatches, Trainer, make_loader, supervised
+from common.runtime.devices import Runtime
+from common.runtime.sharding import shared_predictions
+from common.training.loop import FitResult, TensorBatches, Trainer, make_loader, supervised
 from .config import Config
 from .evaluate import auc, nll
 from .images import ImageSet

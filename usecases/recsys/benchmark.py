@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import UserError
-from common.interrupt import stop_point
+from common.runtime.interrupt import stop_point
 from common.job import Job
 from .baselines import als_available
 from .config import Config

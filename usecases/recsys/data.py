@@ -23,7 +23,7 @@ import scipy.sparse as sp
 
 from common.errors import UserError
 from common.paths import cache_dir
-from common.runtime import distributed_env
+from common.runtime.devices import distributed_env
 from .config import Columns, Config, Data
 from .logs import COMPRESSED, RawLog, read_log
 from .movielens import movielens_folder, movielens_format, read_movielens

@@ -32,8 +32,8 @@ import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
-from common.runtime import Runtime
-from common.sharding import all_reduce_max, all_reduce_sum, my_share
+from common.runtime.devices import Runtime
+from common.runtime.sharding import all_reduce_max, all_reduce_sum, my_share
 from .data import UNKNOWN
 
 METRICS = ("hit", "recall", "precision", "mrr", "ndcg", "coverage")

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from common.engine import worker_frames
+from common.runtime.engine import worker_frames
 from common.errors import UserError
 from common.paths import building, cache_dir, write_json_atomic
 from .config import Config

@@ -18,7 +18,7 @@ import torch
 
 from common.errors import UserError
 from common.job import Job
-from common.workload import cpu_part
+from common.training.workload import cpu_part
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
 from .data import Interactions, expected_interactions, load_interactions

@@ -10,7 +10,7 @@ import scipy.sparse as sp
 import torch
 
 from common.job import Job
-from common.training import FitResult, TensorBatches, Trainer
+from common.training.loop import FitResult, TensorBatches, Trainer
 from .config import Config
 from .evaluate import full_ranking
 from .models import BPR, LightGCN, NegativeSampler, PairwiseRanker

@@ -176,8 +176,8 @@ def run_checks(device: str = "auto") -> list[Check]:
     import torch
 
     from common.paths import cache_dir
-    from common.runtime import cpu_has_native_bf16
-    from common.tracking import check_reachable, tracking_uri
+    from common.runtime.devices import cpu_has_native_bf16
+    from common.tracking.runs import check_reachable, tracking_uri
 
     try:
         import pynvml as nvml

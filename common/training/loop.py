@@ -31,9 +31,9 @@ from tqdm.auto import tqdm
 
 from common.config import TrainConfig
 from common.errors import UserError
-from common.interrupt import Terminated, stop_point, stop_requested
-from common.runtime import Runtime
-from common.workload import Predict, loader_rate, measure_model
+from common.runtime.interrupt import Terminated, stop_point, stop_requested
+from common.runtime.devices import Runtime
+from common.training.workload import Predict, loader_rate, measure_model
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +427,7 @@ class Trainer:
         return FitResult(best, best_epoch, epoch + 1, resumed_from, history)
 
     def _workload(self, batches: Iterable, last: dict[str, float], epochs_run: int) -> dict[str, float]:
-        """The model's workload facts (`common.workload`), under `model/<model_name>/`, measured on one batch with the
+        """The model's workload facts (`common.training.workload`), under `model/<model_name>/`, measured on one batch with the
         random state restored after, so that the run goes on as it would have without them."""
         device = self.runtime.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.runtime import Runtime
+from common.runtime.devices import Runtime
 
 
 def share_bounds(count: int, world_size: int) -> list[tuple[int, int]]:

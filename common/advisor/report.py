@@ -8,9 +8,9 @@ import math
 import tempfile
 from pathlib import Path
 
-from common.advise import (RunFacts, Row, actions, advise, calibrated, facts_from_file, facts_from_run, load_catalogue,
+from common.advisor.advise import (RunFacts, Row, actions, advise, calibrated, facts_from_file, facts_from_run, load_catalogue,
                            recommend)
-from common.advisor import Range
+from common.advisor.estimate import Range
 from common.errors import UserError
 
 ESTIMATED = "estimated: low-high (expected)"
@@ -50,7 +50,7 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
 def _find_run(usecase: str | None, run_id: str | None):
     import mlflow
 
-    from common.tracking import experiment_name, tracking_uri
+    from common.tracking.runs import experiment_name, tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
     client = mlflow.MlflowClient()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlflow
 
 from common.errors import UserError
-from common.tracking import experiment_name, metric_name, tracking_uri
+from common.tracking.runs import experiment_name, metric_name, tracking_uri
 
 
 def compare_runs(usecase: str, metric: str, mode: str):

@@ -114,7 +114,7 @@ def collective_timeout() -> timedelta:
     """How long a rank waits in a collective: an hour (`$USECASES_DDP_TIMEOUT_MIN`), not NCCL's 10 minutes,
     because at the end of a job the other ranks wait at a barrier while rank 0 alone logs and registers the model,
     which with a remote store and a large model can pass 10 minutes. The work itself is shared out
-    (common/sharding.py), so no rank waits long for another's computation."""
+    (common/runtime/sharding.py), so no rank waits long for another's computation."""
     return timedelta(minutes=float(os.environ.get("USECASES_DDP_TIMEOUT_MIN", DDP_TIMEOUT_MIN)))
 
 

@@ -7,7 +7,7 @@ import math
 
 import mlflow
 
-from common.tracking import EXPERIMENT_PREFIX, Tracker, is_unique_violation
+from common.tracking.runs import EXPERIMENT_PREFIX, Tracker, is_unique_violation
 
 log = logging.getLogger(__name__)
 

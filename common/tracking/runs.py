@@ -1,7 +1,7 @@
 """MLflow tracking: the local SQLite store by default, one experiment per use case, one run per job.
 
 A run ends FINISHED, FAILED or KILLED, and only rank 0 of a DDP job writes. A process killed outright (SIGKILL,
-the OOM killer) cannot end its run: the next start of that preset does (common/lifecycle.py).
+the OOM killer) cannot end its run: the next start of that preset does (common/tracking/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import mlflow
 
 from common.config import flatten
 from common.errors import UserError
-from common.interrupt import Terminated
-from common.lifecycle import heartbeat, process_tags
+from common.runtime.interrupt import Terminated
+from common.tracking.lifecycle import heartbeat, process_tags
 from common.paths import git, project_root, write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ ranges are the out-of-sample error of that fit, leave one model family out (`lea
 figures are predicted by a calibration that never saw them, and a range spans the largest such error, under and
 over (`tests/common/test_advisor.py` recomputes it and checks the constants below).
 
-    from common.advisor import Workload, estimate
-    from common.catalog import load_gpus
+    from common.advisor.estimate import Workload, estimate
+    from common.advisor.catalog import load_gpus
     gpus = load_gpus()
     w = Workload("train", flops_per_sample=24.6e9, bytes_per_sample=2.4e8, precision="amp", batch_size=256,
                  measured_gpu="V100-SXM2-16GB", measured_samples_per_s=1400)
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from common.catalog import GPU
+from common.advisor.catalog import GPU
 
 # A GPU with less power per peak TFLOPS than the V100 (T4: 70 W for 65; A100: 400 W for 312) sustains less of its
 # peak: the efficiency scales with (its watts per TFLOPS / the V100's) ** exponent, at most 1.

@@ -3,7 +3,7 @@
 An exception raised straight from a signal handler can land inside a lock held by SQLAlchemy or MLflow's
 system-metrics thread and deadlock the shutdown. So the first signal only records the request, and the job
 raises at its next `stop_point()` (every training step, every baseline refit); a second signal stops at once.
-Under DDP the ranks agree once per epoch (see common/training.py), so none is left waiting in a collective.
+Under DDP the ranks agree once per epoch (see common/training/loop.py), so none is left waiting in a collective.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`usecases advise`: which GPU instance to rent to train and to serve a use case, and what it will cost, from the
-workload facts its run logged (`common.workload`), the catalogue (`common.catalog`) and the estimator
-(`common.advisor`). Every figure of another machine is an estimate with its range; this run's own figures are
+workload facts its run logged (`common.training.workload`), the catalogue (`common.advisor.catalog`) and the estimator
+(`common.advisor.estimate`). Every figure of another machine is an estimate with its range; this run's own figures are
 measured and labelled so.
 """
 
@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from common.advisor import Range, Workload, cpu_seconds, data_parallel, estimate
-from common.catalog import GPU, Instance, load_gpus, load_instances, match_gpu
+from common.advisor.estimate import Range, Workload, cpu_seconds, data_parallel, estimate
+from common.advisor.catalog import GPU, Instance, load_gpus, load_instances, match_gpu
 from common.errors import UserError
 
 DATA_WAIT_ACTION = 0.10  # of a training epoch spent waiting for data

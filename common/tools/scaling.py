@@ -47,7 +47,7 @@ def scale_bench(usecase: UseCase, overrides: list[str], sizes: list[int], engine
                 timeout_s: float | None) -> pd.DataFrame:
     """Every engine at every size; returns the table that was logged and printed."""
     from common.config import load_config
-    from common.tracking import tracked_run
+    from common.tracking.runs import tracked_run
 
     if usecase.scale is None:
         raise UserError(f"use case '{usecase.name}' declares no size to scale (UseCase.declare(scale=...))")

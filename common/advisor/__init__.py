@@ -1,0 +1,1 @@
+"""Which GPU to rent: the catalogue, the estimator, the `usecases advise` report."""

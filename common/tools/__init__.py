@@ -1,0 +1,1 @@
+"""Commands around the use cases: doctor, gpu-check, scaffold (new/export), scale benchmarks."""

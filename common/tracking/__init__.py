@@ -1,0 +1,1 @@
+"""MLflow: the store, tracked runs and their lifecycle, model packaging, the registry, comparison."""

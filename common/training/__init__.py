@@ -1,0 +1,1 @@
+"""The training loop and what it measures of a model."""
