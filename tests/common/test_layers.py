@@ -11,7 +11,7 @@ COMMON = Path(__file__).resolve().parents[2] / "common"
 
 # Lowest first. The top-level modules are the contract (below everything) and the runner (above everything).
 LAYERS = ["contract", "runtime", "training", "tracking", "serving", "advisor", "tools", "runner"]
-TOP_LEVEL = {"errors": "contract", "paths": "contract", "config": "contract", "usecase": "contract",
+TOP_LEVEL = {"errors": "contract", "paths": "contract", "config": "contract", "usecase": "contract", "tables": "contract",
              "job": "runner", "runner": "runner"}
 
 
