@@ -1,4 +1,5 @@
-"""The MLflow UI end to end, as a user clicks it: two smoke runs, the experiment's runs table, Compare.
+"""The MLflow UI end to end, as a user clicks it: two smoke runs, the link to the experiment's Training runs (as
+`training_runs_links` prints it), the runs table, Compare.
 
 Playwright drives the system's Chromium (`.ci/run` installs it with apt where it is missing); without Playwright or
 without any Chromium the test skips and says why. The screenshot of the compare page goes to $TEST_ARTIFACTS_DIR
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from common.tracking.links import training_runs_links
 from tests.cli_helpers import mlflow_server, usecases
 from usecases import finance
 
@@ -101,11 +103,12 @@ def test_compare_two_smoke_runs_in_the_mlflow_ui(browser, tracking_server, tmp_p
     assert len(runs) == 2 and all(run.info.status == "FINISHED" and PRIMARY in run.data.metrics for run in runs)
     run_ids = {run.info.run_id for run in runs}
     run_names = sorted(run.info.run_name for run in runs)  # the CLI names both `finance-smoke`
+    link = training_runs_links(tracking_server, [USECASE])[USECASE]
 
     page = browser.new_page(viewport={"width": 1600, "height": 1000})
     page.set_default_timeout(UI_TIMEOUT_MS)
     try:
-        compare_in_the_ui(page, tracking_server, experiment.experiment_id, run_ids, run_names,
+        compare_in_the_ui(page, link, run_ids, run_names,
                           [run.data.metrics[PRIMARY] for run in runs], tmp_path / "browser-compare.png")
     except Exception:
         page.screenshot(path=str(tmp_path / "browser-failure.png"))  # where the UI stood when it went wrong
@@ -113,11 +116,14 @@ def test_compare_two_smoke_runs_in_the_mlflow_ui(browser, tracking_server, tmp_p
         raise
 
 
-def compare_in_the_ui(page, url, experiment_id, run_ids, run_names, logged, screenshot):
-    """Select both runs in the experiment's runs table, open Compare, screenshot it and check what it shows."""
-    # The experiment's training runs (its bare URL opens the GenAI overview in MLflow 3).
-    page.goto(f"{url}/#/experiments/{experiment_id}/runs", wait_until="load")
+def compare_in_the_ui(page, link, run_ids, run_names, logged, screenshot):
+    """Open the use case's Training runs link, select both runs in its table, open Compare, screenshot it and check
+    what it shows."""
+    page.goto(link, wait_until="load")  # the bare experiment URL would open the GenAI Overview in MLflow 3
     page.get_by_text(run_names[0], exact=True).first.wait_for()
+    # The user landed on the runs table, not the Overview: the address kept its runs route and both runs are rows.
+    assert page.url.endswith("/runs") or "/runs?" in page.url, page.url
+    assert page.locator('[role="row"]', has=page.get_by_text(run_names[0], exact=True)).count() >= 2
     # AG Grid renders hidden duplicate checkboxes per row: only the visible ones are the row selectors.
     boxes = page.locator('[role="row"] input[type="checkbox"]:visible:not([aria-label="Select all runs"])')
     assert boxes.count() == 2, f"expected a visible selector per run, found {boxes.count()}"
