@@ -29,6 +29,36 @@ def usecases(*args, timeout=300, env=None):
                           timeout=timeout, env=env)
 
 
+def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`usecases ARGS` in this process, as `usecases(...)` returns it (exit code, stdout, stderr): a second, not the
+    seconds of a fresh interpreter. What the CLI changes for its own process (signal handlers, logger levels,
+    environment variables, torch's thread count) is put back, so nothing leaks into the next test."""
+    import torch
+
+    from usecases.cli import main
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    loggers = ("usecases", "common", "mlflow.store.db.utils", "alembic")
+    levels = {name: logging.getLogger(name).level for name in loggers}
+    environ = dict(os.environ)
+    threads = torch.get_num_threads()  # a preset's runtime.cpu_threads sets it for the whole process
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse: --help (0) and usage mistakes (2)
+        code = exit_.code
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["usecases", *args], code, out, err)
+
+
 def preset_summary(tmp_path_factory, usecase: str, preset: str) -> dict:
     """`usecases run USECASE --preset PRESET` in a private store, as a user runs it: its summary.json, after checking
     that the run finished."""
@@ -120,29 +150,33 @@ class _Collected(logging.Handler):
         self.records.append(record)
 
 
-def assert_rejected(capsys, usecase: str, *args: str, names: tuple[str, ...] = ()) -> str:
-    """`usecases ARGS` as a user types it, in this process (seconds, not a fresh interpreter per case): it must exit
-    2 with one stderr line `error: ...` that contains each of `names` (the file, row, column or key), print no
-    traceback nor warning, and leave no MLflow run and no checkpoint behind. Returns the line.
+def user_error(capsys, *args: str) -> str:
+    """`usecases ARGS` as a user types it, in this process: it must exit 2 with one stderr line `error: ...` and
+    print no traceback nor warning. Returns the line.
 
     Warnings logged through `logging` reach pytest's handlers rather than stderr here, so they are collected
     apart: the CLI would print them beside the error line."""
-    from usecases.cli import main
-
     warned = _Collected(logging.WARNING)
     logging.getLogger().addHandler(warned)
     try:
-        code = main(list(args))
+        result = in_process(capsys, *args)
     finally:
         logging.getLogger().removeHandler(warned)
-    err = capsys.readouterr().err
+    code, err = result.returncode, result.stderr
     assert not warned.records, f"warned with the error: {[record.getMessage() for record in warned.records]}"
     lines = err.strip().splitlines()
     assert code == 2, f"exit {code}, stderr:\n{err}"
     assert len(lines) == 1 and lines[0].startswith("error: "), f"not one error line:\n{err}"
-    for name in names:
-        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
-    assert runs(usecase) == [], f"a run was left behind by: {lines[0]}"
-    checkpoints = Path(os.environ["USECASES_CHECKPOINT_DIR"])
-    assert not checkpoints.exists() or not any(path.is_file() for path in checkpoints.rglob("*")), lines[0]
     return lines[0]
+
+
+def assert_rejected(capsys, usecase: str, *args: str, names: tuple[str, ...] = ()) -> str:
+    """`user_error(ARGS)` (seconds, not a fresh interpreter per case) whose line contains each of `names` (the file,
+    row, column or key), and which leaves no MLflow run and no checkpoint behind. Returns the line."""
+    line = user_error(capsys, *args)
+    for name in names:
+        assert name in line, f"{name!r} not named in: {line}"
+    assert runs(usecase) == [], f"a run was left behind by: {line}"
+    checkpoints = Path(os.environ["USECASES_CHECKPOINT_DIR"])
+    assert not checkpoints.exists() or not any(path.is_file() for path in checkpoints.rglob("*")), line
+    return line

@@ -14,82 +14,75 @@ import torch
 
 from common import runner
 from common.errors import DataUnavailable
-from tests.cli_helpers import runs, usecases
+from tests.cli_helpers import in_process, runs, user_error
 from tests.common.test_registry import register as register_model
 from usecases import cli
 
 
 @pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["list", "--help"], ["ui", "--help"],
                                   ["demo", "--help"]])
-def test_help(args):
-    result = usecases(*args)
+def test_help(capsys, args):
+    result = in_process(capsys, *args)
     assert result.returncode == 0 and "usage: usecases" in result.stdout
 
 
-def test_list_names_every_use_case_with_its_presets():
-    result = usecases("list")
+def test_list_names_every_use_case_with_its_presets(capsys):
+    result = in_process(capsys, "list")
     assert result.returncode == 0
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
     assert {"finance", "medical", "recsys"} <= set(lines)
     assert "[presets: default, full, scale, smoke]" in lines["recsys"]
 
 
-def user_error(*args):
-    result = usecases(*args)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
+def test_unknown_use_case(capsys):
+    assert "unknown use case 'weather'" in user_error(capsys, "run", "weather")
 
 
-def test_unknown_use_case():
-    assert "unknown use case 'weather'" in user_error("run", "weather")
+def test_unknown_config_key(capsys):
+    assert "unknown config key 'train.epoch'" in user_error(capsys, "run", "finance", "--preset", "smoke",
+                                                            "--set", "train.epoch=3")
 
 
-def test_unknown_config_key():
-    assert "unknown config key 'train.epoch'" in user_error("run", "finance", "--preset", "smoke",
-                                                           "--set", "train.epoch=3")
+def test_wrong_type(capsys):
+    assert "config key 'train.epochs'" in user_error(capsys, "run", "finance", "--preset", "smoke",
+                                                     "--set", "train.epochs=many")
 
 
-def test_wrong_type():
-    assert "config key 'train.epochs'" in user_error("run", "finance", "--preset", "smoke",
-                                                    "--set", "train.epochs=many")
+def test_unknown_preset(capsys):
+    assert "no such preset" in user_error(capsys, "run", "finance", "--preset", "huge")
 
 
-def test_unknown_preset():
-    assert "no such preset" in user_error("run", "finance", "--preset", "huge")
+def test_missing_data_path(capsys, tmp_path):
+    assert "no such file or folder" in user_error(capsys, "run", "finance", "--data", str(tmp_path / "nope.csv"))
 
 
-def test_missing_data_path(tmp_path):
-    assert "no such file or folder" in user_error("run", "finance", "--data", str(tmp_path / "nope.csv"))
+def test_usage_mistakes_are_one_line_too(capsys):
+    assert "argument --device: invalid choice: 'tpu'" in user_error(capsys, "run", "finance", "--device", "tpu")
+    assert "invalid choice: 'bogus'" in user_error(capsys, "bogus")
 
 
-def test_usage_mistakes_are_one_line_too():
-    assert "argument --device: invalid choice: 'tpu'" in user_error("run", "finance", "--device", "tpu")
-    assert "invalid choice: 'bogus'" in user_error("bogus")
+def test_an_unwritable_summary_path_is_refused_before_the_run(capsys, tmp_path):
+    assert "--summary" in user_error(capsys, "run", "finance", "--preset", "smoke", "--summary",
+                                     str(tmp_path / "no" / "s.json"))
 
 
-def test_an_unwritable_summary_path_is_refused_before_the_run(tmp_path):
-    assert "--summary" in user_error("run", "finance", "--preset", "smoke", "--summary", str(tmp_path / "no" / "s.json"))
-
-
-def test_a_test_start_that_is_no_date():
-    assert "config key 'evaluation.test_start'" in user_error("run", "finance", "--preset", "smoke",
-                                                             "--set", "evaluation.test_start=notadate")
+def test_a_test_start_that_is_no_date(capsys):
+    assert "config key 'evaluation.test_start'" in user_error(capsys, "run", "finance", "--preset", "smoke",
+                                                              "--set", "evaluation.test_start=notadate")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_cuda_without_a_gpu():
-    assert "no CUDA GPU" in user_error("run", "finance", "--preset", "smoke", "--device", "cuda")
+def test_cuda_without_a_gpu(capsys):
+    assert "no CUDA GPU" in user_error(capsys, "run", "finance", "--preset", "smoke", "--device", "cuda")
 
 
-def test_resume_without_a_checkpoint():
-    assert "no interrupted run" in user_error("run", "finance", "--preset", "smoke", "--resume")
+def test_resume_without_a_checkpoint(capsys):
+    assert "no interrupted run" in user_error(capsys, "run", "finance", "--preset", "smoke", "--resume")
 
 
-def test_user_errors_leave_no_run_behind():
-    user_error("run", "finance", "--preset", "smoke", "--set", "train.epoch=3")
-    assert "days before the test window" in user_error("run", "finance", "--preset", "smoke",
+def test_user_errors_leave_no_run_behind(capsys):
+    user_error(capsys, "run", "finance", "--preset", "smoke", "--set", "train.epoch=3")
+    assert "days before the test window" in user_error(capsys, "run", "finance", "--preset", "smoke",
                                                        "--set", "evaluation.test_fraction=0.9")
     assert [run.info.status for run in runs("finance")] == []
 
@@ -99,7 +92,8 @@ def test_ui_serves_the_store_on_loopback_only(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "usecases", "ui", "--port", str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # quick to start
     try:
         deadline, status = time.monotonic() + 90, None
         while time.monotonic() < deadline and server.poll() is None:
@@ -160,26 +154,26 @@ def interrupted_state(params_change=None, data_sha256=None):
     (folder / "run.json").write_text(json.dumps({"run_id": run_id, "params": params, "data": data}))
 
 
-def test_resume_refuses_a_changed_config():
+def test_resume_refuses_a_changed_config(capsys):
     interrupted_state({"train.epochs": 99})
-    assert "config key 'train.epochs' is 15 now but was 99" in user_error("run", "finance", "--preset", "smoke",
-                                                                         "--resume")
+    assert "config key 'train.epochs' is 15 now but was 99" in user_error(capsys, "run", "finance", "--preset",
+                                                                          "smoke", "--resume")
 
 
-def test_resume_refuses_changed_data():
+def test_resume_refuses_changed_data(capsys):
     interrupted_state(data_sha256="f" * 64)
-    assert "the data (synthetic:seed=7" in user_error("run", "finance", "--preset", "smoke", "--resume")
+    assert "the data (synthetic:seed=7" in user_error(capsys, "run", "finance", "--preset", "smoke", "--resume")
 
 
-def test_a_use_case_without_a_benchmark_says_so():
-    result = usecases("bench", "finance", "--preset", "smoke")
+def test_a_use_case_without_a_benchmark_says_so(capsys):
+    result = in_process(capsys, "bench", "finance", "--preset", "smoke")
     assert result.returncode == 2 and "use case 'finance' has no benchmark" in result.stderr
 
 
-def test_serve_for_given_data_names_what_is_missing():
-    short = usecases("serve", "finance", "--data-sha256", "abc")
+def test_serve_for_given_data_names_what_is_missing(capsys):
+    short = in_process(capsys, "serve", "finance", "--data-sha256", "abc")
     assert short.returncode == 2 and "at least its first 12 hex digits" in short.stderr
-    unknown = usecases("serve", "finance", "--data-sha256", "0123456789abcdef")
+    unknown = in_process(capsys, "serve", "finance", "--data-sha256", "0123456789abcdef")
     assert unknown.returncode == 2 and "no champion of 'finance' on data 0123456789ab" in unknown.stderr
 
 

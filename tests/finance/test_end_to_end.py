@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.cli_helpers import private_env, runs, usecases
+from tests.cli_helpers import assert_rejected, private_env, runs, usecases
 from usecases.finance.features import add_features
 
 MODELS = {"ewma", "garch", "gjr_garch_t", "har", "har_rv", "neural"}
@@ -105,14 +105,10 @@ def test_the_logged_model_loads_and_forecasts(smoke_run):
         model.predict(example.head(0))
 
 
-def test_a_csv_without_high_is_one_line_and_exit_2(tmp_path):
+def test_a_csv_without_high_is_one_line_and_exit_2(capsys, tmp_path):
     csv = tmp_path / "prices.csv"
     pd.DataFrame({"date": ["2020-01-02"], "ticker": ["A"], "low": [1.0], "close": [1.0]}).to_csv(csv, index=False)
-    result = usecases("run", "finance", "--data", str(csv))
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
-    assert "prices.csv" in result.stderr and "'high'" in result.stderr
-    assert all(run.info.status != "RUNNING" for run in runs("finance"))
+    assert_rejected(capsys, "finance", "run", "finance", "--data", str(csv), names=("prices.csv", "'high'"))
 
 
 def test_a_user_csv_with_an_exogenous_input_runs_end_to_end(tmp_path):
