@@ -1,22 +1,16 @@
 """The training loop every torch model goes through.
 
-A use case gives it a step function (model, batch) -> loss; the loop does the rest: mixed precision, gradient
-clipping, early stopping on a named validation metric with the best weights kept, atomic checkpoints and resume,
-throughput and data-wait share, a progress line, and DDP when started by torchrun.
-
-Under DDP every rank draws its own random numbers (dropout, augmentations, sampled negatives: identical draws on
-every rank would repeat each one world-size times an epoch), and its own random state is checkpointed. Rank 0
-alone writes checkpoints, possibly to a folder only its machine sees, so rank 0 alone decides whether there is one
-to resume and sends its state to the others.
+A use case gives it a step function (model, batch) -> loss; the loop trains and validates each epoch with mixed
+precision, gradient clipping, throughput and data-wait share, and DDP when started by torchrun, and resumes from
+a checkpoint. Everything else it does around the epochs is a callback (`common.training.callbacks`): early stopping
+with the best weights kept, checkpoints and the ranks' random streams, progress, the workload probe, and whatever a
+use case passes as `callbacks=[...]`.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
-import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -27,19 +21,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, WeightedRandomSampler
-from tqdm.auto import tqdm
 
 from common.config import TrainConfig
 from common.errors import UserError
 from common.runtime.interrupt import Terminated, stop_point, stop_requested
 from common.runtime.devices import Runtime
-from common.training.workload import Predict, loader_rate, measure_model
+from common.training.callbacks import Callback
+from common.training.checkpoint import CHECKPOINT_NAME, Checkpoint, RankRandomStreams
+from common.training.early_stopping import EarlyStopping
+from common.training.progress import Progress
+from common.training.workload import Predict, WorkloadProbe
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_NAME = "last.pt"
-RANK_SEED_STRIDE = 0x9E3779B97F4A7C15  # far-apart seeds for the ranks' random streams
-PROGRESS_EVERY_S = 30  # off a terminal (CI, a log file, `usecases demo`), a progress line at most this often
 
 Step = Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
 
@@ -164,17 +157,6 @@ def stop_if_any_rank_asked(runtime: Runtime) -> None:
         raise Terminated("another rank was asked to stop")
 
 
-def save_atomic(state: dict, path: Path) -> None:
-    """Write beside the target, then rename: a kill mid-write never leaves a truncated checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 @dataclass
 class FitResult:
     best_metric: float
@@ -186,9 +168,10 @@ class FitResult:
 
 class Trainer:
     """`settings` gives epochs, patience, gradient clipping and the checkpoint interval; `monitor` names the
-    validation metric that picks the best epoch, `mode` whether lower (min) or higher (max) is better. `tie_break`
-    names a validation metric (lower is better, a loss) that decides between epochs with the same `monitor` value:
-    a saturated metric (a validation AUC of 1.0) would otherwise keep the first, least-trained of them."""
+    validation metric that picks the best epoch, `mode` whether lower (min) or higher (max) is better, `tie_break`
+    the loss that decides between epochs of equal `monitor` (`EarlyStopping`). With `checkpoint_dir` the fit writes
+    checkpoints there and can resume from them. `callbacks` are added to the trainer's own (see
+    `common.training.callbacks` for the hooks and their order); `trainer.callbacks` is the list a fit calls."""
 
     def __init__(
         self,
@@ -208,9 +191,9 @@ class Trainer:
         predict: Predict | None = None,
         model_name: str | None = None,
         tie_break: str | None = None,
+        callbacks: Iterable[Callback] = (),
     ):
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be min or max, got {mode}")
+        early_stopping = EarlyStopping(monitor, mode, settings.patience, tie_break)
         self.runtime = runtime
         self.model = synchronised_batch_norm(model, runtime).to(runtime.device)
         self.module = self.model
@@ -223,85 +206,59 @@ class Trainer:
         self.step = step
         self.settings = settings
         self.monitor = monitor
-        self.mode = mode
         self.tie_break = tie_break
         self.scheduler = scheduler
-        self.checkpoint_path = checkpoint_dir / CHECKPOINT_NAME if checkpoint_dir else None
         self.log_metrics = log_metrics or (lambda metrics, step: None)
         self.step_offset = step_offset
         self.name = name
         self.predict = predict or getattr(step, "predict", None)
         self.model_name = model_name or name  # of the workload facts, shared by the fits of one model
-        self.samples_per_epoch = 0
         fp16 = runtime.amp_dtype == torch.float16
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=fp16)
+        self.callbacks: list[Callback] = [RankRandomStreams(runtime), early_stopping, Progress(monitor, early_stopping),
+                                          *callbacks]
+        if checkpoint_dir is not None:
+            self.callbacks.append(Checkpoint(checkpoint_dir / CHECKPOINT_NAME, settings.checkpoint_every, runtime))
+        self.callbacks.append(WorkloadProbe())
+        # what a fit is at, for the callbacks
+        self.batches: Iterable = ()
+        self.history: list[dict[str, float]] = []
+        self.epoch = -1
+        self.resumed_from: int | None = None
+        self.should_stop = False
+        self.samples_per_epoch = 0
 
-    def _improved(self, metrics: dict[str, float], best: float, best_tie: float) -> bool:
-        value = metrics[self.monitor]
-        if math.isnan(value):
-            return False
-        if value == best and self.tie_break is not None:
-            return metrics[self.tie_break] < best_tie
-        return value < best if self.mode == "min" else value > best
-
-    def _state(self, epoch: int, best: float, best_epoch: int, best_state: dict, bad_epochs: int,
-               history: list, finished: bool) -> dict:
-        return {
-            "epoch": epoch,
+    def state_dict(self, finished: bool) -> dict:
+        """The checkpoint after `self.epoch`: the trainer's state and every callback's; every rank calls it together."""
+        state = {
+            "epoch": self.epoch,
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict(),
-            "best_metric": best,
-            "best_epoch": best_epoch,
-            "best_state": best_state,
-            "bad_epochs": bad_epochs,
-            "history": history,
+            "history": self.history,
             "finished": finished,
-            "torch_rng": self._every_rank(torch.get_rng_state()),
-            "cuda_rng": self._every_rank(torch.cuda.get_rng_state_all() if self.runtime.device.type == "cuda" else []),
         }
-
-    def _every_rank(self, value):
-        """Each rank's `value`, in rank order (a list of one outside DDP): every rank calls this together."""
-        if not self.runtime.distributed:
-            return [value]
-        values = [None] * self.runtime.world_size
-        dist.all_gather_object(values, value)
-        return values
-
-    def _checkpoint(self) -> dict | None:
-        """The checkpoint to resume from, as rank 0 finds it, on every rank (None where rank 0 has none); its tensors
-        on the CPU, from where loading the state dicts copies them to the device."""
-        state = None
-        if self.runtime.is_main and self.checkpoint_path is not None and self.checkpoint_path.is_file():
-            state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
-        if self.runtime.distributed:
-            shared = [state]
-            dist.broadcast_object_list(shared, src=0)
-            state = shared[0]
+        for callback in self.callbacks:
+            own = callback.state_dict()
+            if clash := own.keys() & state.keys():
+                raise ValueError(f"{type(callback).__name__} would overwrite the checkpoint's {sorted(clash)}")
+            state.update(own)
         return state
 
-    def _restore_random_state(self, state: dict) -> None:
-        """This rank's random state as it was saved (a job restarted on fewer or more ranks reuses them in turn; a
-        checkpoint written before the states were per rank holds one state, not a list of them)."""
-        states, cuda_states = state["torch_rng"], state["cuda_rng"]
-        if torch.is_tensor(states):
-            states, cuda_states = [states], [cuda_states]
-        own = self.runtime.rank % len(states)
-        torch.set_rng_state(states[own].cpu())
-        if cuda_states[own] and self.runtime.device.type == "cuda":  # dropout, flips, negatives on the GPU
-            torch.cuda.set_rng_state_all([rng.cpu() for rng in cuda_states[own]])
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler and state["scheduler"]:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.history, self.resumed_from = state["epoch"], state["history"], state["epoch"] + 1
+        for callback in self.callbacks:
+            callback.load_state_dict(state)
 
-    def _own_random_stream(self) -> None:
-        """Under DDP, a random stream per rank, derived from the seed (rank 0 keeps it, so a one-rank job and rank
-        0 draw alike); DDP's first broadcast still gives every rank rank 0's initial weights."""
-        if self.runtime.distributed and self.runtime.rank:
-            torch.manual_seed((torch.initial_seed() + RANK_SEED_STRIDE * self.runtime.rank) % 2**63)
-
-    def _save(self, state: dict) -> None:
-        if self.checkpoint_path is not None and self.runtime.is_main:
-            save_atomic(state, self.checkpoint_path)
+    def _checkpoint_to_resume(self) -> dict | None:
+        checkpoint = next((callback for callback in self.callbacks if isinstance(callback, Checkpoint)), None)
+        return checkpoint.read() if checkpoint is not None else None
 
     def _train_epoch(self, batches: Iterable) -> dict[str, float]:
         self.model.train()
@@ -343,43 +300,23 @@ class Trainer:
 
     def fit(self, batches: Iterable, validate: Callable[[nn.Module], dict[str, float]],
             resume: bool = False) -> FitResult:
-        """Train for `settings.epochs`, or until `settings.patience` epochs bring no improvement; the best weights
-        end in the model.
+        """Train for `settings.epochs`, or until a callback stops the fit (by default `EarlyStopping`, after
+        `settings.patience` epochs without improvement, with the best weights in the model at the end).
 
         `validate(model)` returns metrics named as logged (for example `val/qlike`), one of them `monitor`.
         """
-        settings, monitor = self.settings, self.monitor
-        best = math.inf if self.mode == "min" else -math.inf
-        best_tie = math.inf
-        best_epoch, bad_epochs, start_epoch, history = -1, 0, 0, []
-        best_state = copy.deepcopy(self.module.state_dict())
-        resumed_from = None
-        state = self._checkpoint() if resume else None
-        if state is None:
-            self._own_random_stream()
-        else:
-            self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.scheduler and state["scheduler"]:
-                self.scheduler.load_state_dict(state["scheduler"])
-            self.scaler.load_state_dict(state["scaler"])
-            self._restore_random_state(state)
-            best, best_epoch, best_state = state["best_metric"], state["best_epoch"], state["best_state"]
-            bad_epochs, history = state["bad_epochs"], state["history"]
-            if self.tie_break is not None and best_epoch >= 0:
-                best_tie = next(row[self.tie_break] for row in history if row["epoch"] == best_epoch)
-            start_epoch = resumed_from = state["epoch"] + 1
-            if state["finished"]:
-                self.module.load_state_dict(best_state)
-                return FitResult(best, best_epoch, state["epoch"] + 1, resumed_from, history)
+        self.batches, self.history, self.epoch = batches, [], -1
+        self.resumed_from, self.should_stop = None, False
+        state = self._checkpoint_to_resume() if resume else None
+        if state is not None:
+            self.load_state_dict(state)
+            if state["finished"]:  # its model is the best epoch's: the fit put them in before writing it
+                return self._result()
             log.info("%s: resumed from the checkpoint after epoch %d", self.name, state["epoch"] + 1)
-
-        epoch = start_epoch - 1
-        on_terminal = sys.stderr.isatty()
-        progress = tqdm(range(start_epoch, settings.epochs), desc=self.name, leave=False,
-                        disable=not on_terminal or not self.runtime.is_main)
-        last_line = time.perf_counter()
-        for epoch in progress:
+        for callback in self.callbacks:
+            callback.on_fit_start(self)
+        start_epoch = self.epoch + 1
+        for epoch in range(start_epoch, self.settings.epochs):
             stop_if_any_rank_asked(self.runtime)
             if hasattr(batches, "set_epoch"):
                 batches.set_epoch(epoch)
@@ -395,49 +332,25 @@ class Trainer:
             if self.scheduler is not None:
                 self.scheduler.step()
             metrics = {key: float(value) for key, value in all_reduce_mean(metrics, self.runtime).items()}
-            if monitor not in metrics:
-                raise KeyError(f"validate() returned no '{monitor}' (got {sorted(metrics)})")
-            if self.tie_break is not None and self.tie_break not in metrics:
-                raise KeyError(f"validate() returned no '{self.tie_break}' (got {sorted(metrics)})")
-            value = metrics[monitor]
-            if self._improved(metrics, best, best_tie):
-                best, best_epoch, bad_epochs = value, epoch, 0
-                best_tie = metrics.get(self.tie_break, math.inf)
-                best_state = copy.deepcopy(self.module.state_dict())
-            else:
-                bad_epochs += 1
-            history.append({"epoch": epoch, **metrics})
+            for required in (self.monitor, self.tie_break):
+                if required is not None and required not in metrics:
+                    raise KeyError(f"validate() returned no '{required}' (got {sorted(metrics)})")
+            self.epoch = epoch
+            self.history.append({"epoch": epoch, **metrics})
             self.log_metrics(metrics, self.step_offset + epoch)
-            progress.set_postfix({monitor: f"{value:.4f}", "best": f"{best:.4f}"})
-            if not on_terminal and self.runtime.is_main and time.perf_counter() - last_line >= PROGRESS_EVERY_S:
-                log.info("%s: epoch %d/%d, %s %.4f (best %.4f at epoch %d)", self.name, epoch + 1, settings.epochs,
-                         monitor, value, best, best_epoch + 1)
-                last_line = time.perf_counter()
-            stop = settings.patience is not None and bad_epochs >= settings.patience
-            if (epoch + 1) % settings.checkpoint_every == 0 and not stop:
-                self._save(self._state(epoch, best, best_epoch, best_state, bad_epochs, history, False))
-            if stop:
+            for callback in self.callbacks:
+                callback.on_epoch_end(self, epoch, metrics)
+            if self.should_stop:
                 break
-        self.module.load_state_dict(best_state)
-        self._save(self._state(epoch, best, best_epoch, best_state, bad_epochs, history, True))
-        if history:  # every rank measures: SyncBatchNorm's forward is a collective under DDP; rank 0 logs
-            facts = self._workload(batches, history[-1], epoch + 1)
-            if self.runtime.is_main:
-                self.log_metrics(facts, self.step_offset + epoch)
-        return FitResult(best, best_epoch, epoch + 1, resumed_from, history)
+        for callback in self.callbacks:
+            callback.on_fit_end(self)
+        return self._result()
 
-    def _workload(self, batches: Iterable, last: dict[str, float], epochs_run: int) -> dict[str, float]:
-        """The model's workload facts (`common.training.workload`), under `model/<model_name>/`, measured on one batch with the
-        random state restored after, so that the run goes on as it would have without them."""
-        device = self.runtime.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            loader_samples_per_s, batch = loader_rate(batches)
-            if batch is None:
-                return {}
-            batch = tuple(tensor.to(device) for tensor in batch)
-            facts = measure_model(self.module, self.step, self.predict, batch, self.optimizer, device,
-                                  self.runtime.amp_dtype)
-        facts.update(loader_samples_per_s=loader_samples_per_s, samples_per_epoch=float(self.samples_per_epoch),
-                     epochs_run=float(epochs_run), train_samples_per_s=last.get("throughput/samples_per_s", math.nan),
-                     data_wait_share=last.get("time/data_wait_share", math.nan))
-        return {f"model/{self.model_name}/{key}": value for key, value in facts.items() if not math.isnan(value)}
+    def _result(self) -> FitResult:
+        """The best epoch as `EarlyStopping` found it; the last one where the trainer has none."""
+        best = next((callback for callback in self.callbacks if isinstance(callback, EarlyStopping)), None)
+        if best is not None:
+            best_metric, best_epoch = best.best, best.best_epoch
+        else:
+            best_metric, best_epoch = (self.history[-1][self.monitor], self.epoch) if self.history else (math.nan, -1)
+        return FitResult(best_metric, best_epoch, self.epoch + 1, self.resumed_from, self.history)

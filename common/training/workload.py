@@ -1,6 +1,6 @@
 """What a run's work is, in units that carry to another machine, so that `usecases advise` can estimate it there.
 
-Per torch model, measured by the common loop on one batch after training (`measure_model`), logged as metrics
+Per torch model, measured at the end of a fit by its `WorkloadProbe` on one batch (`measure_model`), logged as metrics
 `model/<name>/<fact>`:
 
 - `params`, `weight_bytes`; `batch_size`; `samples_per_epoch`; `epochs_run`;
@@ -30,11 +30,17 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+
+from common.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from common.training.loop import Trainer
 
 LOADER_BATCHES = 8
 LOADER_SECONDS = 2.0
@@ -153,6 +159,32 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
         "peak_memory_gb": (peak if peak is not None else estimated_peak) / 2**30,
         "peak_memory_measured": float(peak is not None),
     }
+
+
+class WorkloadProbe(Callback):
+    """At the end of a fit that trained, the model's facts, measured on one batch of the fit's batches with the random
+    state restored after, so that the run goes on as it would have without them, and logged by rank 0 under
+    `model/<trainer.model_name>/`. Every rank measures: SyncBatchNorm's forward is a collective under DDP."""
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        if not trainer.history:
+            return
+        device = trainer.runtime.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            loader_samples_per_s, batch = loader_rate(trainer.batches)
+            if batch is None:
+                return
+            batch = tuple(tensor.to(device) for tensor in batch)
+            facts = measure_model(trainer.module, trainer.step, trainer.predict, batch, trainer.optimizer, device,
+                                  trainer.runtime.amp_dtype)
+        last = trainer.history[-1]
+        facts.update(loader_samples_per_s=loader_samples_per_s, samples_per_epoch=float(trainer.samples_per_epoch),
+                     epochs_run=float(trainer.epoch + 1),
+                     train_samples_per_s=last.get("throughput/samples_per_s", math.nan),
+                     data_wait_share=last.get("time/data_wait_share", math.nan))
+        if trainer.runtime.is_main:
+            trainer.log_metrics({f"model/{trainer.model_name}/{key}": value for key, value in facts.items()
+                                 if not math.isnan(value)}, trainer.step_offset + trainer.epoch)
 
 
 @contextmanager

@@ -15,7 +15,8 @@ from common.errors import UserError
 from common.runtime.interrupt import Terminated
 from common.runtime.devices import Runtime
 from common.config import TrainConfig
-from common.training.loop import CHECKPOINT_NAME, TensorBatches, Trainer, save_atomic, supervised
+from common.training.checkpoint import CHECKPOINT_NAME, save_atomic
+from common.training.loop import TensorBatches, Trainer, supervised
 
 CPU = Runtime(torch.device("cpu"), None)
 

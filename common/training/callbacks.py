@@ -1,0 +1,42 @@
+"""What the training loop calls around its epochs: each concern of a fit (early stopping, checkpoints, progress, the
+workload probe, a use case's own) is a `Callback`, so that a new one is added without editing the loop.
+
+The hooks, in the order a fit calls them; every rank of a DDP job calls every hook, together:
+
+| Hook | When | Notes |
+|---|---|---|
+| `load_state_dict(checkpoint)` | on a resume, before `on_fit_start` | the whole checkpoint: the trainer's keys (`epoch`, `history`, `finished`...) and every callback's; a resume of a finished fit calls this hook alone |
+| `on_fit_start(trainer)` | once, before the first epoch | `trainer.resumed_from` is None on a fresh start: initialise here, not over a restored state |
+| `on_epoch_end(trainer, epoch, metrics)` | after each epoch's validation | `metrics` all-reduced over the ranks, already in `trainer.history` and logged; set `trainer.should_stop` to end the fit after this epoch (alike on every rank: decide from `metrics`) |
+| `on_fit_end(trainer)` | once, after the last epoch | also after a stop; not after an exception |
+| `state_dict()` | when a checkpoint is written | keys added to the checkpoint's top level, distinct from the trainer's and every other callback's; it may gather across ranks (rank 0 alone writes) |
+
+The trainer's own callbacks run first (random streams, early stopping, progress), then those passed as
+`callbacks=[...]`, then the checkpoint (which so holds every callback's state after the epoch) and the workload probe.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.training.loop import Trainer
+
+
+class Callback:
+    """A concern of the fit; every hook does nothing unless overridden."""
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        pass
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        pass
