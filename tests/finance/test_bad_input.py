@@ -80,7 +80,7 @@ def folder_without_data(folder, good):
     return folder / "exports"
 
 
-@case("prices.csv", "line 1 is the header", "expected the same number of comma-separated fields")
+@case("prices.csv", "not UTF-8", "byte 0x00 at position 0")
 def binary_garbage(folder, good):
     path = folder / "prices.csv"
     path.write_bytes(bytes(range(256)) * 20)
@@ -235,7 +235,7 @@ def header_repeated_inside(folder, good):
     return path
 
 
-@case("prices.parquet", "cannot be read as a table", "expected a Parquet file")
+@case("prices.parquet", "cannot be read as Parquet", "expected a Parquet file")
 def truncated_parquet(folder, good):
     path = parquet(folder, good)
     path.write_bytes(path.read_bytes()[:2000])

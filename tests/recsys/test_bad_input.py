@@ -111,11 +111,11 @@ CASES = [
      ("log.parquet", "cannot be read as Parquet")),
     ("Parquet without rows", parquet(GOOD.iloc[:0]), (), ("log.parquet", "no data rows")),
     ("separated by semicolons", text_file("log.csv", LOG.replace(",", ";")), (),
-     ("log.csv", "missing column 'user_id'", "';'")),
+     ("log.csv", "separated by ';'", "expected comma-separated columns")),
     ("a header that names too few columns", text_file("log.csv", LOG.replace("user_id,", "", 1)), (),
      ("log.csv", "more values than the header")),
     ("one row with an extra field", text_file("log.csv", inserted(LOG, 6, "1,2,3,4,5\n")), (),
-     ("log.csv", "line 6", "counted from 1 at the header")),
+     ("log.csv", "line 6", "line 1 is the header")),
     # columns
     ("data.columns.item naming no column", text_file("log.csv", LOG), ("--set", "data.columns.item=product"),
      ("log.csv", "missing column 'product'", "data.columns.item")),

@@ -1,7 +1,8 @@
 """A user's daily OHLC file (CSV, compressed CSV or Parquet, long format), read and checked before any run starts.
 
-Every problem is one `UserError` line naming the file, the row (1 is the first data row, the line after the header,
-counted in the file's own order), the column or config key, and what was expected.
+The file is read by `common.tables`, which every use case reads a user's table with. Every problem is one
+`UserError` line naming the file, the row (1 is the first data row, the line after the header, counted in the
+file's own order; with the line of a text file it is on), the column or config key, and what was expected.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from common.errors import UserError
+from common.tables import Rows, found_columns, read_numbers, read_table
 from .config import Data
 
 log = logging.getLogger(__name__)
@@ -24,77 +26,29 @@ REQUIRED_COLUMNS = ["date", "high", "low", "close"]
 PANEL_COLUMNS = ["date", "ticker", *PRICE_COLUMNS, "volume"]
 PRICE_TOLERANCE = 1e-9
 EARLIEST_DATE = pd.Timestamp("1900-01-01")
-COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
-# What a file that is no CSV text usually is, by its first bytes, and what to do about it.
-FILE_SIGNATURES = {b"PK\x03\x04": "a zip archive or an Excel workbook (export it as CSV)",
-                   b"\x1f\x8b": "gzip-compressed (name it .csv.gz)", b"PAR1": "a Parquet file (name it .parquet)"}
-DELIMITERS = (";", "\t", "|")
+EXPECTED_FILE = "a .csv or .parquet file in long format (date, ticker, open, high, low, close)"
 EXPECTED_DATE = "expected a date like 2016-01-28 or 20160128"
 
 
 def read_prices(path: Path, config: Data) -> tuple[pd.DataFrame, int]:
-    """The file as PANEL_COLUMNS sorted by ticker and date, and the number of rows forward-filled."""
-    raw = _read_table(path)
+    """The file as PANEL_COLUMNS sorted by ticker and date, and the number of rows forward-filled.
+
+    The frame keeps the file's row positions as its index through sorting, so that an error names the row of the
+    user's file (a date-major file: every ticker on a day, then the next day), not of the ticker-sorted frame."""
+    table = read_table(path, EXPECTED_FILE, dtype=str)
+    raw, rows = table.frame, table.rows
     if raw.empty:
         raise UserError(f"{path}: no data rows (expected one row per ticker and day)")
     columns = _find_columns(raw, path, config)
     frame = pd.DataFrame(index=raw.index)
-    frame["ticker"] = _read_tickers(raw, path, columns["ticker"])
-    frame["date"] = _read_dates(raw[columns["date"]], path)
+    frame["ticker"] = _read_tickers(raw, rows, columns["ticker"])
+    frame["date"] = _read_dates(raw[columns["date"]], rows)
     for key in PRICE_COLUMNS + ["volume"]:
-        frame[key] = np.nan if columns[key] is None else _read_numbers(raw[columns[key]], path)
-    frame = _check_order(frame, path, columns["date"])
-    frame, filled = _fill_gaps(frame, path, config.max_fill_gap)
-    _check_prices(frame, path, columns)
+        frame[key] = np.nan if columns[key] is None else read_numbers(raw[columns[key]], rows, columns[key])
+    frame = _check_order(frame, rows, columns["date"])
+    frame, filled = _fill_gaps(frame, rows, config.max_fill_gap)
+    _check_prices(frame, rows, columns)
     return frame[PANEL_COLUMNS].reset_index(drop=True), filled
-
-
-def _read_table(path: Path) -> pd.DataFrame:
-    suffixes = "".join(path.suffixes).lower()
-    parquet = suffixes.endswith((".parquet", ".pq"))
-    if path.is_dir() and not parquet:  # a Parquet data set may be a folder of parts; a CSV file is one file
-        raise UserError(f"{path}: is a folder; expected one .csv or .parquet file in long format")
-    if not parquet and ".csv" not in suffixes and ".txt" not in suffixes:
-        raise UserError(f"{path}: expected a .csv or .parquet file in long format (date, ticker, open, high, low, "
-                        f"close)")
-    try:
-        return pd.read_parquet(path).reset_index(drop=True) if parquet else _read_csv(path)  # row positions
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at position {exc.start}); "
-                        f"expected a CSV file saved as UTF-8") from None
-    except pd.errors.ParserError as exc:  # its line numbers count the header as line 1
-        raise UserError(f"{path}: cannot be read as a table ({str(exc).splitlines()[0]}; line 1 is the header); "
-                        f"expected the same number of comma-separated fields on every line") from None
-    except (ValueError, OSError, ImportError) as exc:  # ImportError: a compression whose library is missing
-        raise UserError(f"{path}: cannot be read as a table ({str(exc).splitlines()[0]}); expected a "
-                        f"{'Parquet' if parquet else 'comma-separated'} file") from None
-
-
-def _read_csv(path: Path) -> pd.DataFrame:
-    if not path.suffix.lower().endswith(COMPRESSED_SUFFIXES):  # pandas decompresses those by their suffix
-        with path.open("rb") as file:
-            head = file.read(4)
-        for signature, what in FILE_SIGNATURES.items():
-            if head.startswith(signature):
-                raise UserError(f"{path}: this is {what}; expected comma-separated text")
-    raw = pd.read_csv(path, dtype=str)
-    # Excel's "CSV UTF-8" starts with a byte-order mark: pandas' own parser drops it, and this keeps it off the first
-    # column's name (where it would hide 'date') whatever read the file.
-    raw = raw.rename(columns={raw.columns[0]: str(raw.columns[0]).removeprefix("\ufeff")})
-    if len(raw.columns) == 1:
-        separator = next((mark for mark in DELIMITERS if mark in str(raw.columns[0])), None)
-        if separator is not None:
-            raise UserError(f"{path}: one column {str(raw.columns[0])!r}, its fields separated by {separator!r}; "
-                            f"expected comma-separated columns")
-    return raw
-
-
-def _first_bad(mask: pd.Series) -> int:
-    """Row number as a user counts it in the file: 1 is the first data row (the line after the header).
-
-    The frame keeps the file's row positions as its index through sorting, so a date-major file (every ticker on a
-    day, then the next day) gets the row of its own file, not of the ticker-sorted frame."""
-    return int(mask.index[mask.to_numpy()].min()) + 1
 
 
 def _find_columns(raw: pd.DataFrame, path: Path, config: Data) -> dict[str, str | None]:
@@ -121,7 +75,7 @@ def _find_columns(raw: pd.DataFrame, path: Path, config: Data) -> dict[str, str 
         key = missing[0]
         suggestion = f"did you mean {' '.join(hints)}?" if hints else f"rename it with --set data.columns.{key}=NAME"
         raise UserError(f"{path}: missing column '{names[key]}' (the {key} column, config key data.columns.{key}; "
-                        f"found: {', '.join(map(repr, found))}; {suggestion})")
+                        f"found: {found_columns(raw)}; {suggestion})")
     used = pd.Series({key: column for key, column in columns.items() if column is not None})
     shared = used[used.duplicated(keep=False)]
     if not shared.empty:
@@ -131,90 +85,77 @@ def _find_columns(raw: pd.DataFrame, path: Path, config: Data) -> dict[str, str 
     return columns
 
 
-def _read_tickers(raw: pd.DataFrame, path: Path, column: str | None) -> pd.Series | str:
+def _read_tickers(raw: pd.DataFrame, rows: Rows, column: str | None) -> pd.Series | str:
     """The ticker column, or the file's name for a file of one series."""
     if column is None:
-        return path.stem.split(".")[0]
+        return rows.path.stem.split(".")[0]
     tickers = raw[column].astype(str).str.strip()
     missing = raw[column].isna() | (tickers == "")
     if missing.any():
-        raise UserError(f"{path}: column '{column}', row {_first_bad(missing)}: missing ticker (expected a name "
-                        f"on every row, or no ticker column for a file of one series)")
+        raise rows.error(rows.first_bad(missing), "missing ticker (expected a name on every row, or no ticker "
+                                                  "column for a file of one series)", column)
     return tickers
 
 
-def _read_dates(values: pd.Series, path: Path) -> pd.Series:
+def _read_dates(values: pd.Series, rows: Rows) -> pd.Series:
     """Calendar days, as a CSV and a Parquet file spell them: text, YYYYMMDD integers (never nanoseconds since
     1970), or timestamps; a time zone is dropped, keeping the day as written, and times of day too."""
     column = values.name
     if pd.api.types.is_bool_dtype(values):
-        raise UserError(f"{path}: column '{column}' holds true/false values; {EXPECTED_DATE}")
+        raise UserError(f"{rows.path}: column '{column}' holds true/false values; {EXPECTED_DATE}")
     if pd.api.types.is_numeric_dtype(values):
         eight_digits = values.where((values % 1 == 0) & values.between(10_000_000, 99_999_999))
         dates = pd.to_datetime(eight_digits.astype("Int64").astype("string"), format="%Y%m%d", errors="coerce")
     elif pd.api.types.is_datetime64_any_dtype(values):
         dates = values
     else:
-        dates = _parse_date_text(values, path)
+        dates = _parse_date_text(values, rows)
     bad = dates.isna() & values.notna()
     if bad.any():
-        row = _first_bad(bad)
-        raise UserError(f"{path}: column '{column}', row {row}: cannot read '{values.iloc[row - 1]}' as a date "
-                        f"({EXPECTED_DATE})")
+        raise rows.at(column, values, bad, f"cannot read '{{value}}' as a date ({EXPECTED_DATE})")
     if dates.isna().any():
-        raise UserError(f"{path}: column '{column}', row {_first_bad(dates.isna())}: missing date ({EXPECTED_DATE})")
+        raise rows.error(rows.first_bad(dates.isna()), f"missing date ({EXPECTED_DATE})", column)
     if dates.dt.tz is not None:
         dates = dates.dt.tz_localize(None)
     dates = dates.dt.normalize()
     today = pd.Timestamp.today().normalize()
     implausible = (dates < EARLIEST_DATE) | (dates > today + pd.Timedelta(days=1))
     if implausible.any():
-        row = _first_bad(implausible)
-        raise UserError(f"{path}: column '{column}', row {row}: date {dates.iloc[row - 1].date()} is outside "
-                        f"{EARLIEST_DATE.date()} to {today.date()}; expected the day of each row's prices")
+        position = rows.first_bad(implausible)
+        raise rows.error(position, f"date {dates.loc[position].date()} is outside {EARLIEST_DATE.date()} to "
+                                   f"{today.date()}; expected the day of each row's prices", column)
     return dates
 
 
-def _parse_date_text(values: pd.Series, path: Path) -> pd.Series:
+def _parse_date_text(values: pd.Series, rows: Rows) -> pd.Series:
     try:
         return pd.to_datetime(values, errors="coerce")
     except ValueError:  # pandas refuses offsets that differ between rows
         parsed = values.map(lambda text: pd.to_datetime(text, errors="coerce"))
         offsets = parsed.map(lambda stamp: None if pd.isna(stamp) else stamp.utcoffset())
-        first = _first_bad(offsets.notna())
-        row = _first_bad(offsets.notna() & (offsets != offsets.iloc[first - 1]))
-        raise UserError(f"{path}: column '{values.name}', row {row}: '{values.iloc[row - 1]}' has another time zone "
-                        f"than row {first}'s '{values.iloc[first - 1]}'; expected dates in one time zone, or "
-                        f"none") from None
+        first = rows.first_bad(offsets.notna())
+        position = rows.first_bad(offsets.notna() & (offsets != offsets.loc[first]))
+        raise rows.error(position, f"'{values.loc[position]}' has another time zone than row {first + 1}'s "
+                                   f"'{values.loc[first]}'; expected dates in one time zone, or none",
+                         values.name) from None
 
 
-def _read_numbers(values: pd.Series, path: Path) -> pd.Series:
-    if pd.api.types.is_bool_dtype(values):
-        raise UserError(f"{path}: column '{values.name}' holds true/false values; expected numbers")
-    numbers = pd.to_numeric(values, errors="coerce")
-    bad = (numbers.isna() & values.notna()) | np.isinf(numbers)
-    if bad.any():
-        row = _first_bad(bad)
-        raise UserError(f"{path}: column '{values.name}', row {row}: expected a number, got '{values.iloc[row - 1]}'")
-    return numbers.astype(float)
-
-
-def _check_order(frame: pd.DataFrame, path: Path, date_column: str) -> pd.DataFrame:
+def _check_order(frame: pd.DataFrame, rows: Rows, date_column: str) -> pd.DataFrame:
     grouped = frame.groupby("ticker", sort=False)["date"]
     duplicated = frame.duplicated(["ticker", "date"])
     if duplicated.any():
-        row = _first_bad(duplicated)
-        raise UserError(f"{path}: column '{date_column}', row {row}: date {frame['date'].loc[row - 1].date()} "
-                        f"appears twice for ticker '{frame['ticker'].loc[row - 1]}' (expected one row per day)")
+        position = rows.first_bad(duplicated)
+        raise rows.error(position, f"date {frame['date'].loc[position].date()} appears twice for ticker "
+                                   f"'{frame['ticker'].loc[position]}' (expected one row per day)", date_column)
     backwards = (grouped.diff() < pd.Timedelta(0)).fillna(False)
     if backwards.any():
-        row = _first_bad(backwards)
-        raise UserError(f"{path}: column '{date_column}', row {row}: dates are not sorted ascending within ticker "
-                        f"'{frame['ticker'].loc[row - 1]}'")
+        position = rows.first_bad(backwards)
+        raise rows.error(position, f"dates are not sorted ascending within ticker '{frame['ticker'].loc[position]}'",
+                         date_column)
     return frame.sort_values(["ticker", "date"], kind="stable")
 
 
-def _fill_gaps(frame: pd.DataFrame, path: Path, max_gap: int) -> tuple[pd.DataFrame, int]:
+def _fill_gaps(frame: pd.DataFrame, rows: Rows, max_gap: int) -> tuple[pd.DataFrame, int]:
     """Forward-fill runs of at most `max_gap` rows with a missing close, high or low; longer runs are errors."""
     missing = frame[["high", "low", "close"]].isna().any(axis=1)
     if not missing.any():
@@ -224,38 +165,36 @@ def _fill_gaps(frame: pd.DataFrame, path: Path, max_gap: int) -> tuple[pd.DataFr
     leading = missing & ((~missing).groupby(frame["ticker"]).cumsum() == 0)
     too_long = missing & ((run_length > max_gap) | leading)
     if too_long.any():
-        row = _first_bad(too_long)
-        raise UserError(f"{path}: row {row}: {int(run_length.loc[row - 1])} consecutive rows without high, low or "
-                        f"close (at most {max_gap} are filled, never the first rows; set data.max_fill_gap)")
+        position = rows.first_bad(too_long)
+        raise rows.error(position, f"{int(run_length.loc[position])} consecutive rows without high, low or close "
+                                   f"(at most {max_gap} are filled, never the first rows; set data.max_fill_gap)")
     filled = frame.copy()
     filled[PRICE_COLUMNS] = filled.groupby("ticker")[PRICE_COLUMNS].ffill()
     log.info("data: forward-filled %d rows with missing prices in %s (gaps of at most %d rows)",
-             int(missing.sum()), path.name, max_gap)
+             int(missing.sum()), rows.path.name, max_gap)
     return filled, int(missing.sum())
 
 
-def _check_prices(frame: pd.DataFrame, path: Path, columns: dict[str, str | None]) -> None:
+def _check_prices(frame: pd.DataFrame, rows: Rows, columns: dict[str, str | None]) -> None:
     for key in ["high", "low", "close", "open"]:
         bad = frame[key] <= 0
         if bad.any():
-            row = _first_bad(bad)
-            raise UserError(f"{path}: column '{columns[key]}', row {row}: prices must be positive, got "
-                            f"{frame[key].loc[row - 1]}")
+            position = rows.first_bad(bad)
+            raise rows.error(position, f"prices must be positive, got {frame[key].loc[position]}", columns[key])
     bad = frame["volume"] < 0
     if bad.any():
-        row = _first_bad(bad)
-        raise UserError(f"{path}: column '{columns['volume']}', row {row}: expected a volume of at least 0, got "
-                        f"{frame['volume'].loc[row - 1]}")
-    bad = frame["high"] < frame["low"]
+        position = rows.first_bad(bad)
+        raise rows.error(position, f"expected a volume of at least 0, got {frame['volume'].loc[position]}",
+                         columns["volume"])
+    high, low, close = (frame[key] for key in ("high", "low", "close"))
+    bad = high < low
     if bad.any():
-        row = _first_bad(bad)
-        raise UserError(f"{path}: row {row}: {columns['high']} {frame['high'].loc[row - 1]} is below "
-                        f"{columns['low']} {frame['low'].loc[row - 1]}")
-    slack = PRICE_TOLERANCE * frame["close"]  # rounding in the file, not a data error
-    bad = (frame["close"] > frame["high"] + slack) | (frame["close"] < frame["low"] - slack)
+        position = rows.first_bad(bad)
+        raise rows.error(position, f"{columns['high']} {high.loc[position]} is below {columns['low']} "
+                                   f"{low.loc[position]}")
+    slack = PRICE_TOLERANCE * close  # rounding in the file, not a data error
+    bad = (close > high + slack) | (close < low - slack)
     if bad.any():
-        row = _first_bad(bad)
-        raise UserError(f"{path}: row {row}: {columns['close']} {frame['close'].loc[row - 1]} is outside "
-                        f"[{columns['low']}, {columns['high']}] = [{frame['low'].loc[row - 1]}, "
-                        f"{frame['high'].loc[row - 1]}]")
-
+        position = rows.first_bad(bad)
+        raise rows.error(position, f"{columns['close']} {close.loc[position]} is outside [{columns['low']}, "
+                                   f"{columns['high']}] = [{low.loc[position]}, {high.loc[position]}]")

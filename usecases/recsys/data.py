@@ -24,8 +24,9 @@ import scipy.sparse as sp
 from common.errors import UserError
 from common.paths import cache_dir
 from common.runtime.devices import distributed_env
+from common.tables import COMPRESSED_SUFFIXES, is_parquet
 from .config import Columns, Config, Data
-from .logs import COMPRESSED, RawLog, read_log
+from .logs import RawLog, read_log
 from .movielens import movielens_folder, movielens_format, read_movielens
 from .preprocess import encode, filter_interactions
 from .splits import check_evaluable, check_ratios, drop_unrankable, split
@@ -132,10 +133,9 @@ def expected_interactions(config: Config, path: Path | None) -> int | None:
     if path is None:
         synthetic = config.data.synthetic
         return synthetic.users * synthetic.interactions_per_user if config.data.source == "synthetic" else None
-    suffixes = "".join(path.suffixes).lower()
-    if not path.is_file() or not os.access(path, os.R_OK) or suffixes.endswith(COMPRESSED):
+    if not path.is_file() or not os.access(path, os.R_OK) or path.name.lower().endswith(COMPRESSED_SUFFIXES):
         return None  # unknown: the reader says what is wrong, in its own words
-    if suffixes.endswith((".parquet", ".pq")):
+    if is_parquet(path):
         import pyarrow as pa
         import pyarrow.parquet as pq
 

@@ -1,30 +1,35 @@
 """A user's interaction log (CSV or Parquet) read into a `RawLog`, the form every source is read into, and the
 column checks that MovieLens's files share with it.
 
-Every mistake in a log is one `UserError` line naming the file, the column (or config key) and the row, and saying
-how rows are counted: from 1 at the line after the header, at the first line of a file without one.
+The file is read by `common.tables`, which every use case reads a user's table with. Every mistake in a log is one
+`UserError` line naming the file, the column (or config key) and the row, and saying how rows are counted: from 1
+at the line after the header (with the line it is on), at the first line of a file without one.
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
 from common.errors import UserError
 from common.paths import file_sha256
+from common.tables import (COMPRESSED_SUFFIXES as COMPRESSED, Rows, Table, csv_separator, found_columns,
+                           is_parquet, not_parquet, numbers_or_text, plain, read_csv_text, read_numbers, read_table,
+                           value_kind)
 from .config import Columns
 
+# COMPRESSED, csv_separator, not_parquet, plain and read_csv_text are the table reader's, named here for the
+# partitioned reader (partitions.py) that imports them from this module.
+__all__ = ["COMPRESSED", "RawLog", "Rows", "check_columns", "csv_separator", "is_parquet", "log_frame", "no_rows",
+           "not_parquet", "plain", "read_csv_text", "read_ids", "read_log", "read_ratings", "read_seconds"]
+
 EPOCH = pd.Timestamp(0, tz="UTC")
-SEPARATORS = (";", "\t", "|")  # what a one-column "CSV" is usually separated by instead
-TEXT_KINDS = ("string", "mixed-integer")  # pandas' inferred kinds of a text id column (CSV chunks may mix in ints)
-COMPRESSED = (".gz", ".bz2", ".zip", ".xz", ".zst")  # a CSV's size says nothing of its rows, nor can it be cut
 DATE_KINDS = ("date", "datetime", "datetime64")  # Python dates in an object column (Parquet's date32, for one)
+EXPECTED = "a .csv, .tsv or .parquet interaction log (one row per user and item) or a MovieLens folder"
 
 
 @dataclass
@@ -39,101 +44,10 @@ class RawLog:
     has_timestamps: bool
 
 
-@dataclass(frozen=True)
-class Rows:
-    """Where a column was read from, so that an error names the file, the column and the row as its user counts
-    them: `fields` lists a headerless file's fields in order (MovieLens's u.data, ratings.dat); `header` is False
-    for a table without lines (Parquet); `first` is how many rows come before a part read on its own."""
-
-    path: Path
-    fields: tuple[str, ...] = ()
-    header: bool = True
-    first: int = 0  # rows before these: a part of a file read in partitions counts on from the parts before it
-
-    def counting(self) -> str:
-        if self.fields:
-            return "row N is line N: the file has no header"
-        return "rows counted from 1 at the line after the header" if self.header else "rows counted from 1"
-
-    def column(self, name: str) -> str:
-        return f"field {self.fields.index(name) + 1} ({name})" if self.fields else f"column '{name}'"
-
-    def at(self, name: str, values: pd.Series, mask: pd.Series, problem: str) -> UserError:
-        """`problem` at the first row where `mask` holds; `{value}` in it is that row's value."""
-        row = int(np.flatnonzero(np.asarray(mask))[0])
-        problem = problem.format(value=values.iloc[row])
-        return UserError(f"{self.path}: {self.column(name)}, row {self.first + row + 1}: {problem} "
-                         f"({self.counting()})")
-
-    def whole(self, name: str, problem: str) -> UserError:
-        return UserError(f"{self.path}: {self.column(name)}: {problem}")
-
-
-def is_parquet(path: Path) -> bool:
-    return path.name.lower().endswith((".parquet", ".pq"))
-
-
-def not_parquet(path: Path, exc: Exception) -> UserError:
-    reason = str(exc).replace(f"'{path}'", "it").split(". ")[0]  # pyarrow's reason, without the path again
-    return UserError(f"{path}: cannot be read as Parquet ({reason})")
-
-
-def csv_separator(path: Path) -> str | None:
-    """The field separator of a text log by its name; None for a file that is not one."""
-    suffixes = "".join(path.suffixes).lower()
-    if ".csv" in suffixes or ".tsv" in suffixes or ".txt" in suffixes:
-        return "\t" if ".tsv" in suffixes else ","
-    return None
-
-
-def _read_table(path: Path) -> pd.DataFrame:
-    suffixes = "".join(path.suffixes).lower()
-    if is_parquet(path):
-        try:
-            table = pd.read_parquet(path)
-        except (ValueError, OSError, pa.ArrowException) as exc:
-            raise not_parquet(path, exc) from None
-        return plain(table)
-    separator = csv_separator(path)
-    if separator is not None:
-        return read_csv_text(path, separator, path)
-    if suffixes.endswith(".zip"):
+def _read_table(path: Path) -> Table:
+    if csv_separator(path) is None and not is_parquet(path) and path.name.lower().endswith(".zip"):
         raise UserError(f"{path}: a zip archive; unzip it and pass the log, or a MovieLens zip's unzipped folder")
-    raise UserError(f"{path}: expected a .csv, .tsv or .parquet interaction log (one row per user and item) or a "
-                    "MovieLens folder")
-
-
-def plain(table: pd.DataFrame) -> pd.DataFrame:
-    """A Parquet file's columns as a CSV's would be: a frame written with its index (user_id, say) gets it back as
-    a column, and a category column (pandas writes one as a dictionary) its values' type."""
-    if any(name is not None for name in table.index.names):
-        table = table.reset_index()
-    categorical = [name for name, dtype in table.dtypes.items() if isinstance(dtype, pd.CategoricalDtype)]
-    return table.astype({name: table[name].cat.categories.dtype for name in categorical}).reset_index(drop=True)
-
-
-def read_csv_text(source, separator: str, path: Path, dtype: dict | None = None, first_line: int = 0
-                  ) -> pd.DataFrame:
-    """A CSV file, or the bytes of a part of one behind its header line (`source`), read as `path` names it; a
-    line number in an error counts on from `first_line` (the lines before the part). utf-8-sig, since spreadsheets
-    save a byte-order mark that would otherwise stick to the first column's name."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", pd.errors.ParserWarning)  # rows longer than the header: values dropped
-            return pd.read_csv(source, sep=separator, encoding="utf-8-sig", index_col=False, dtype=dtype)
-    except pd.errors.ParserWarning:
-        raise UserError(f"{path}: the rows hold more values than the header names columns (name every column in "
-                        "the first line, or remove the separator at the end of each line)") from None
-    except pd.errors.EmptyDataError:
-        return pd.DataFrame()
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); expected a CSV file saved as "
-                        "UTF-8") from None
-    except (ValueError, OSError, pd.errors.ParserError) as exc:
-        reason = re.sub(r"(?<=line )(\d+)", lambda found: str(first_line + int(found.group())),
-                        str(exc).splitlines()[0][:120])
-        raise UserError(f"{path}: cannot be read as a table ({reason}; lines counted from 1 at the header)"
-                        ) from None
+    return read_table(path, EXPECTED)
 
 
 def read_log(path: Path, columns: Columns) -> RawLog:
@@ -143,10 +57,10 @@ def read_log(path: Path, columns: Columns) -> RawLog:
     Ids are read as integers when every one is an integer, else as text.
     """
     table = _read_table(path)
-    if table.empty:
+    if table.frame.empty:
         raise no_rows(path, columns)
-    names = check_columns(table, columns, path)
-    frame, titles = log_frame(table, columns, names, Rows(path, header=not is_parquet(path)))
+    names = check_columns(table.frame, columns, path)
+    frame, titles = log_frame(table.frame, columns, names, table.rows)
     if titles is not None:
         titles = titles.fillna("").astype(str)
     return RawLog(frame, titles, f"file:{path.name}", file_sha256(path), has_timestamps="timestamp" in names)
@@ -165,9 +79,9 @@ def log_frame(table: pd.DataFrame, columns: Columns, names: dict[str, str], rows
     if not pd.api.types.is_numeric_dtype(users) and not pd.api.types.is_numeric_dtype(items):
         header = (users.astype(str) == columns.user) & (items.astype(str) == columns.item)
         if header.any():
-            row = rows.first + int(np.flatnonzero(header.to_numpy())[0]) + 1
+            row = rows.first + rows.first_bad(header) + 1
             raise UserError(f"{rows.path}: duplicated header at row {row} (a second '{columns.user}', "
-                            f"'{columns.item}' header line inside the data; remove it; {rows.counting()})")
+                            f"'{columns.item}' header line inside the data; remove it; {rows.counting(row)})")
     frame = pd.DataFrame({"user": read_ids(users, rows, columns.user), "item": read_ids(items, rows, columns.item)})
     frame["rating"] = read_ratings(table[names["rating"]], rows, names["rating"]) if "rating" in names else np.nan
     frame["timestamp"] = (read_seconds(table[names["timestamp"]], rows, names["timestamp"])
@@ -180,7 +94,7 @@ def log_frame(table: pd.DataFrame, columns: Columns, names: dict[str, str], rows
 def check_columns(table: pd.DataFrame, columns: Columns, path: Path) -> dict[str, str]:
     """The log's column for each key of data.columns it has: user and item always, an optional one when present
     (or an error when it was named explicitly and is absent)."""
-    found = ", ".join(repr(str(name)) for name in table.columns)
+    found = found_columns(table)
     if columns.user == columns.item:
         raise UserError(f"data.columns.user and data.columns.item both name '{columns.user}' in {path}; the user "
                         f"and item ids must be two columns (found: {found})")
@@ -196,10 +110,6 @@ def check_columns(table: pd.DataFrame, columns: Columns, path: Path) -> dict[str
 
 def _rename_hint(table: pd.DataFrame, key: str) -> str:
     """What to do about a missing column, when the header says why it is missing."""
-    if len(table.columns) == 1:
-        separator = next((mark for mark in SEPARATORS if mark in str(table.columns[0])), None)
-        if separator is not None:
-            return f"the header is one column separated by {separator!r}; expected comma-separated columns"
     if {"userId", "movieId"} <= set(table.columns):
         return "this is a MovieLens ratings.csv: pass its folder as --data"
     optional = "" if key in ("user", "item") else f", or data.columns.{key}=null if the log has none"
@@ -213,8 +123,8 @@ def read_ids(values: pd.Series, rows: Rows, column: str, text: bool = True) -> p
     if missing.any():
         raise rows.at(column, values, missing, "missing id")
     expected = "expected an integer or text id" if text else "expected an integer id"
-    if not _numbers_or_text(values):
-        raise rows.whole(column, f"{expected} in every row, got {_kind(values)} values")
+    if not numbers_or_text(values):
+        raise rows.whole(column, f"{expected} in every row, got {value_kind(values)} values")
     if pd.api.types.is_numeric_dtype(values):
         fraction = ~np.isfinite(values) | (values != values.round())
         if fraction.any():
@@ -233,12 +143,7 @@ def read_ratings(values: pd.Series, rows: Rows, column: str, stars: tuple[float,
                  ) -> pd.Series:
     """Numbers; an empty cell is no rating (NaN), text is an error. With `stars` (MovieLens) every row has a
     rating in that range."""
-    if not _numbers_or_text(values):
-        raise rows.whole(column, f"expected numeric ratings, got {_kind(values)} values")
-    numbers = pd.to_numeric(values, errors="coerce").astype("float64")
-    bad = (numbers.isna() & values.notna()) | np.isinf(numbers)
-    if bad.any():
-        raise rows.at(column, values, bad, "expected a number, got '{value}'")
+    numbers = read_numbers(values, rows, column, expected="numeric ratings")
     if stars is not None:
         if numbers.isna().any():
             raise rows.at(column, values, numbers.isna(), "missing rating")
@@ -258,28 +163,16 @@ def read_seconds(values: pd.Series, rows: Rows, column: str) -> pd.Series:
     if pd.api.types.is_datetime64_any_dtype(values):
         dates = values.dt.tz_localize("UTC") if values.dt.tz is None else values.dt.tz_convert("UTC")
         seconds = (dates - EPOCH) // pd.Timedelta(seconds=1)
-    elif _numbers_or_text(values) or pd.api.types.infer_dtype(values) in DATE_KINDS:
+    elif numbers_or_text(values) or pd.api.types.infer_dtype(values) in DATE_KINDS:
         seconds = _from_text_or_numbers(values, rows, column)
     else:
-        raise rows.whole(column, f"expected timestamps (Unix seconds or dates), got {_kind(values)} values; "
+        raise rows.whole(column, f"expected timestamps (Unix seconds or dates), got {value_kind(values)} values; "
                                  "set data.columns.timestamp to the time column, or to null if the log has none")
     before_1970 = seconds < 0
     if before_1970.any():
         raise rows.at(column, values, before_1970,
                       "'{value}' is before 1970 (expected Unix seconds, which are not negative, or a date)")
     return seconds.astype("int64")
-
-
-def _numbers_or_text(values: pd.Series) -> bool:
-    """Not true/false, dates or bytes: what a column of numbers or of their text holds."""
-    if pd.api.types.is_bool_dtype(values):
-        return False
-    return pd.api.types.is_numeric_dtype(values) or pd.api.types.infer_dtype(values) in TEXT_KINDS
-
-
-def _kind(values: pd.Series) -> str:
-    """The type a user would name: an object column's is in its values (bytes, mixed, ...)."""
-    return pd.api.types.infer_dtype(values) if values.dtype == object else str(values.dtype)
 
 
 def _from_text_or_numbers(values: pd.Series, rows: Rows, column: str) -> pd.Series:

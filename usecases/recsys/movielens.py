@@ -25,6 +25,7 @@ import pyarrow.csv as pacsv
 
 from common.errors import DataUnavailable, UserError
 from common.paths import cache_dir, data_search_path, file_sha256
+from common.tables import read_table, require_columns
 from .config import MovieLens
 from .logs import RawLog, Rows, read_ids, read_ratings, read_seconds
 
@@ -171,23 +172,14 @@ def movielens_sha256(folder: Path, kind: str) -> str:
 
 
 def _read_csv_ratings(path: Path) -> tuple[pd.DataFrame, Rows]:
-    try:
-        table = pd.read_csv(path)
-    except pd.errors.EmptyDataError:
-        return pd.DataFrame(), Rows(path)
-    except (ValueError, OSError, pd.errors.ParserError) as exc:
-        raise UserError(f"{path}: cannot be read as MovieLens ratings ({str(exc).splitlines()[0][:120]}; lines "
-                        "counted from 1 at the header)") from None
-    check_ratings_columns(table, path)
-    return table, Rows(path)
+    table = read_table(path, "a MovieLens ratings.csv")
+    check_ratings_columns(table.frame, path)
+    return table.frame, table.rows
 
 
 def check_ratings_columns(table: pd.DataFrame, path: Path) -> None:
     fields = LAYOUTS["ratings.csv"].fields
-    missing = [name for name in fields if name not in table.columns]
-    if missing:
-        raise UserError(f"{path}: missing column '{missing[0]}' (a MovieLens ratings.csv has {', '.join(fields)}; "
-                        f"found: {', '.join(repr(str(name)) for name in table.columns)})")
+    require_columns(table, path, fields, f"a MovieLens ratings.csv has {', '.join(fields)}")
 
 
 def _read_headerless(path: Path, layout: Layout) -> tuple[pd.DataFrame, Rows]:
