@@ -17,7 +17,18 @@ from torch import nn
 from common.runtime.interrupt import Terminated, stop_on_signals
 from common.runtime.devices import make_runtime, shutdown
 from common.config import TrainConfig
+from common.training.callbacks import Callback
 from common.training.loop import TensorBatches, Trainer, supervised
+
+
+class EpochMetrics(Callback):
+    """A use case's callback: every rank gets every epoch's metrics, all-reduced."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_epoch_end(self, trainer, epoch, metrics):
+        self.seen.append((epoch, metrics["val/mse"]))
 
 
 def main(outdir: Path, signal_rank: int | None = None) -> None:
@@ -43,15 +54,17 @@ def main(outdir: Path, signal_rank: int | None = None) -> None:
     initial = {key: value.clone() for key, value in model.state_dict().items()}
     loss_start = mse(model)
     batches = TensorBatches(x, y, batch_size=16, seed=0, rank=runtime.rank, world_size=runtime.world_size)
+    epoch_metrics = EpochMetrics()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                      supervised(nn.functional.mse_loss), runtime, TrainConfig(epochs=4), monitor="val/mse")
+                      supervised(nn.functional.mse_loss), runtime, TrainConfig(epochs=4), monitor="val/mse",
+                      callbacks=[epoch_metrics])
     outcome = {"world_size": runtime.world_size, "backend": dist.get_backend(), "initial": initial,
                "loss_start": loss_start}
     try:
         outcome["epochs_run"] = trainer.fit(batches, validate).epochs_run
     except Terminated:
         outcome["stopped_after"] = len(epochs_validated)
-    outcome.update(state=model.state_dict(), loss_end=mse(model))
+    outcome.update(state=model.state_dict(), loss_end=mse(model), epoch_metrics=epoch_metrics.seen)
     torch.save(outcome, outdir / f"rank{runtime.rank}.pt")
     dist.barrier()  # no rank tears its connections down while another still talks to it
     shutdown(runtime)

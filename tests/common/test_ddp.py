@@ -31,6 +31,8 @@ def test_two_ranks_end_with_identical_learned_parameters(tmp_path):
         "ranks must start from different weights for the check to mean anything")
     for key in first:
         assert torch.equal(first[key], second[key]), f"{key} differs between ranks"
+    assert [epoch for epoch, _ in ranks[0]["epoch_metrics"]] == [0, 1, 2, 3]
+    assert ranks[0]["epoch_metrics"] == ranks[1]["epoch_metrics"], "a callback sees the all-reduced metrics on every rank"
     for rank in ranks:
         assert rank["epochs_run"] == 4
         assert rank["loss_end"] < rank["loss_start"] / 4
