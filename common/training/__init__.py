@@ -1,1 +1,1 @@
-"""The training loop and what it measures of a model."""
+"""The training loop, the callbacks it calls around its epochs, and what it measures of a model."""
