@@ -46,14 +46,14 @@ UNREADABLE = (ValueError, OSError, ImportError, EOFError, zipfile.BadZipFile, lz
 class Rows:
     """Where a table was read from, so that an error names the file, the column and the row as its user counts
     them: `fields` lists a headerless file's fields in order; `header` is False for a table without lines
-    (Parquet); `first` is how many rows come before a part of a file read on its own; `separator` and `encoding`
-    are the text's, to find a row's line."""
+    (Parquet); `first` is how many rows come before a part of a file read on its own; `separator` (else the one
+    the file's name says) and `encoding` are the text's, to find a row's line."""
 
     path: Path
     fields: tuple[str, ...] = ()
     header: bool = True
     first: int = 0
-    separator: str = ","
+    separator: str | None = None
     encoding: str = "utf-8-sig"
 
     def column(self, name: str) -> str:
@@ -67,7 +67,8 @@ class Rows:
             return "rows counted from 1"
         return f"line {self.line(row)} of the file; rows counted from 1 at the line after the header"
 
-    def first_bad(self, mask: pd.Series) -> int:
+    @staticmethod
+    def first_bad(mask: pd.Series) -> int:
         """The position of the first row where `mask` holds; a frame's index is its rows' positions in the file,
         kept through any sorting."""
         return int(mask.index[np.asarray(mask, dtype=bool)].min())
@@ -91,7 +92,7 @@ class Rows:
         and a quoted value may hold line breaks. Only an error reads the file again, up to its row."""
         try:
             with get_handle(self.path, "r", encoding=self.encoding, compression="infer", errors="replace") as text:
-                records = csv.reader(text.handle, delimiter=self.separator)
+                records = csv.reader(text.handle, delimiter=self.separator or csv_separator(self.path) or ",")
                 next(records, None)  # the header
                 start, seen = records.line_num + 1, 0
                 for record in records:
@@ -100,7 +101,7 @@ class Rows:
                         if seen == row:
                             return start
                     start = records.line_num + 1
-        except csv.Error:  # a field beyond the csv module's size limit: count as if every row were one line
+        except (csv.Error, OSError):  # a field beyond the csv module's limit, a file gone: as if no line were blank
             pass
         return row + 1
 

@@ -43,6 +43,15 @@ def test_a_text_in_any_known_encoding_reads_as_plain_utf8_does(tmp_path, encode,
     pd.testing.assert_frame_equal(table.frame, expected)
 
 
+def test_a_byte_order_mark_that_a_reader_leaves_on_the_first_name_is_dropped(tmp_path, monkeypatch):
+    """pandas drops the mark itself; whatever reads the file in its place must not leave '\\ufeffdate'."""
+    read_csv = pd.read_csv
+    monkeypatch.setattr(pd, "read_csv", lambda source, **options: read_csv(source, **options).rename(
+        columns=lambda name: "\ufeff" + name if name == "date" else name))
+    assert list(read_table(written(tmp_path, codecs.BOM_UTF8 + TEXT.encode()), EXPECTED).frame.columns) == [
+        "date", "price"]
+
+
 def test_a_parquet_file_reads_with_its_rows_counted_from_1(tmp_path):
     frame = pd.read_csv(pd.io.common.StringIO(TEXT))
     frame.index = range(100, 105)  # a saved index is no column, and does not number the rows
@@ -88,7 +97,8 @@ def test_a_missing_column_is_named_with_the_columns_the_file_has(tmp_path):
 
 @pytest.mark.parametrize(("content", "expected"), [
     (bytes(range(256)) * 4, "not UTF-8 text, nor UTF-16 with a byte-order mark (byte 0x00 at position 0)"),
-    ("date,name\n2020-01-02,Société\n".encode("latin-1"), "not UTF-8 text, nor UTF-16 with a byte-order mark (byte 0xe9 at position 25)"),
+    ("date,name\n2020-01-02,Société\n".encode("latin-1"),
+     "not UTF-8 text, nor UTF-16 with a byte-order mark (byte 0xe9 at position 25)"),
     (b"PK\x03\x04rest of a workbook", "this is a zip archive or an Excel workbook (export it as CSV)"),
     (gzip.compress(TEXT.encode()), "this is gzip-compressed (name it .csv.gz)"),
     (b"PAR1\x00\x00", "this is a Parquet file (name it .parquet)"),

@@ -51,6 +51,21 @@ def test_a_csv_saved_by_excel_with_a_byte_order_mark_loads_as_without_it(tmp_pat
         pd.testing.assert_frame_equal(load_file(path, Data()).frame, expected)
 
 
+def test_a_utf16_csv_loads_as_its_utf8_twin(tmp_path):
+    """Excel and Windows tools save "Unicode" text as UTF-16 with a byte-order mark."""
+    expected = load_file(write(tmp_path, GOOD), Data()).frame
+    path = tmp_path / "unicode.csv"
+    path.write_bytes(GOOD.encode("utf-16"))
+    pd.testing.assert_frame_equal(load_file(path, Data()).frame, expected)
+
+
+def test_a_bad_value_names_its_row_and_the_line_it_is_on(tmp_path):
+    """A blank line (which pandas skips) puts row 2 on line 4: both are named."""
+    text = GOOD.replace("\n2020-01-03,AAA,10.5,11.5,10,11", "\n\n2020-01-03,AAA,10.5,11.5,ten,11")
+    assert ("column 'low', row 2: expected a number, got 'ten' (line 4 of the file; rows counted from 1 at the line "
+            "after the header)") in error_for(tmp_path, text)
+
+
 def test_a_byte_order_mark_left_on_the_first_name_by_another_reader_is_dropped(tmp_path, monkeypatch):
     """pandas' C parser drops the mark itself (the test above passed before the fix too); a reader that keeps it on
     the first column's name gave the issue's "missing column 'date'"."""

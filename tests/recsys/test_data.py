@@ -191,6 +191,18 @@ def test_a_log_with_text_ids_dates_and_titles(tmp_path):
     assert list(read_log(path, Data().columns).frame["timestamp"]) == days
 
 
+def test_a_utf16_log_reads_as_its_utf8_twin(tmp_path):
+    expected = read_log(write(tmp_path, LOG), Data().columns).frame
+    path = tmp_path / "unicode.csv"
+    path.write_bytes(LOG.encode("utf-16"))
+    pd.testing.assert_frame_equal(read_log(path, Data().columns).frame, expected)
+
+
+def test_a_bad_value_names_its_row_and_line(tmp_path):
+    message = log_error(tmp_path, LOG.replace("u2,i1,4,", "u2,i1,four,"))
+    assert "column 'rating', row 3: expected a number, got 'four' (line 4 of the file;" in message
+
+
 def test_a_log_without_optional_columns(tmp_path):
     raw = read_log(write(tmp_path, "user_id,item_id\n1,7\n2,7\n"), Data().columns)
     assert raw.frame["rating"].isna().all() and (raw.frame["timestamp"] == 0).all() and not raw.has_timestamps
