@@ -7,7 +7,7 @@ from scipy.stats import norm
 
 from usecases.finance.baselines import BASELINES, ewma, garch, har
 from usecases.finance.config import Baselines, Config, Data, Evaluation, Synthetic
-from usecases.finance.data import load_arch, load_panel
+from usecases.finance.data import load_panel
 from usecases.finance.evaluate import evaluate
 from usecases.finance.features import add_features
 from usecases.finance.pipeline import baseline_forecasts, evaluation_window
@@ -71,29 +71,6 @@ def test_every_baseline_gives_one_positive_forecast_per_test_origin(series):
         result = forecast(series, BLOCKS, 5, Baselines())
         assert list(result.index) == list(range(700, 742)), name
         assert (result["variance"] > 0).all() and (result["variance_h"] > result["variance"]).all(), name
-
-
-REFERENCE = {  # published for S&P 500 from arch, test 2011-01-03 .. 2018-12-31, 21-day expanding refits
-    "ewma": (0.524, 1.731), "garch": (0.566, 1.679), "gjr_garch_t": (0.523, 1.633), "har_rv": (0.425, 1.654),
-}
-
-
-def test_baselines_reproduce_the_published_sp500_numbers():
-    config = Config()
-    frame = add_features(load_arch(["sp500"]).frame)
-    mask = evaluation_window(frame, config)
-    forecasts = baseline_forecasts(frame, mask, config).join(
-        frame[["ticker", "target_date", "target", "target_ret"]].rename(
-            columns={"target_date": "date", "target": "parkinson", "target_ret": "ret"}))
-    results = evaluate(forecasts, config.evaluation.horizon)
-    for model, (qlike_parkinson, qlike_sq) in REFERENCE.items():
-        assert results[model]["qlike_parkinson"] == pytest.approx(qlike_parkinson, abs=0.03), model
-        assert results[model]["qlike_sq"] == pytest.approx(qlike_sq, abs=0.03), model
-    assert results["garch"]["test_days"] == 2012
-    assert abs(results["garch"]["var1_breaches"] - 39) <= 2
-    assert abs(results["gjr_garch_t"]["var1_breaches"] - 31) <= 2
-    assert results["garch"]["dm_t_vs_har_rv"] == pytest.approx(12.8, abs=0.5)
-    assert results["gjr_garch_t"]["dm_t_vs_har_rv"] == pytest.approx(8.8, abs=0.5)
 
 
 def test_on_a_gapped_panel_a_model_of_range_variance_is_caught_and_the_return_scale_ones_are_not():
