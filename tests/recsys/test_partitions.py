@@ -144,3 +144,14 @@ def test_the_shared_ml_latest_small_in_parts(dask_client, small_parts, monkeypat
     pandas, dask = both_engines(small_parts, dask_client, SHARED_MOVIELENS, "split=temporal")
     assert dask.n_users - 1 == 610 and dask.titles[dask.item_ids == 1][0] == "Toy Story (1995)"
     assert_same(pandas, dask)
+
+
+def test_a_utf16_log_is_left_to_the_whole_file_reader(tmp_path):
+    """Byte offsets cut UTF-16 in the middle of a character: such a file is not planned in parts, its UTF-8 copy is."""
+    log = user_log().head(50)
+    utf8, utf16 = tmp_path / "log8.csv", tmp_path / "log16.csv"
+    log.to_csv(utf8, index=False)
+    log.to_csv(utf16, index=False, encoding="utf-16")
+    columns = config("data.source=file").data.columns
+    assert isinstance(partitions.log_source(utf8, columns), partitions.Source)
+    assert partitions.log_source(utf16, columns) is None

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from common.errors import UserError
 from common.paths import file_sha256
+from common.tables import text_encoding
 from .config import Columns
 from .logs import (COMPRESSED, Rows, check_columns, csv_separator, is_parquet, log_frame, no_rows, not_parquet, plain,
                    read_csv_text)
@@ -70,6 +71,8 @@ def log_source(path: Path, columns: Columns) -> Source | None:
     separator = csv_separator(path)
     if suffixes.endswith(COMPRESSED) or (separator is None and not is_parquet(path)) or not os.access(path, os.R_OK):
         return None
+    if separator is not None and text_encoding(path, separator) != "utf-8-sig":
+        return None  # a UTF-16 or UTF-32 file cannot be cut at byte offsets: the whole-file reader reads it
     header, table = _header(path, separator)
     if table is None:
         raise no_rows(path, columns)
