@@ -18,7 +18,7 @@ from typing import Any
 from common.errors import DataUnavailable, UserError
 from common.runtime.interrupt import Terminated
 from common.runtime.memory import PeakMemory
-from common.usecase import UseCase
+from common.usecase import RunRequest, RunResult, UseCase
 
 log = logging.getLogger(__name__)
 
@@ -36,36 +36,34 @@ def _load_checked(usecase: UseCase, config, data: Path | None, client=None):
     return loaded
 
 
-def run_usecase(usecase: UseCase, preset: str, overrides: list[str], device: str = "auto", frames: str = "auto",
-                data: Path | None = None, summary: Path | None = None, resume: bool = False,
-                bench: bool = False) -> dict:
-    """One tracked run; with `bench`, the use case's benchmark in the `<name>-benchmark` experiment.
+def run_usecase(request: RunRequest) -> dict:
+    """One tracked run; with `request.bench`, the use case's benchmark in the `<name>-benchmark` experiment.
 
     Whatever the run sets process-wide (threads, seeds, deterministic algorithms, environment, log levels) is undone
     afterwards, so several runs in one process (`usecases demo`) each get the settings their own presets ask for."""
     from common.runtime.devices import isolated_process_state, use_gpu_frames
 
     started = time.perf_counter()
-    backend = use_gpu_frames(frames, device)
+    backend = use_gpu_frames(request.frames, request.device)
     with isolated_process_state(QUIET_ON_OTHER_RANKS):
-        return _run(usecase, preset, overrides, device, backend, data, summary, resume, bench, started)
+        return _run(request, backend, started)
 
 
-def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backend: str, data: Path | None,
-         summary: Path | None, resume: bool, bench: bool, started: float) -> dict:
+def _run(request: RunRequest, backend: str, started: float) -> dict:
     from common.config import load_config
     from common.runtime.devices import make_runtime, shutdown
     from common.tracking.runs import check_reachable, tracking_uri
 
+    usecase, data, summary = request.usecase, request.data, request.summary
     check_reachable(tracking_uri())
-    if bench and not usecase.has_benchmark:
+    if request.bench and not usecase.has_benchmark:
         raise UserError(f"use case '{usecase.name}' has no benchmark")
-    config = load_config(usecase.config, usecase.presets_dir, preset, overrides)
+    config = load_config(usecase.config, usecase.presets_dir, request.preset, list(request.overrides))
     if data is not None and not data.exists():
         raise UserError(f"--data {data}: no such file or folder")
     if summary is not None and not (summary.parent.is_dir() and os.access(summary.parent, os.W_OK)):
         raise UserError(f"--summary {summary}: cannot write there (no such folder, or no permission)")
-    runtime = make_runtime(device, config.runtime.precision, config.runtime.cpu_threads, config.runtime.tf32,
+    runtime = make_runtime(request.device, config.runtime.precision, config.runtime.cpu_threads, config.runtime.tf32,
                            config.runtime.compile)
     if not runtime.is_main:
         for logger in QUIET_ON_OTHER_RANKS:
@@ -75,14 +73,12 @@ def _run(usecase: UseCase, preset: str, overrides: list[str], device: str, backe
             memory = engine.enter_context(PeakMemory())
             client = engine.enter_context(_engine(config.runtime, runtime)) \
                 if resolve_engine(usecase, config, data, runtime) == "dask" else None
-            return _tracked(usecase, config, preset, runtime, backend, client, data, summary, resume, bench, started,
-                            memory)
+            return _tracked(request, config, runtime, backend, client, started, memory)
     finally:
         shutdown(runtime)
 
 
-def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, client, data: Path | None,
-             summary: Path | None, resume: bool, bench: bool, started: float, memory: PeakMemory) -> dict:
+def _tracked(request: RunRequest, config, runtime, backend: str, client, started: float, memory: PeakMemory) -> dict:
     from common.config import flatten
     from common.runtime.engine import client_tags
     from common.job import Job
@@ -92,8 +88,9 @@ def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, clien
     from common.tracking.runs import tracked_run, write_summary
     from torch import distributed as dist
 
+    usecase, preset, bench = request.usecase, request.preset, request.bench
     seed_everything(config.runtime.seed, config.runtime.deterministic)
-    loaded, data_tags = _load_checked(usecase, config, data, client)
+    loaded, data_tags = _load_checked(usecase, config, request.data, client)
     notice = precision_notice(runtime.device, config.runtime.precision)
     if notice and runtime.is_main:
         log.warning(notice)
@@ -102,8 +99,7 @@ def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, clien
                    if bench else usecase.summary())
     root = checkpoint_root(experiment, preset)
     params = flatten(config)
-    run_id = _on_main(runtime, lambda: _prepare(usecase.name, experiment, description, root, preset, resume,
-                                                params, data_tags))
+    run_id = _on_main(runtime, lambda: _prepare(request, experiment, description, root, params, data_tags))
     tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
             "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
             **{key: value for key, value in config.tracking.model_dump().items() if value is not None},
@@ -116,16 +112,17 @@ def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, clien
             if runtime.is_main:
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
                                   checkpoint_dir / STATE_FILE)
-            job = Job(runtime, tracker, checkpoint_dir, resume, client)
-            models = (usecase.benchmark if bench else usecase.run)(config, loaded, job)
-            result = {}
+            job = Job(runtime, tracker, checkpoint_dir, request.resume, client)
+            outcome = (RunResult(usecase.benchmark(config, loaded, job)) if bench
+                       else _checked_result(usecase, usecase.run(config, loaded, job)))
+            summary = {}
             if runtime.is_main:
-                result = write_summary(tracker, experiment, preset, runtime.device.type, models, summary,
-                                       None if bench else usecase.columns(config))
+                summary = write_summary(tracker, experiment, preset, runtime.device.type, outcome.models,
+                                        request.summary, None if bench else usecase.columns(config))
                 log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started,
                                         memory.bytes)
-                if not bench:
-                    register(tracker, usecase, models, data_tags)
+                if outcome.served is not None:
+                    register(tracker, usecase, outcome, data_tags)
     except (KeyboardInterrupt, Terminated):
         raise  # KILLED: its checkpoints stay for --resume
     except BaseException:
@@ -136,7 +133,15 @@ def _tracked(usecase: UseCase, config, preset: str, runtime, backend: str, clien
         shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
     if runtime.distributed:
         dist.barrier()  # every rank done before any tears down its connections (gloo aborts otherwise)
-    return result
+    return summary
+
+
+def _checked_result(usecase: UseCase, outcome) -> RunResult:
+    """A use case's `run` returns a RunResult (its models, and the one it logged for serving)."""
+    if not isinstance(outcome, RunResult):
+        raise TypeError(f"use case '{usecase.name}': run() returned a {type(outcome).__name__}; expected "
+                        f"RunResult(models, served) (common.usecase)")
+    return outcome
 
 
 def resolve_engine(usecase: UseCase, config, data: Path | None, runtime) -> str:
@@ -168,17 +173,18 @@ def _engine(settings, runtime):
     return dask_client(settings.cluster, settings.workers, gpus=runtime.device.type == "cuda")
 
 
-def _prepare(name: str, experiment: str, description: str, root: Path, preset: str, resume: bool, params: dict,
+def _prepare(request: RunRequest, experiment: str, description: str, root: Path, params: dict,
              data_tags: dict) -> str | None:
     """Before the run starts: end the runs of this preset whose process died, pick the run to resume, and drop the
     checkpoints no run can resume any more."""
     from common.tracking.lifecycle import mark_dead_runs, prune_checkpoints, resumable_run
     from common.tracking.runs import check_project_run, ensure_experiment
 
+    name, preset = request.usecase.name, request.preset
     experiment_id = ensure_experiment(experiment, description)
-    check_project_run(experiment, experiment_id, resuming=resume)  # here, where every rank hears of its refusal
+    check_project_run(experiment, experiment_id, resuming=request.resume)  # here, where every rank hears of its refusal
     mark_dead_runs(experiment_id, name if experiment == name else None, preset)
-    run_id = resumable_run(experiment_id, root, preset, params, data_tags) if resume else None
+    run_id = resumable_run(experiment_id, root, preset, params, data_tags) if request.resume else None
     prune_checkpoints(root, keep=run_id)
     return run_id
 
@@ -218,24 +224,26 @@ def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: floa
     tracker.log_metrics(metrics)
 
 
-def register(tracker, usecase: UseCase, models: dict, data_tags: dict) -> None:
+def register(tracker, usecase: UseCase, outcome: RunResult, data_tags: dict) -> None:
     """Log the served model's primary metric on validation and test data, and register the model as champion or
     challenger by the validation value."""
     from common.tracking.registry import register_champion
 
     metric, mode = usecase.primary_metric
-    if tracker.model_uri is None or tracker.served_model not in models:
-        return
-    served = models[tracker.served_model]
-    if f"val_{metric}" not in served:
+    served = outcome.served
+    metrics = outcome.models.get(served.model)
+    if metrics is None:
+        raise KeyError(f"use case '{usecase.name}': the served model '{served.model}' is not among the run's models "
+                       f"({', '.join(outcome.models)})")
+    if f"val_{metric}" not in metrics:
         raise KeyError(f"use case '{usecase.name}': the served model's metrics have no 'val_{metric}', the primary "
                        "metric on validation data that the registry compares versions by")
-    value, test_value = served[f"val_{metric}"], served[metric]
-    tracker.set_tags({"primary_metric": metric, "primary_model": tracker.served_model})
+    value, test_value = metrics[f"val_{metric}"], metrics[metric]
+    tracker.set_tags({"primary_metric": metric, "primary_model": served.model})
     tracker.log_metrics({f"primary/{metric}": test_value, f"primary/val_{metric}": value})
     source = str(data_tags.get("data_source", ""))
-    register_champion(tracker, usecase.name, metric, mode, value, data_tags["data_sha256"], test_value=test_value,
-                      data_source=source, synthetic=source.startswith("synthetic"))
+    register_champion(tracker, served.uri, usecase.name, metric, mode, value, data_tags["data_sha256"],
+                      test_value=test_value, data_source=source, synthetic=source.startswith("synthetic"))
 
 
 def run_demo(usecases: list[UseCase], device: str = "auto", frames: str = "auto") -> None:
@@ -243,8 +251,9 @@ def run_demo(usecases: list[UseCase], device: str = "auto", frames: str = "auto"
     is replaced by the use case's synthetic data."""
     for usecase in usecases:
         print(f"== {usecase.name}", flush=True)
+        request = RunRequest(usecase, "default", device=device, frames=frames)
         try:
-            run_usecase(usecase, "default", [], device, frames)
+            run_usecase(request)
         except DataUnavailable as exc:
             print(f"{usecase.name}: {exc}; running on synthetic data instead", flush=True)
-            run_usecase(usecase, "default", ["data.source=synthetic"], device, frames)
+            run_usecase(request.with_overrides("data.source=synthetic"))

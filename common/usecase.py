@@ -1,11 +1,15 @@
 """The contract of a use case, and where use cases are found.
 
 A use case is a Python package whose `__init__.py` declares `USECASE = UseCase.declare(__name__, ...)`. Its
-`pipeline` module provides `load_data(config, path) -> (data, tags)` and `run(config, data, job) -> models`, and
-an optional `benchmark` module `benchmark(config, data, job)`. `models` maps each model's name to its metrics; the
-served model's hold the primary metric on test (`METRIC`, a report) and on validation (`val_METRIC`, by which the
-registry picks its champion). Those modules are imported only when a run needs
+`pipeline` module provides `load_data(config, path) -> (data, tags)` and `run(config, data, job) -> RunResult`, and
+an optional `benchmark` module `benchmark(config, data, job) -> models`. `models` maps each model's name to its
+metrics; `RunResult.served` names the model `run` logged for serving and its URI (None: nothing to register), and
+that model's metrics hold the primary metric on test (`METRIC`, a report) and on validation (`val_METRIC`, by which
+the registry picks its champion). Those modules are imported only when a run needs
 them, after the DataFrame backend is chosen: declaring a use case imports its config schema and nothing heavier.
+
+A `RunRequest` is what the user asked for (`usecases run` and `bench`, `demo`, `gpu-check`, `bench --scale`): built
+once, checked once, and passed whole to the runner or written back as the command line of a run in its own process.
 
 Use cases are found in two places: the packages in a folder of use cases (the clone's `usecases/`, where
 `usecases new` writes), and the entry-point group `gpu_usecases.usecases` of every installed distribution, so an
@@ -20,7 +24,7 @@ import inspect
 import pkgutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +32,7 @@ from common.config import ConfigModel
 from common.errors import UserError
 
 ENTRY_POINT_GROUP = "gpu_usecases.usecases"
+DEVICES, FRAMES = ("auto", "cpu", "cuda"), ("auto", "pandas")
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,65 @@ class UseCase:
         paragraphs = [part.strip() for part in self.readme.read_text(encoding="utf-8").split("\n\n")]
         body = [part for part in paragraphs if part and not part.startswith(("#", "|", "```", "<"))]
         return " ".join(body[0].split()) if body else self.description
+
+
+@dataclass(frozen=True)
+class Served:
+    """The model a run logged for serving: its name among the run's models, and where MLflow keeps it."""
+
+    model: str
+    uri: str
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a use case's `run` returns: each model's metrics, and the one logged for serving; the runner registers
+    that one (by its primary metric on validation), and nothing when `served` is None."""
+
+    models: dict[str, dict[str, float]]
+    served: Served | None = None
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run as the user asked for it: which use case and preset, the `--set` overrides, where it runs, its data,
+    where its summary goes, and whether it resumes or is the benchmark."""
+
+    usecase: UseCase
+    preset: str = "default"
+    overrides: tuple[str, ...] = ()
+    device: str = "auto"
+    frames: str = "auto"
+    data: Path | None = None
+    summary: Path | None = None
+    resume: bool = False
+    bench: bool = False
+
+    def __post_init__(self):
+        """What the command line's choices cannot catch (a request built in code); `--set` is the config's to check."""
+        object.__setattr__(self, "overrides", tuple(self.overrides))
+        if self.device not in DEVICES:
+            raise UserError(f"--device {self.device}: expected one of {', '.join(DEVICES)}")
+        if self.frames not in FRAMES:
+            raise UserError(f"--frames {self.frames}: expected one of {', '.join(FRAMES)}")
+        if not self.preset:
+            raise UserError(f"use case '{self.usecase.name}': the preset name is empty")
+        if self.resume and self.bench:
+            raise UserError(f"use case '{self.usecase.name}': a benchmark cannot be resumed (--resume is for runs)")
+
+    def with_overrides(self, *overrides: str) -> RunRequest:
+        """The same request with more `--set` overrides, applied after the ones it has."""
+        return replace(self, overrides=(*self.overrides, *overrides))
+
+    def command_line(self) -> list[str]:
+        """The `usecases` arguments that make this request, for a run in its own process."""
+        arguments = ["bench" if self.bench else "run", self.usecase.name, "--preset", self.preset]
+        for option, value, default in (("--device", self.device, "auto"), ("--frames", self.frames, "auto"),
+                                       ("--data", self.data, None), ("--summary", self.summary, None)):
+            if value != default:
+                arguments += [option, str(value)]
+        arguments += ["--resume"] if self.resume else []
+        return arguments + [item for override in self.overrides for item in ("--set", override)]
 
 
 @dataclass(frozen=True)

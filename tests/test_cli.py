@@ -113,9 +113,9 @@ def test_ui_serves_the_store_on_loopback_only(tmp_path):
 def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatch):
     calls = []
 
-    def fake_run(usecase, preset, overrides, device, frames):
-        calls.append(overrides)
-        if not overrides:
+    def fake_run(request):
+        calls.append(list(request.overrides))
+        if not request.overrides:
             raise DataUnavailable("no copy of the data set here")
 
     monkeypatch.setattr(runner, "run_usecase", fake_run)

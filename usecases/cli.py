@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "advise":
             return _advise(args)
         if args.command == "gpu-check":
-            from common.tools import gpu_check
+            from common.tools.gpu_check import gpu_check
 
             usable = [usecase for usecase in _loaded().values() if not isinstance(usecase, UserError)]
             return gpu_check(usable, args.out, args.budget_s)
@@ -382,11 +382,12 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         from common.runner import run_usecase
         from common.runtime.devices import use_gpu_frames
+        from common.usecase import RunRequest
 
         use_gpu_frames(args.frames, args.device)  # before the use case's package is imported: cudf.pandas takes over
-        run_usecase(_usecase(args.name), args.preset, args.overrides + _engine_overrides(args), args.device,
-                    args.frames, args.data,
-                    args.summary, getattr(args, "resume", False), bench=args.command == "bench")
+        run_usecase(RunRequest(_usecase(args.name), args.preset, (*args.overrides, *_engine_overrides(args)),
+                               args.device, args.frames, args.data, args.summary, getattr(args, "resume", False),
+                               bench=args.command == "bench"))
         return EXIT_OK
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

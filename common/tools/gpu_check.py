@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common.usecase import UseCase
+from common.usecase import RunRequest, UseCase
 
 DEFAULT_BUDGET_S = 480  # the 8 minutes a lent GPU machine leaves for measuring, after its start
 
@@ -41,9 +41,9 @@ def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
     cli = [python, "-m", "usecases"]
     steps = [Step("doctor", [*cli, "doctor", "--device", "cuda"]),
              Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"])]
-    steps += [Step(f"run {case.name}", [*cli, "run", case.name, "--preset", "default", "--device", "cuda"])
+    steps += [Step(f"run {case.name}", [*cli, *RunRequest(case, device="cuda").command_line()])
               for case in usecases]
-    steps += [Step(f"bench {case.name}", [*cli, "bench", case.name, "--preset", "default", "--device", "cuda"])
+    steps += [Step(f"bench {case.name}", [*cli, *RunRequest(case, device="cuda", bench=True).command_line()])
               for case in usecases if case.has_benchmark]
     return steps
 

@@ -25,7 +25,7 @@ import mlflow
 import pandas as pd
 
 from common.errors import UserError
-from common.usecase import UseCase
+from common.usecase import RunRequest, UseCase
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,9 @@ def _one(usecase: UseCase, overrides: list[str], values: dict[str, int], multipl
     """One run of the scale preset with the size keys at `values`; its throughput counts them all (users, tickers,
     or images of every split) per second."""
     summary = folder / f"{engine}-{multiple}.json"
-    command = [sys.executable, "-m", "usecases", "run", usecase.name, "--preset", "scale", "--engine", engine,
-               "--summary", str(summary), *[item for override in overrides for item in ("--set", override)],
-               *[item for name, value in values.items() for item in ("--set", f"{name}={value}")]]
+    sizes = [f"{name}={value}" for name, value in values.items()]
+    request = RunRequest(usecase, "scale", (*overrides, *sizes, f"runtime.engine={engine}"), summary=summary)
+    command = [sys.executable, "-m", "usecases", *request.command_line()]
     row = {"engine": engine, "multiple": multiple, **values}
     size = ", ".join(f"{name}={value}" for name, value in values.items())
     log.info("scale: %s engine, %s", engine, size)

@@ -21,14 +21,15 @@ def data_alias(data_sha256: str) -> str:
     return f"champion-{data_sha256[:12]}"
 
 
-def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, value: float, data_sha256: str,
-                      *, test_value: float = math.nan, data_source: str = "", synthetic: bool = False) -> str:
-    """Register the run's model as a new version of `gpu-usecases-<usecase>` and compare it with the models on the
-    same data and primary metric only, by `value`, the metric on validation data (`test_value`, on test data, is a
-    report: choosing by it would make the test set a selection set). The best of every version registered on this
-    data under this metric on validation (the earlier on a tie; a version chosen by another metric, or on test
-    data before selection moved to validation, does not compete) takes the alias `champion-<sha12>`; the run's
-    model is the champion when that is it, else the `challenger`.
+def register_champion(tracker: Tracker, model_uri: str, usecase: str, metric: str, mode: str, value: float,
+                      data_sha256: str, *, test_value: float = math.nan, data_source: str = "",
+                      synthetic: bool = False) -> str:
+    """Register the run's model at `model_uri` as a new version of `gpu-usecases-<usecase>` and compare it with the
+    models on the same data and primary metric only, by `value`, the metric on validation data (`test_value`, on
+    test data, is a report: choosing by it would make the test set a selection set). The best of every version
+    registered on this data under this metric on validation (the earlier on a tie; a version chosen by another
+    metric, or on test data before selection moved to validation, does not compete) takes the alias
+    `champion-<sha12>`; the run's model is the champion when that is it, else the `challenger`.
 
     `champion` then points at the champion of this run's data, so `usecases serve` serves the best model for the
     data trained on last; a run on `synthetic` data (CI, a quick check) moves `champion-synthetic` instead, never
@@ -39,7 +40,7 @@ def register_champion(tracker: Tracker, usecase: str, metric: str, mode: str, va
     are written, so that runs finishing at the same moment agree on the best of them."""
     client = mlflow.MlflowClient()
     name = registered_name(usecase)
-    version = str(mlflow.register_model(tracker.model_uri, name).version)
+    version = str(mlflow.register_model(model_uri, name).version)
     for key, tag in (("primary_metric", metric), ("validation_value", value), ("primary_value", test_value),
                      ("data_sha256", data_sha256), ("data_source", data_source), ("run_id", tracker.run_id)):
         client.set_model_version_tag(name, version, key, str(tag))

@@ -10,14 +10,10 @@ import logging
 import math
 import os
 import re
-import shutil
-import sys
-import tempfile
 import urllib.request
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +131,6 @@ class Tracker:
     def __init__(self, active: bool, run_id: str | None = None):
         self.active = active
         self.run_id = run_id
-        self.model_uri: str | None = None
-        self.served_model: str | None = None
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         finite = {metric_name(key): float(value) for key, value in metrics.items()
@@ -159,60 +153,6 @@ class Tracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         if self.active:
             mlflow.log_text(text, artifact_file)
-
-    def log_pyfunc(self, entry: Path, bundle: dict, *, example, signature, packages: list[str],
-                   package: str, served_model: str, metadata: dict | None = None) -> None:
-        """Log `model` from code (MLflow's models-from-code): the `entry` script, the use case's `package` (and no
-        other use case) and `common`, and `bundle` saved with torch as the artifact `bundle`; nothing is pickled
-        but tensors and plain data.
-
-        `served_model` names the summary's model that this is, whose primary metric the registry compares."""
-        if not self.active:
-            return
-        self.served_model = served_model
-        import torch
-
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "bundle.pt"
-            torch.save(bundle, path)
-            code = _stage_package(package, Path(folder) / "code")
-            info = mlflow.pyfunc.log_model(
-                name="model",
-                python_model=str(entry),
-                artifacts={"bundle": str(path)},
-                signature=signature,
-                input_example=example,
-                metadata=metadata,
-                code_paths=[str(code), str(Path(sys.modules["common"].__file__).parent)],
-                pip_requirements=public_requirements(packages),
-            )
-        self.model_uri = info.model_uri
-
-
-def public_requirements(packages: list[str]) -> list[str]:
-    """Pins any package index resolves: `torch==2.14.1`, not the local build `torch==2.14.1+cu130`, with the index
-    that serves such a build named first (pip reads the line as an option of requirements.txt)."""
-    pins, indexes = [], []
-    for name in packages:
-        public, _, local = version(name).partition("+")
-        pins.append(f"{name}=={public}")
-        if name == "torch" and local.startswith("cu"):
-            indexes.append(f"--extra-index-url https://download.pytorch.org/whl/{local}")
-    return indexes + pins
-
-
-def _stage_package(package: str, folder: Path) -> Path:
-    """The top-level package of `package` holding only `package` itself, so that a model of one use case does not
-    carry the code of the others: `usecases/__init__.py` (empty) and `usecases/NAME/`, for `usecases.NAME`."""
-    parts = package.split(".")
-    top = folder / parts[0]
-    target = folder.joinpath(*parts)
-    for level in range(1, len(parts)):
-        (folder.joinpath(*parts[:level])).mkdir(parents=True, exist_ok=True)
-        (folder.joinpath(*parts[:level]) / "__init__.py").write_text("")
-    shutil.copytree(Path(sys.modules[package].__file__).parent, target,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    return top
 
 
 def log_dataset(tags: dict[str, Any], context: str = "training") -> None:

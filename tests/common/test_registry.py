@@ -22,9 +22,8 @@ def register(usecase: str, value: float, data: str, metric: str = "auc", test_va
     with mlflow.start_run(nested=mlflow.active_run() is not None) as run:
         info = mlflow.pyfunc.log_model(name="model", python_model=Constant())
         tracker = Tracker(active=True, run_id=run.info.run_id)
-        tracker.model_uri = info.model_uri
-        alias = registry.register_champion(tracker, usecase, metric, "max", value, data, test_value=test_value,
-                                           data_source=source, synthetic=source == "synthetic")
+        alias = registry.register_champion(tracker, info.model_uri, usecase, metric, "max", value, data,
+                                           test_value=test_value, data_source=source, synthetic=source == "synthetic")
     return alias, mlflow.MlflowClient().get_registered_model(f"gpu-usecases-{usecase}").aliases
 
 

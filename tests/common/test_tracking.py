@@ -160,17 +160,6 @@ def test_log_metrics_drops_nan_and_none(client):
     assert [metric.step for metric in client.get_metric_history(tracker.run_id, "val/loss")] == [3]
 
 
-def test_logged_models_pin_public_versions_and_name_the_index_of_a_cuda_build(monkeypatch):
-    from common.tracking import runs as tracking
-
-    versions = {"torch": "2.14.1+cu130", "numpy": "2.4.6", "mlflow": "3.17.2"}
-    monkeypatch.setattr(tracking, "version", versions.get)
-    assert tracking.public_requirements(["torch", "numpy", "mlflow"]) == [
-        "--extra-index-url https://download.pytorch.org/whl/cu130", "torch==2.14.1", "numpy==2.4.6", "mlflow==3.17.2"]
-    versions["torch"] = "2.13.0+cpu"
-    assert tracking.public_requirements(["torch"]) == ["torch==2.13.0"]
-
-
 def test_a_dataset_two_runs_insert_at_once_is_linked_on_the_second_try(monkeypatch):
     from common.tracking import runs as tracking
 

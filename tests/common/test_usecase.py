@@ -18,7 +18,7 @@ from common import runner
 
 from common import usecase
 from common.errors import UserError
-from common.usecase import UseCase, discover, resolve
+from common.usecase import RunRequest, UseCase, discover, resolve
 
 COMMON = Path(__file__).resolve().parents[2] / "common"
 
@@ -43,6 +43,8 @@ import warnings
 
 import torch
 
+from common.usecase import RunResult
+
 SEEN = []
 
 
@@ -58,7 +60,7 @@ def run(config, data, job):
                  "env": os.environ.get("PLUGIN_RUN_MARK")})
     os.environ["PLUGIN_RUN_MARK"] = "set by a run"
     logging.getLogger("usecases").setLevel(logging.ERROR)
-    return {"model": {"score": 1.0}}
+    return RunResult({"model": {"score": 1.0}})
 '''
 
 
@@ -153,8 +155,8 @@ def test_two_runs_in_one_process_each_get_their_own_settings(plugins, monkeypatc
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(2)
     try:
-        runner.run_usecase(good, "one", ["runtime.deterministic=false"], device="cpu")
-        runner.run_usecase(good, "plain", [], device="cpu")
+        runner.run_usecase(RunRequest(good, "one", ["runtime.deterministic=false"], device="cpu"))
+        runner.run_usecase(RunRequest(good, "plain", device="cpu"))
         assert seen[0] == {"threads": 1, "deterministic": False, "env": None}
         assert seen[1] == {"threads": 2, "deterministic": True, "env": None}
         assert torch.get_num_threads() == 2 and torch.are_deterministic_algorithms_enabled() == deterministic
@@ -167,7 +169,7 @@ def test_a_run_logs_its_data_as_a_dataset_input_in_a_training_experiment(plugins
     import mlflow
 
     good = importlib.import_module("testcases.good").USECASE
-    result = runner.run_usecase(good, "plain", [], device="cpu")
+    result = runner.run_usecase(RunRequest(good, "plain", device="cpu"))
     run = mlflow.get_run(result["run_id"])
     (dataset_input,) = run.inputs.dataset_inputs
     assert dataset_input.dataset.name == "test:plugin" and dataset_input.dataset.digest == "0" * 12
@@ -183,7 +185,7 @@ def test_a_run_on_a_file_names_the_file_as_its_dataset_source(plugins, tmp_path)
 
     good = importlib.import_module("testcases.good").USECASE
     (tmp_path / "events.csv").write_text("x,y\n1.0,2\n")
-    result = runner.run_usecase(good, "plain", [], device="cpu", data=tmp_path / "events.csv")
+    result = runner.run_usecase(RunRequest(good, "plain", device="cpu", data=tmp_path / "events.csv"))
     (dataset_input,) = mlflow.get_run(result["run_id"]).inputs.dataset_inputs
     assert (tmp_path / "events.csv").resolve().as_uri() in dataset_input.dataset.source
 
@@ -193,13 +195,13 @@ def test_warnings_raised_while_loading_reach_the_user_once_the_data_passed(plugi
     good = importlib.import_module("testcases.good").USECASE
     (tmp_path / "odd.csv").write_text("x,y\n1.0,2\n")
     with pytest.warns(UserWarning, match="odd.csv looks odd"):
-        runner.run_usecase(good, "plain", [], device="cpu", data=tmp_path / "odd.csv")
+        runner.run_usecase(RunRequest(good, "plain", device="cpu", data=tmp_path / "odd.csv"))
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(UserWarning, match="odd.csv looks odd"):
-            runner.run_usecase(good, "plain", [], device="cpu", data=tmp_path / "odd.csv")
+            runner.run_usecase(RunRequest(good, "plain", device="cpu", data=tmp_path / "odd.csv"))
 
 
 def imported_modules(path: Path) -> set[str]:

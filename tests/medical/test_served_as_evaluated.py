@@ -11,6 +11,7 @@ from sklearn.metrics import roc_auc_score
 from common.config import load_config
 from common.paths import data_search_path
 from common.runner import run_usecase
+from common.usecase import RunRequest
 from usecases.medical import USECASE, pipeline
 from usecases.medical.config import Config
 from usecases.medical.data import synthetic_images
@@ -39,7 +40,7 @@ def test_the_served_probabilities_under_tta_are_the_evaluated_ones(monkeypatch):
     monkeypatch.setattr(pipeline, "evaluate_model", recording)
     overrides = [*QUICK, "train.epochs=1", "data.synthetic.train=64", "data.synthetic.val=32",
                  "data.synthetic.test=32", "evaluation.tta=true"]
-    result = run_usecase(USECASE, "smoke", overrides, device="cpu")
+    result = run_usecase(RunRequest(USECASE, "smoke", overrides, device="cpu"))
     model = logged_model(result["run_id"])
     synthetic = load_config(Config, USECASE.presets_dir, "smoke", overrides).data.synthetic
     images = synthetic_images(synthetic).images["test"][..., 0]
@@ -64,8 +65,8 @@ def breastmnist_excerpt(folder: Path) -> Path:
 def test_the_logged_network_scores_validation_as_its_best_epoch_did(tmp_path):
     """BreastMNIST in fp32: the logged model's validation AUC and loss are those its best epoch logged, so nothing
     after training (a measurement pass in train mode moving batch norm's statistics) changed the network."""
-    result = run_usecase(USECASE, "default", [*QUICK, "train.epochs=2", "runtime.precision=fp32"], device="cpu",
-                         data=breastmnist_excerpt(tmp_path))
+    result = run_usecase(RunRequest(USECASE, "default", [*QUICK, "train.epochs=2", "runtime.precision=fp32"],
+                                    device="cpu", data=breastmnist_excerpt(tmp_path)))
     model = logged_model(result["run_id"])
     step = model.metadata.metadata["best_epoch"] - 1  # logged 1-based; the epochs' metrics are at 0-based steps
     logged = {key: next(row.value for row in mlflow.MlflowClient().get_metric_history(result["run_id"], key)

@@ -14,7 +14,8 @@ from usecases.recsys.baselines import EASE, ItemKNN, Popularity
 from usecases.recsys.data import load_interactions
 from usecases.recsys.models import BPR, NegativeSampler
 from usecases.recsys.pipeline import served_form, serving_bundle
-from usecases.recsys.serving import Recommender, RecommenderModel, latency, restore, safe
+from common.serving.bundle import load_bundle, save_bundle
+from usecases.recsys.serving import Recommender, RecommenderModel, latency
 
 
 def bundle(kind="factors"):
@@ -33,7 +34,7 @@ def bundle(kind="factors"):
 
 def served(kind):
     model = RecommenderModel()
-    model._load(bundle(kind))
+    model.load(bundle(kind))
     return model
 
 
@@ -74,13 +75,13 @@ def test_the_logged_bundle_loads_with_weights_only_and_answers_the_same(tmp_path
     if ids == "text":
         raw["user_ids"] = np.array([None, "u100", "u200"], dtype=object)
         raw["item_ids"] = np.array([None, "i11", "i12", "i13", "i14"], dtype=object)
-    torch.save(safe(raw), tmp_path / "bundle.pt")
-    loaded = restore(torch.load(tmp_path / "bundle.pt", weights_only=True))
+    save_bundle(raw, tmp_path / "bundle.pt")
+    loaded = load_bundle(tmp_path / "bundle.pt")
     assert loaded["item_ids"].dtype == raw["item_ids"].dtype
     users = pd.DataFrame({"user_id": [raw["user_ids"][1], raw["user_ids"][2], "stranger"]})
     expected, model = RecommenderModel(), RecommenderModel()
-    expected._load(raw)
-    model._load(loaded)
+    expected.load(raw)
+    model.load(loaded)
     pd.testing.assert_frame_equal(model.predict(None, users), expected.predict(None, users))
 
 
@@ -118,8 +119,7 @@ def test_users_first_seen_after_the_temporal_cut_are_served_from_their_own_histo
               "pop": lambda: Popularity(train, torch.device("cpu"))}[form]()
     bundle = serving_bundle(served_form(scorer, config), data, config, known)
     np.testing.assert_array_equal(bundle["popularity"], np.asarray(known.sum(axis=0)).ravel())
-    model = RecommenderModel()
-    model._load(restore(safe(bundle)))
+    model = RecommenderModel.from_bundle(bundle)
     popular = pd.Series(bundle["popularity"][1:], index=data.item_ids[1:])
     for code in newcomers:
         user = data.user_ids[code]

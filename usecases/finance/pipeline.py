@@ -25,6 +25,7 @@ from common.runtime.devices import Runtime
 from common.runtime.sharding import gather_objects, my_share
 from common.training.loop import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
 from common.training.workload import cpu_part
+from common.usecase import RunResult
 from .baselines import fit_baselines, forecast_frame
 from .tails import VAR_LEVELS, empirical_columns, quantile_column, recalibrate
 from .config import Config, Evaluation
@@ -350,14 +351,14 @@ def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None
     return forecast if factors is None else forecast * factors.reindex(tickers).to_numpy()[:, None]
 
 
-def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]:
+def run(config: Config, data: Prepared, job: Job) -> RunResult:
     frame, mask = data.frame, data.test
     neural, latest = neural_forecasts(frame, mask, config, job)
     started = time.perf_counter()
     with cpu_part("baselines", job.tracker.log_metrics, parallel=True):  # the arch fits, a ticker per core or worker
         baselines = baseline_forecasts(frame, mask, config, job.runtime, job.dask)
     if not job.runtime.is_main:
-        return {}
+        return RunResult({})
     job.tracker.log_metrics({"time/baselines_s": time.perf_counter() - started})
     names = {"ticker": "ticker", "target_date": "date", "target": "parkinson", "target_ret": "ret",
              "target_true": "true_variance"}
@@ -366,8 +367,7 @@ def run(config: Config, data: Prepared, job: Job) -> dict[str, dict[str, float]]
     models = evaluate(forecasts, config.evaluation.horizon, config.evaluation.dm_lags)
     models["neural"].update(latest["validation"])
     _log_artifacts(forecasts, job)
-    log_forecaster(latest, data.panel.frame, job)
-    return models
+    return RunResult(models, served=log_forecaster(latest, data.panel.frame, job))
 
 
 def _log_artifacts(forecasts: pd.DataFrame, job: Job) -> None:

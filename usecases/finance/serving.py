@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import mlflow
 import numpy as np
 import pandas as pd
 import torch
-from mlflow.exceptions import MlflowException
-from mlflow.models import infer_signature
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
+from common.serving.pyfunc import BadInput, ServedModel, log_served
+from common.usecase import Served
 from .features import HAR_WINDOWS, HISTORY_DAYS, add_features
 from .models import VolatilityMLP, ensemble_forecast
 
@@ -21,11 +18,7 @@ EXAMPLE_DAYS = HISTORY_DAYS + 3
 MONTH = HAR_WINDOWS["rv_m"]
 
 
-def _bad_input(message: str) -> MlflowException:
-    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
-
-
-class VolatilityForecaster(mlflow.pyfunc.PythonModel):
+class VolatilityForecaster(ServedModel):
     """Input: daily rows (date, ticker, high, low, close, and the exogenous columns the model was trained
     with, such as vix), at least 67 consecutive days per ticker.
 
@@ -35,10 +28,7 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
     overnight factor from its training window, or, for a ticker it was not trained on, by that of the rows given.
     """
 
-    def load_context(self, context) -> None:
-        self._load(torch.load(context.artifacts["bundle"], map_location="cpu", weights_only=True))
-
-    def _load(self, bundle: dict) -> None:
+    def load(self, bundle: dict) -> None:
         self.members = []
         self.features, self.exogenous = bundle["features"], bundle["exogenous"]
         for state in bundle["states"]:
@@ -49,30 +39,30 @@ class VolatilityForecaster(mlflow.pyfunc.PythonModel):
         self.overnight_factors = bundle["overnight_factors"]
         self.horizon = bundle["architecture"]["horizon"]
 
-    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+    def answer(self, model_input: pd.DataFrame) -> pd.DataFrame:
         frame = pd.DataFrame(model_input).copy()
         expected = INPUT_COLUMNS + self.exogenous
         missing = [column for column in expected if column not in frame.columns]
         if missing:
-            raise _bad_input(f"input is missing column '{missing[0]}' (expected {', '.join(expected)})")
+            raise BadInput(f"input is missing column '{missing[0]}' (expected {', '.join(expected)})")
         if frame.empty:
-            raise _bad_input("input has no rows")
+            raise BadInput("input has no rows")
         frame["date"] = pd.to_datetime(frame["date"], errors="coerce")
         for column in ["high", "low", "close", *self.exogenous]:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
         if frame[["date", "high", "low", "close"]].isna().any().any():
-            raise _bad_input("input has missing or non-numeric values in date, high, low or close")
+            raise BadInput("input has missing or non-numeric values in date, high, low or close")
         if (frame[["high", "low", "close"]] <= 0).any().any() or (frame["high"] < frame["low"]).any():
-            raise _bad_input("input prices must be positive with high >= low")
+            raise BadInput("input prices must be positive with high >= low")
         short = frame.groupby("ticker").size()
         if (short < HISTORY_DAYS).any():
-            raise _bad_input(f"ticker '{short.idxmin()}' has {short.min()} rows; at least {HISTORY_DAYS} "
+            raise BadInput(f"ticker '{short.idxmin()}' has {short.min()} rows; at least {HISTORY_DAYS} "
                              f"consecutive trading days are needed")
         frame = frame.sort_values(["ticker", "date"], kind="stable")
         recent = frame.groupby("ticker", sort=False).tail(MONTH)
         ranged = (recent["high"] > recent["low"]).groupby(recent["ticker"], sort=False).any()
         if not ranged.all():  # the monthly range average is the network's baseline: its log must be finite
-            raise _bad_input(f"ticker '{ranged.index[~ranged][0]}': high equals low on each of its last {MONTH} rows; "
+            raise BadInput(f"ticker '{ranged.index[~ranged][0]}': high equals low on each of its last {MONTH} rows; "
                              f"expected a daily range (high above low) on some of them")
         history = add_features(frame, self.horizon)
         latest = history.groupby("ticker", sort=False).tail(1)
@@ -106,10 +96,10 @@ def input_example(panel: pd.DataFrame, exogenous: list[str]) -> pd.DataFrame:
     return example
 
 
-def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
+def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> Served | None:
     """Log the last refit's ensemble as `model`, with a signature and a real input example."""
     if not job.tracker.active:
-        return
+        return None
     bundle = {
         "states": [{key: value.cpu() for key, value in model.state_dict().items()} for model in latest["models"]],
         "architecture": latest["architecture"],
@@ -119,11 +109,9 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> None:
         "quantiles": latest["quantiles"],
         "overnight_factors": {str(ticker): float(value) for ticker, value in latest["overnight_factors"].items()},
     }
-    probe = VolatilityForecaster()
-    probe._load(bundle)
-    example = input_example(panel, latest["exogenous"])
-    signature = infer_signature(example, probe.predict(None, example))
-    job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
-                           packages=["torch", "numpy", "pandas", "mlflow"], package=__package__, served_model="neural")
+    served = log_served(VolatilityForecaster.from_bundle(bundle), bundle, input_example(panel, latest["exogenous"]),
+                        job.tracker, name="neural", package=__package__,
+                        requirements=["torch", "numpy", "pandas", "mlflow"])
     job.tracker.set_tags({"model_trained_until": latest["trained_until"],
                           "model_overnight_factors": json.dumps(bundle["overnight_factors"])})
+    return served

@@ -15,6 +15,7 @@ from common.errors import UserError
 from common.job import Job
 from common.runtime.sharding import shared_predictions
 from common.training.workload import cpu_part
+from common.usecase import RunResult
 from .baselines import logreg_logits
 from .config import Config
 from .data import load_images
@@ -71,7 +72,7 @@ def large_data(config: Config, path: Path | None) -> str | None:
     return None
 
 
-def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]:
+def run(config: Config, data: ImageSet, job: Job) -> RunResult:
     runtime, evaluation = job.runtime, config.evaluation
     started = time.perf_counter()
     model, arch, result = fit_network(config, data, job)
@@ -82,7 +83,7 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
                                         runtime)
               for split in ("val", "test")}
     if not runtime.is_main:
-        return {}
+        return RunResult({})
     with cpu_part("evaluation", job.tracker.log_metrics):  # calibration, thresholds and the bootstrap, in NumPy
         metrics, details = evaluate_model(logits["val"], data.labels["val"], logits["test"], data.labels["test"],
                                           data.task, data.classes, evaluation, config.runtime.seed)
@@ -90,12 +91,12 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
     models = {arch["name"]: metrics}
     _log_figures(arch["name"], details, job)
     _log_gradcam(model, data, details, evaluation.gradcam_examples, job)
-    log_classifier(model, arch, data, {"operating_threshold": metrics["threshold"],
-                                       "positive_class": data.classes[evaluation.positive_class],
-                                       "target_sensitivity": evaluation.target_sensitivity,
-                                       "temperature": metrics["temperature"], "best_epoch": result.best_epoch + 1,
-                                       "tta": evaluation.tta},
-                   job, tta=evaluation.tta)
+    served = log_classifier(model, arch, data, {"operating_threshold": metrics["threshold"],
+                                                "positive_class": data.classes[evaluation.positive_class],
+                                                "target_sensitivity": evaluation.target_sensitivity,
+                                                "temperature": metrics["temperature"],
+                                                "best_epoch": result.best_epoch + 1, "tta": evaluation.tta},
+                            job, tta=evaluation.tta)
     for name in config.baselines.models:
         with cpu_part(name, job.tracker.log_metrics):  # scikit-learn's lbfgs, on one core
             baseline = logreg_logits(data, config.baselines, config.runtime.seed)
@@ -103,7 +104,7 @@ def run(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]
                                                         data.labels["test"], data.task, data.classes, evaluation,
                                                         config.runtime.seed)
         _log_figures(name, baseline_details, job)
-    return models
+    return RunResult(models, served)
 
 
 def _log_figures(name: str, details, job: Job) -> None:

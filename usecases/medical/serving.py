@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import mlflow
 import numpy as np
 import pandas as pd
 import torch
-from mlflow.exceptions import MlflowException
-from mlflow.models import infer_signature
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
+from common.serving.pyfunc import BadInput, ServedModel, log_served
+from common.usecase import Served
 from .models import build_classifier
 
 EXAMPLE_IMAGES = 4
 BATCH = 256
 
 
-class ImageClassifierModel(mlflow.pyfunc.PythonModel):
+class ImageClassifierModel(ServedModel):
     """Input: images as the MedMNIST files hold them, uint8 (N, H, W) for grey or (N, H, W, 3) for RGB, at the
     training size. Output: a column of probabilities per class (softmax; sigmoid per label for multi-label tasks).
 
@@ -27,10 +23,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     here too, so that the threshold and the temperature apply to the scores they were fitted on.
     """
 
-    def load_context(self, context) -> None:
-        self._load(torch.load(context.artifacts["bundle"], map_location="cpu", weights_only=True))
-
-    def _load(self, bundle: dict) -> None:
+    def load(self, bundle: dict) -> None:
         self.network = build_classifier(bundle["architecture"]).eval()
         self.network.load_state_dict(bundle["state"])
         self.classes, self.task, self.size = bundle["classes"], bundle["task"], bundle["size"]
@@ -43,23 +36,20 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
             array = array[..., None]
         expected = f"(N, {self.size}, {self.size})" if self.channels == 1 else f"(N, {self.size}, {self.size}, 3)"
         if array.ndim != 4 or array.shape[1:] != (self.size, self.size, self.channels):
-            raise MlflowException(f"expected images of shape {expected}, got {array.shape}",
-                                  error_code=INVALID_PARAMETER_VALUE)
+            raise BadInput(f"expected images of shape {expected}, got {array.shape}")
         if array.dtype != np.uint8:
             if not np.issubdtype(array.dtype, np.floating) or array.min() < 0 or array.max() > 1:
-                raise MlflowException(f"expected uint8 pixels, or floats in [0, 1]; got {array.dtype}",
-                                      error_code=INVALID_PARAMETER_VALUE)
+                raise BadInput(f"expected uint8 pixels, or floats in [0, 1]; got {array.dtype}")
             array = array.astype(np.float32)
         return torch.from_numpy(np.ascontiguousarray(array.transpose(0, 3, 1, 2)))
 
     @torch.no_grad()
-    def predict(self, context, model_input: np.ndarray, params=None) -> pd.DataFrame:
+    def answer(self, model_input: np.ndarray) -> pd.DataFrame:
         images = self._as_batch(model_input)
         logits = torch.cat([self._logits(images[start : start + BATCH]) for start in range(0, len(images), BATCH)])
         logits = logits.double()  # as the run's metrics took them: in float32, a confident model's 1 - 1e-9 is 1.0
         probabilities = torch.sigmoid(logits) if self.task == "multi-label" else torch.softmax(logits, dim=1)
         return pd.DataFrame(probabilities.numpy(), columns=self.classes)
-
 
     def _logits(self, images: torch.Tensor) -> torch.Tensor:
         """As `predict_logits` in train.py scores the validation and test splits."""
@@ -67,19 +57,16 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         return (logits + self.network(images.flip(-1))) / 2 if self.tta else logits
 
 
-def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job, tta: bool = False) -> None:
+def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job, tta: bool = False) -> Served | None:
     """Log the best-epoch network as `model`, with a signature and real test images as the input example; `tta`:
     served with the mirror image, as it was evaluated."""
     if not job.tracker.active:
-        return
+        return None
     bundle = {"state": {key: value.cpu() for key, value in model.state_dict().items()}, "architecture": arch,
               "classes": data.classes, "task": data.task, "size": data.size, "tta": tta}
-    probe = ImageClassifierModel()
-    probe._load(bundle)
     example = data.images["test"][:EXAMPLE_IMAGES]
     if example.shape[-1] == 1:
         example = example[..., 0]
-    signature = infer_signature(example, probe.predict(None, example))
-    job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), bundle, example=example, signature=signature,
-                           packages=["torch", "torchvision", "numpy", "pandas", "mlflow"], package=__package__,
-                           served_model=arch["name"], metadata=metadata)
+    return log_served(ImageClassifierModel.from_bundle(bundle), bundle, example, job.tracker, name=arch["name"],
+                      package=__package__, requirements=["torch", "torchvision", "numpy", "pandas", "mlflow"],
+                      metadata=metadata)

@@ -19,6 +19,7 @@ import torch
 from common.errors import UserError
 from common.job import Job
 from common.training.workload import cpu_part
+from common.usecase import RunResult
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
 from .data import Interactions, expected_interactions, load_interactions
@@ -79,7 +80,7 @@ def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.c
     return scorer, {"fit_seconds": time.perf_counter() - started}
 
 
-def run(config: Config, data: Interactions, job: Job) -> dict[str, dict[str, float]]:
+def run(config: Config, data: Interactions, job: Job) -> RunResult:
     """Under DDP every rank fits every model (the learned ones together, the baselines each alone: deterministic,
     and no rank waits in a collective while another fits) and ranks its share of the users; rank 0 logs."""
     runtime = job.runtime
@@ -112,13 +113,14 @@ def run(config: Config, data: Interactions, job: Job) -> dict[str, dict[str, flo
         log.info("%s: test NDCG@10 %.4f (served form %.4f), recall@10 %.4f", name, metrics["ndcg@10"],
                  models[name]["served_ndcg@10"], metrics["recall@10"])
     if not models:
-        return models
+        return RunResult(models)
     best = max(validation, key=validation.get)
     if not runtime.is_main:
-        return {}
+        return RunResult({})
     job.tracker.set_tags({"served_model": best})
-    models[best].update(log_recommender(serving_bundle(forms[best], data, config, data.matrix("known")), best, job))
-    return models
+    figures, served = log_recommender(serving_bundle(forms[best], data, config, data.matrix("known")), best, job)
+    models[best].update(figures)
+    return RunResult(models, served)
 
 
 def served_form(scorer, config: Config) -> dict:

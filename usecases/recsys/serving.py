@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from pathlib import Path
 
-import mlflow
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 import torch
-from mlflow.exceptions import MlflowException
-from mlflow.models import ModelSignature, infer_signature
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
-from mlflow.types import ColSpec, Schema
 
+from common.serving.pyfunc import BadInput, ServedModel, log_served
+from common.usecase import Served
 from .data import UNKNOWN
 from .evaluate import top_k
 
@@ -70,30 +66,23 @@ def _times(histories: sp.csr_matrix, similarity: sp.csr_matrix | torch.Tensor) -
     return torch.from_numpy(np.asarray((histories @ similarity).todense(), np.float32))
 
 
-def _bad_input(message: str) -> MlflowException:
-    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
-
-
-class RecommenderModel(mlflow.pyfunc.PythonModel):
+class RecommenderModel(ServedModel):
     """Input: a column `user_id` (raw ids as in the training log) and optionally `k` (default 10, the first row's
     value counts). Output: one row per user and rank with `user_id`, `rank`, `item_id`, `score`, and `title` when
     the data had titles."""
 
-    def load_context(self, context) -> None:
-        self._load(restore(torch.load(context.artifacts["bundle"], map_location="cpu", weights_only=True)))
-
-    def _load(self, bundle: dict) -> None:
+    def load(self, bundle: dict) -> None:
         self.recommender = Recommender(bundle)
         self.user_codes = {str(raw): code for code, raw in enumerate(bundle["user_ids"]) if code != UNKNOWN}
         self.item_ids, self.titles, self.default_k = bundle["item_ids"], bundle["titles"], bundle["k"]
 
-    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+    def answer(self, model_input: pd.DataFrame) -> pd.DataFrame:
         frame = pd.DataFrame(model_input)
         if "user_id" not in frame.columns:
-            raise _bad_input(f"input is missing column 'user_id' (got {', '.join(map(str, frame.columns))})")
+            raise BadInput(f"input is missing column 'user_id' (got {', '.join(map(str, frame.columns))})")
         k = int(frame["k"].iloc[0]) if "k" in frame.columns and len(frame) else self.default_k
         if not 1 <= k <= MAX_K:
-            raise _bad_input(f"k must be between 1 and {MAX_K}, got {k}")
+            raise BadInput(f"k must be between 1 and {MAX_K}, got {k}")
         raw = frame["user_id"].to_numpy()
         codes = np.array([self.user_codes.get(str(user), UNKNOWN) for user in raw], dtype=np.int64)
         items, scores = self.recommender.top_k(codes, k)
@@ -106,36 +95,6 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
         if self.titles is not None:
             result["title"] = self.titles[items.ravel()]
         return result[np.isfinite(result["score"].to_numpy())].reset_index(drop=True)  # fewer unseen items than k
-
-
-def safe(bundle: dict) -> dict:
-    """The bundle as torch's `weights_only` loader reads it, nothing pickled: sparse matrices as their CSR tensors
-    (in their own index type: int32 below 2**31 non-zeros), NumPy arrays as lists with their dtype."""
-    stored = {}
-    for key, value in bundle.items():
-        if sp.issparse(value):
-            csr = value.tocsr()
-            stored[key] = {"__csr__": [torch.from_numpy(np.ascontiguousarray(array)) for array in
-                                       (csr.data, csr.indices, csr.indptr)], "shape": list(csr.shape)}
-        elif isinstance(value, np.ndarray):
-            stored[key] = {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
-        else:
-            stored[key] = value
-    return stored
-
-
-def restore(stored: dict) -> dict:
-    """`safe`'s inverse."""
-    bundle = {}
-    for key, value in stored.items():
-        if isinstance(value, dict) and "__csr__" in value:
-            data, indices, indptr = (tensor.numpy() for tensor in value["__csr__"])
-            bundle[key] = sp.csr_matrix((data, indices, indptr), shape=tuple(value["shape"]))
-        elif isinstance(value, dict) and "__ndarray__" in value:
-            bundle[key] = np.array(value["__ndarray__"], dtype=value["dtype"])
-        else:
-            bundle[key] = value
-    return bundle
 
 
 def latency(model: RecommenderModel, users: np.ndarray, single: int) -> dict[str, float]:
@@ -155,22 +114,15 @@ def latency(model: RecommenderModel, users: np.ndarray, single: int) -> dict[str
             "batch_users_per_s": LATENCY_BATCH / batch_seconds}
 
 
-def log_recommender(bundle: dict, model_name: str, job) -> dict[str, float]:
-    """Log the served form of the best model as `model`, and return its latency figures."""
-    stored = safe(bundle)
-    served = RecommenderModel()
-    served._load(restore(stored))  # timed and scored as it will be loaded
+def log_recommender(bundle: dict, model_name: str, job) -> tuple[dict[str, float], Served | None]:
+    """Log the served form of the best model as `model`; its latency figures, and what was logged."""
+    served = RecommenderModel.from_bundle(bundle)  # timed and scored as it will be loaded
     known = np.asarray(bundle["user_ids"][1:])
     figures = latency(served, known, bundle["latency_users"])
-    if job.tracker.active:
-        example = pd.DataFrame({"user_id": known[:2], "k": [bundle["k"]] * 2})
-        with warnings.catch_warnings():  # ids are never missing: MLflow's advice on integer columns does not apply
-            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
-            inferred = infer_signature(example, served.predict(None, example))
-        optional_k = Schema([ColSpec(spec.type, spec.name, required=spec.name != "k") for spec in inferred.inputs.inputs])
-        signature = ModelSignature(optional_k, inferred.outputs)
-        job.tracker.log_pyfunc(Path(__file__).with_name("pyfunc_entry.py"), stored, example=example,
-                               signature=signature, packages=["torch", "numpy", "pandas", "scipy", "mlflow"],
-                               package=__package__, served_model=model_name,
-                               metadata={"model": model_name, "kind": bundle["kind"]})
-    return figures
+    example = pd.DataFrame({"user_id": known[:2], "k": [bundle["k"]] * 2})
+    with warnings.catch_warnings():  # ids are never missing: MLflow's advice on integer columns does not apply
+        warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+        logged = log_served(served, bundle, example, job.tracker, name=model_name, package=__package__,
+                            requirements=["torch", "numpy", "pandas", "scipy", "mlflow"], optional_inputs=("k",),
+                            metadata={"model": model_name, "kind": bundle["kind"]})
+    return figures, logged
