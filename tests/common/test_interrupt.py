@@ -11,7 +11,8 @@ from common.runtime import interrupt
 from common.runtime.interrupt import Terminated, stop_on_signals, stop_point
 from common.runtime.devices import Runtime
 from common.config import TrainConfig
-from common.training.loop import CHECKPOINT_NAME, TensorBatches, Trainer, supervised
+from common.training.checkpoint import CHECKPOINT_NAME
+from common.training.loop import TensorBatches, Trainer, supervised
 
 
 @pytest.fixture(autouse=True)
