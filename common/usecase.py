@@ -142,14 +142,13 @@ class RunRequest:
     bench: bool = False
 
     def __post_init__(self):
-        """What the command line's choices cannot catch (a request built in code); `--set` is the config's to check."""
+        """What the command line's choices catch, for a request built in code; presets and `--set` are the config's
+        to check."""
         object.__setattr__(self, "overrides", tuple(self.overrides))
         if self.device not in DEVICES:
             raise UserError(f"--device {self.device}: expected one of {', '.join(DEVICES)}")
         if self.frames not in FRAMES:
             raise UserError(f"--frames {self.frames}: expected one of {', '.join(FRAMES)}")
-        if not self.preset:
-            raise UserError(f"use case '{self.usecase.name}': the preset name is empty")
         if self.resume and self.bench:
             raise UserError(f"use case '{self.usecase.name}': a benchmark cannot be resumed (--resume is for runs)")
 
