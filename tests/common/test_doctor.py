@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ import torch
 from common.tools import doctor
 from common.tools.doctor import FAIL, OK, SKIP, WARN, Check, verdict
 from common.errors import UserError
+from tests.cli_helpers import in_process
 
 
 def fake_torch(cuda: str | None = "13.0", gpus: list[tuple[str, int]] = (), nccl: bool = True):
@@ -119,15 +118,12 @@ def test_the_verdict_is_one_line_naming_each_failure():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without a GPU")
-def test_doctor_on_a_machine_without_a_gpu_exits_2_and_0_with_device_cpu():
-    root = Path(__file__).resolve().parents[2]
-    auto = subprocess.run([sys.executable, "-m", "usecases", "doctor"], capture_output=True, text=True, timeout=300,
-                          cwd=root)
+def test_doctor_on_a_machine_without_a_gpu_exits_2_and_0_with_device_cpu(capsys):
+    auto = in_process(capsys, "doctor")
     assert auto.returncode == 2
     lines = auto.stdout.strip().splitlines()
     assert {line.split()[1] for line in lines[:-1]} >= {"python", "torch", "gpu", "cupy", "cudf", "disk", "tracking",
                                                         "cpu"}
     assert lines[-1].startswith("doctor: gpu: no CUDA GPU")
-    cpu = subprocess.run([sys.executable, "-m", "usecases", "doctor", "--device", "cpu"], capture_output=True,
-                         text=True, timeout=300, cwd=root)
+    cpu = in_process(capsys, "doctor", "--device", "cpu")
     assert cpu.returncode == 0 and cpu.stdout.strip().splitlines()[-1].endswith("can run every use case as asked")

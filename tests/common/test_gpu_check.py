@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from common.tools import gpu_check
 from common.config import ConfigModel
 from common.usecase import UseCase
+from tests.cli_helpers import in_process
 
 
 def usecase(name: str, benchmark: bool, primary=("score", "max")) -> UseCase:
@@ -68,9 +68,7 @@ def test_steps_past_the_budget_are_recorded_as_not_run():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without a GPU")
-def test_without_a_gpu_it_is_one_line_and_exit_2(tmp_path):
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-m", "usecases", "gpu-check", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, cwd=root)
+def test_without_a_gpu_it_is_one_line_and_exit_2(capsys, tmp_path):
+    result = in_process(capsys, "gpu-check", "--out", str(tmp_path))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "no CUDA GPU" in result.stderr and list(tmp_path.iterdir()) == []
