@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
@@ -68,6 +69,24 @@ def preset_summary(tmp_path_factory, usecase: str, preset: str) -> dict:
     assert result.returncode == 0, result.stderr[-3000:]
     assert [run.info.status for run in runs(usecase, uri=env["MLFLOW_TRACKING_URI"])] == ["FINISHED"]
     return json.loads(path.read_text())
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    result: subprocess.CompletedProcess  # what the run printed
+    summary: dict  # its summary.json
+    uri: str  # its private store
+
+
+def smoke_run(tmp_path_factory, usecase: str) -> SmokeRun:
+    """`usecases run USECASE --preset smoke` in a private store, as a user runs it, for tests/conftest.py's
+    session-wide `*_smoke` fixtures: one run that every test reading a finished smoke run shares (tests that write to
+    a store copy it first). System metrics are sampled every 0.5 s, so a run of a few seconds logs some."""
+    folder = tmp_path_factory.mktemp(f"{usecase}-smoke")
+    env = {**private_env(folder), "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"}
+    result = usecases("run", usecase, "--preset", "smoke", "--summary", str(folder / "s.json"), timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return SmokeRun(result, json.loads((folder / "s.json").read_text()), env["MLFLOW_TRACKING_URI"])
 
 
 def two_ranks(script: Path, outdir: Path, *args: str) -> list[dict]:

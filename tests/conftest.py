@@ -41,6 +41,30 @@ def isolated_store(tmp_path, tmp_path_factory, monkeypatch, empty_store):
         mlflow.end_run()
 
 
+@pytest.fixture(scope="session")
+def finance_smoke(tmp_path_factory):
+    """The finance smoke run, once per session: a finished run that tests read and never write to."""
+    from tests.cli_helpers import smoke_run
+
+    return smoke_run(tmp_path_factory, "finance")
+
+
+@pytest.fixture(scope="session")
+def medical_smoke(tmp_path_factory):
+    """The medical smoke run, once per session: a finished run that tests read and never write to."""
+    from tests.cli_helpers import smoke_run
+
+    return smoke_run(tmp_path_factory, "medical")
+
+
+@pytest.fixture(scope="session")
+def recsys_smoke(tmp_path_factory):
+    """The recsys smoke run, once per session: a finished run that tests read and never write to."""
+    from tests.cli_helpers import smoke_run
+
+    return smoke_run(tmp_path_factory, "recsys")
+
+
 @pytest.fixture(scope="module")
 def dask_client():
     """A two-worker Dask cluster in this process (threads: starts in a second), for the engine-equality tests."""

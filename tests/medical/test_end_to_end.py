@@ -1,29 +1,18 @@
-"""The smoke preset end to end, as a user runs it: summary, MLflow run with plots and model, a model that loads."""
-
-import json
+"""The smoke preset end to end, as a user runs it (once a session, tests/conftest.py): summary, MLflow run with
+plots and model, a model that loads."""
 
 import mlflow
 import numpy as np
-import pytest
 from PIL import Image
 
-from tests.cli_helpers import assert_rejected, private_env, runs, usecases
+from tests.cli_helpers import assert_rejected, runs
 
 REQUIRED = {"auc", "acc", "auc_ci_low", "auc_ci_high", "ece", "brier", "sensitivity_at_threshold",
             "specificity_at_threshold"}
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("medical-smoke")
-    env = private_env(folder)
-    result = usecases("run", "medical", "--preset", "smoke", "--summary", str(folder / "s.json"), env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder, env, json.loads((folder / "s.json").read_text()), result
-
-
-def test_summary_has_the_clinical_metrics_and_the_network_learned(smoke):
-    _, _, summary, result = smoke
+def test_summary_has_the_clinical_metrics_and_the_network_learned(medical_smoke):
+    summary, result = medical_smoke.summary, medical_smoke.result
     models = summary["models"]
     assert set(models) == {"resnet18", "logreg"}
     for metrics in models.values():
@@ -33,9 +22,8 @@ def test_summary_has_the_clinical_metrics_and_the_network_learned(smoke):
     assert "resnet18" in result.stdout and "sensitivity_at_threshold" in result.stdout
 
 
-def test_run_has_plots_and_a_model_that_predicts_probabilities(smoke):
-    _, env, _, _ = smoke
-    uri = env["MLFLOW_TRACKING_URI"]
+def test_run_has_plots_and_a_model_that_predicts_probabilities(medical_smoke):
+    uri = medical_smoke.uri
     (run,) = runs("medical", uri)
     assert run.info.status == "FINISHED"
     client = mlflow.MlflowClient(uri)
@@ -58,8 +46,8 @@ def test_patient_in_two_splits_is_refused_before_any_run(capsys, tmp_path):
         rows.append(f"img{index}.png,{index % 2},P{index},{split}")
     rows[-1] = "img7.png,1,P1,test"  # P1 also has a training image
     (tmp_path / "manifest.csv").write_text("\n".join(rows) + "\n")
-    assert_rejected(capsys, "medical", "run", "medical", "--preset", "smoke", "--data", str(tmp_path / "manifest.csv"),
-                    names=("patient 'P1' appears in both train and test",))
+    assert_rejected(capsys, "medical", "run", "medical", "--preset", "smoke", "--data",
+                    str(tmp_path / "manifest.csv"), names=("patient 'P1' appears in both train and test",))
 
 
 def test_corrupt_png_is_named(capsys, tmp_path):
