@@ -1,8 +1,11 @@
-"""The `default` preset on the real S&P 500 and NASDAQ: the issue's acceptance run (about a minute on 2 cores)."""
+"""The `default` preset on the real S&P 500 and NASDAQ: the issue's acceptance run (about 80 s on 2 cores, so in the
+slow suite with the other real-data reproductions; the default suite runs the same pipeline on the smoke preset)."""
 
 import pytest
 
 from tests.cli_helpers import preset_summary
+
+pytestmark = pytest.mark.slow
 
 REFERENCE = {  # published for S&P 500 from arch, test 2011-01-03 .. 2018-12-31, 21-day expanding refits
     "ewma": (0.524, 1.731), "garch": (0.566, 1.679), "gjr_garch_t": (0.523, 1.633), "har_rv": (0.425, 1.654),
