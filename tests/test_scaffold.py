@@ -5,6 +5,7 @@ a fresh virtual environment of the export."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -55,16 +56,34 @@ def test_rename_touches_names_not_prose():
         "gpu-usecases-derm; see tests/derm\nmedical images are hard\n")
 
 
-@pytest.mark.parametrize(("name", "reason"), [
-    ("2fast", "lower-case Python identifier"), ("Derm", "lower-case Python identifier"),
-    ("class", "lower-case Python identifier"), ("finance", "already a use case"), ("json", "clash"),
-    ("cli", "part of the CLI"),
-])
-def test_new_refuses_a_bad_name_in_one_line_and_writes_nothing(clone, name, reason):
+BAD_NAMES = {"2fast": "lower-case Python identifier", "Derm": "lower-case Python identifier",
+             "class": "lower-case Python identifier", "finance": "already a use case", "json": "clash",
+             "cli": "part of the CLI"}
+
+
+@pytest.fixture(scope="module")
+def bad_names(clone) -> tuple[dict[str, list], list[str], list[str]]:
+    """`usecases new NAME --from medical` for each bad name, in one interpreter of the clone (not one each): each
+    name's exit code and stderr, and the clone's use cases before and after."""
+    code = ("import contextlib, io, json\nfrom usecases.cli import main\nanswers = {}\n"
+            f"for name in {list(BAD_NAMES)!r}:\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err):\n"
+            "        answers[name] = [main(['new', name, '--from', 'medical']), err.getvalue()]\n"
+            "print(json.dumps(answers))")
     before = sorted(path.name for path in (clone / "usecases").iterdir())
-    result = in_folder(clone, "-m", "usecases", "new", name, "--from", "medical")
-    assert result.returncode == 2 and reason in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert sorted(path.name for path in (clone / "usecases").iterdir()) == before
+    result = in_folder(clone, "-c", code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), before, sorted(
+        path.name for path in (clone / "usecases").iterdir())
+
+
+@pytest.mark.parametrize(("name", "reason"), BAD_NAMES.items())
+def test_new_refuses_a_bad_name_in_one_line_and_writes_nothing(clone, bad_names, name, reason):
+    answers, before, after = bad_names
+    code, stderr = answers[name]
+    assert code == 2 and reason in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert after == before
     assert not (clone / "tests" / name).exists() or name in USECASES
 
 

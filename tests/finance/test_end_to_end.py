@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.cli_helpers import assert_rejected, private_env, runs, usecases
+from tests.cli_helpers import assert_rejected, runs, usecases
 from usecases.finance.features import add_features
 
 MODELS = {"ewma", "garch", "gjr_garch_t", "har", "har_rv", "neural"}
@@ -23,16 +23,10 @@ METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    """One smoke run shared by the checks below (it takes about 15 s on 2 cores)."""
-    folder = tmp_path_factory.mktemp("smoke")
-    env = {**private_env(folder), "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"}  # the run tracks about 3 s
-    summary_path = folder / "s.json"
-    result = usecases("run", "finance", "--preset", "smoke", "--summary", str(summary_path), env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
-    summary = json.loads(summary_path.read_text())
-    return result, summary, mlflow.MlflowClient().get_run(summary["run_id"]), env["MLFLOW_TRACKING_URI"]
+def smoke_run(finance_smoke):
+    """The session's smoke run (tests/conftest.py), shared by the checks below, and its MLflow run."""
+    run = mlflow.MlflowClient(finance_smoke.uri).get_run(finance_smoke.summary["run_id"])
+    return finance_smoke.result, finance_smoke.summary, run, finance_smoke.uri
 
 
 def test_summary_holds_every_model_per_series_and_averaged(smoke_run):
@@ -135,8 +129,9 @@ def test_a_user_csv_with_an_exogenous_input_runs_end_to_end(tmp_path):
 
 
 def test_sigterm_then_resume_continues_from_the_checkpoint(tmp_path):
-    args = [sys.executable, "-m", "usecases", "run", "finance", "--preset", "smoke",
-            "--set", "train.epochs=60", "--set", "train.patience=60", "--set", "train.refit_every=200"]
+    long_run = ["--set", "train.epochs=60", "--set", "train.patience=60", "--set", "train.refit_every=200",
+                "--set", "baselines.models=[ewma]"]  # one baseline: what is stopped and resumed is the training
+    args = [sys.executable, "-m", "usecases", "run", "finance", "--preset", "smoke", *long_run]
     first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     folder = Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke"
     deadline = time.monotonic() + 120
@@ -149,8 +144,7 @@ def test_sigterm_then_resume_continues_from_the_checkpoint(tmp_path):
     (killed,) = runs("finance")
     assert killed.info.status == "KILLED"
 
-    second = usecases("run", "finance", "--preset", "smoke", "--set", "train.epochs=60",
-                      "--set", "train.patience=60", "--set", "train.refit_every=200", "--resume")
+    second = usecases("run", "finance", "--preset", "smoke", *long_run, "--resume")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from the checkpoint after epoch" in second.stderr
     epoch = int(second.stderr.split("resumed from the checkpoint after epoch")[1].split()[0])

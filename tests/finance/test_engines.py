@@ -35,7 +35,8 @@ def test_dask_features_equal_the_pandas_ones(dask_client):
 
 
 def test_a_run_on_a_local_cluster_records_it():
-    result = usecases("run", "finance", "--preset", "smoke", "--workers", "2")
+    result = usecases("run", "finance", "--preset", "smoke", "--workers", "2", "--set", "train.epochs=2",
+                      "--set", "baselines.models=[ewma,garch]")  # what is tested is where the baselines ran
     assert result.returncode == 0, result.stderr[-2000:]
     assert "dask: a local cluster of 2 workers" in result.stderr
     (run,) = runs("finance")
