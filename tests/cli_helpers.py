@@ -80,8 +80,8 @@ class SmokeRun:
 
 def smoke_run(tmp_path_factory, usecase: str) -> SmokeRun:
     """`usecases run USECASE --preset smoke` in a private store, as a user runs it, for tests/conftest.py's
-    session-wide `*_smoke` fixtures: one run that every test reading a finished smoke run shares (tests that write to
-    a store copy it first). System metrics are sampled every 0.5 s, so a run of a few seconds logs some."""
+    session-wide `smoke_runs`: one run that every test reading a finished smoke run shares. System metrics are
+    sampled every 0.5 s, so a run of a few seconds logs some."""
     folder = tmp_path_factory.mktemp(f"{usecase}-smoke")
     env = {**private_env(folder), "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"}
     result = usecases("run", usecase, "--preset", "smoke", "--summary", str(folder / "s.json"), timeout=900, env=env)

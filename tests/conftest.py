@@ -42,27 +42,19 @@ def isolated_store(tmp_path, tmp_path_factory, monkeypatch, empty_store):
 
 
 @pytest.fixture(scope="session")
-def finance_smoke(tmp_path_factory):
-    """The finance smoke run, once per session: a finished run that tests read and never write to."""
+def smoke_runs(tmp_path_factory):
+    """`smoke_runs(NAME)`: the use case's smoke run, made once a session when first asked for (tests/cli_helpers.py's
+    `smoke_run`); tests read it and never write to its store."""
     from tests.cli_helpers import smoke_run
 
-    return smoke_run(tmp_path_factory, "finance")
+    made = {}
 
+    def made_once(usecase: str):
+        if usecase not in made:
+            made[usecase] = smoke_run(tmp_path_factory, usecase)
+        return made[usecase]
 
-@pytest.fixture(scope="session")
-def medical_smoke(tmp_path_factory):
-    """The medical smoke run, once per session: a finished run that tests read and never write to."""
-    from tests.cli_helpers import smoke_run
-
-    return smoke_run(tmp_path_factory, "medical")
-
-
-@pytest.fixture(scope="session")
-def recsys_smoke(tmp_path_factory):
-    """The recsys smoke run, once per session: a finished run that tests read and never write to."""
-    from tests.cli_helpers import smoke_run
-
-    return smoke_run(tmp_path_factory, "recsys")
+    return made_once
 
 
 @pytest.fixture(scope="module")

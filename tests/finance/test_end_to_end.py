@@ -23,10 +23,11 @@ METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "
 
 
 @pytest.fixture(scope="module")
-def smoke_run(finance_smoke):
+def smoke_run(smoke_runs):
     """The session's smoke run (tests/conftest.py), shared by the checks below, and its MLflow run."""
-    run = mlflow.MlflowClient(finance_smoke.uri).get_run(finance_smoke.summary["run_id"])
-    return finance_smoke.result, finance_smoke.summary, run, finance_smoke.uri
+    smoke = smoke_runs("finance")
+    run = mlflow.MlflowClient(smoke.uri).get_run(smoke.summary["run_id"])
+    return smoke.result, smoke.summary, run, smoke.uri
 
 
 def test_summary_holds_every_model_per_series_and_averaged(smoke_run):

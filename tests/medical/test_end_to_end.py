@@ -3,12 +3,19 @@ plots and model, a model that loads."""
 
 import mlflow
 import numpy as np
+import pytest
 from PIL import Image
 
 from tests.cli_helpers import assert_rejected, runs
 
 REQUIRED = {"auc", "acc", "auc_ci_low", "auc_ci_high", "ece", "brier", "sensitivity_at_threshold",
             "specificity_at_threshold"}
+
+
+@pytest.fixture(scope="module")
+def medical_smoke(smoke_runs):
+    """The session's smoke run (tests/conftest.py), shared by the checks below."""
+    return smoke_runs("medical")
 
 
 def test_summary_has_the_clinical_metrics_and_the_network_learned(medical_smoke):

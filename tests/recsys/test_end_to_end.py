@@ -16,9 +16,10 @@ REQUIRED = {"recall@10", "ndcg@10", "hit@10", "mrr@10", "precision@10", "coverag
 
 
 @pytest.fixture(scope="module")
-def smoke(recsys_smoke):
+def smoke(smoke_runs):
     """The session's smoke run (tests/conftest.py), shared by the checks below."""
-    return recsys_smoke.uri, recsys_smoke.summary
+    run = smoke_runs("recsys")
+    return run.uri, run.summary
 
 
 def test_every_model_is_scored_and_learns_more_than_random(smoke):
