@@ -110,7 +110,9 @@ def test_ui_serves_the_store_on_loopback_only(tmp_path):
     assert f"http://127.0.0.1:{port}" in output and "0.0.0.0" not in output.split("To allow connections")[0]
 
 
-def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatch):
+def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatch, capsys):
+    from common.tracking.runs import ensure_experiment
+
     calls = []
 
     def fake_run(request):
@@ -120,8 +122,11 @@ def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatc
 
     monkeypatch.setattr(runner, "run_usecase", fake_run)
     monkeypatch.setattr(cli, "stop_on_signals", lambda: None)
+    finance = ensure_experiment("finance")
     assert cli.main(["demo", "--device", "cpu"]) == 0
     assert calls[:2] == [[], ["data.source=synthetic"]]
+    # MLflow 3 opens an experiment's own page on its GenAI Overview: the demo ends with the runs table's address
+    assert f"finance: http://127.0.0.1:5000/#/experiments/{finance}/runs" in capsys.readouterr().out
 
 
 def test_the_cli_imports_no_pandas_before_choosing_the_dataframe_backend():

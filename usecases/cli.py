@@ -220,8 +220,19 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"{name}: skipped: {usecase}", flush=True)
     run_demo([usecase for usecase in loaded.values() if not isinstance(usecase, UserError)], args.device,
              args.frames)
-    print("Done. Browse the runs with `usecases ui` (from the clone: make ui), then open http://127.0.0.1:5000")
+    print("Done. Browse the runs with `usecases ui` (from the clone: make ui), then open each use case's runs:")
+    _print_runs_links(list(loaded))
     return EXIT_OK
+
+
+def _print_runs_links(names: list[str] | None, port: int = 5000) -> None:
+    """Each use case's Training runs view (every use case with runs in the store, without `names`): MLflow 3 opens an
+    experiment's own page on its GenAI Overview instead."""
+    from common.tracking.links import training_runs_links
+    from common.tracking.runs import tracking_uri
+
+    for name, link in training_runs_links(tracking_uri(), names, ui_url=f"http://127.0.0.1:{port}").items():
+        print(f"  {name}: {link}", flush=True)
 
 
 def _doctor(device: str) -> int:
@@ -258,7 +269,8 @@ def _ui(port: int) -> int:
     from common.tracking.runs import tracking_uri
 
     uri = tracking_uri()
-    print(f"MLflow UI on http://127.0.0.1:{port} (store: {uri}); Ctrl-C to stop", flush=True)
+    print(f"MLflow UI on http://127.0.0.1:{port} (store: {uri}); Ctrl-C to stop. Each use case's runs:", flush=True)
+    _print_runs_links(None, port)
     os.execv(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
                               "--host", "127.0.0.1", "--port", str(port)])
 
