@@ -62,9 +62,26 @@ def test_bad_requests_are_named(frame, match):
         served("factors").predict(None, frame)
 
 
-def test_latency_figures():
-    figures = latency(served("factors"), np.array([100, 200]), single=5)
-    assert 0 < figures["latency_p50_ms"] <= figures["latency_p95_ms"] and figures["batch_users_per_s"] > 0
+def test_latency_times_one_user_requests_and_one_batch_through_predict(monkeypatch):
+    """On a scripted clock: the single requests take 1..5 ms, the batch 2 s; the figures are theirs."""
+    from types import SimpleNamespace
+
+    from usecases.recsys import serving
+
+    model, now, requests = served("factors"), [0.0], []
+    answer = model.predict
+
+    def timed_predict(context, frame):
+        requests.append(len(frame))
+        now[0] += 2.0 if len(frame) > 1 else len(requests) / 1000
+        return answer(context, frame)
+
+    monkeypatch.setattr(model, "predict", timed_predict)
+    monkeypatch.setattr(serving, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    figures = latency(model, np.array([100, 200]), single=5)
+    assert requests == [1] * 5 + [serving.LATENCY_BATCH]
+    assert figures["latency_p50_ms"] == pytest.approx(3.0) and figures["latency_p95_ms"] == pytest.approx(4.8)
+    assert figures["batch_users_per_s"] == pytest.approx(serving.LATENCY_BATCH / 2.0)
 
 
 @pytest.mark.parametrize("kind", ["factors", "item_item", "popularity"])
