@@ -221,8 +221,10 @@ def test_export_refuses_a_folder_that_overlaps_the_clone(clone, where):
     assert not (clone / "exported").exists() and sorted(path.name for path in clone.parent.iterdir()) == before
 
 
+# Every copy is made by the same renaming: finance's copy runs all its tests (3 min); the medical and recsys copies
+# run their smoke preset and a test file each above, which keeps CI's three suites within their time.
 @pytest.mark.slow
-@pytest.mark.parametrize("source", USECASES)
+@pytest.mark.parametrize("source", ["finance"])
 def test_every_test_of_a_use_case_made_by_new_passes(tmp_path, source):
     clone = copy_clone(tmp_path / "project")
     assert in_folder(clone, "-m", "usecases", "new", f"my{source}", "--from", source).returncode == 0
