@@ -18,8 +18,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# A file per worker: the slow suite's module fixtures (the real-data runs) are made once.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow --dist loadfile
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu
