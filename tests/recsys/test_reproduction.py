@@ -24,7 +24,7 @@ def finished(tmp_path_factory):
     env = private_env(tmp_path_factory.mktemp("default"))
     path = tmp_path_factory.mktemp("summary") / "s.json"
     result = usecases("run", "recsys", "--preset", "default", "--data", str(SHARED), "--set", "split=random",
-                      "--summary", str(path), timeout=900, env=env)
+                      "--summary", str(path), timeout=3000, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(path.read_text()), env["MLFLOW_TRACKING_URI"]
 
