@@ -124,19 +124,22 @@ def csv_separator(path: Path) -> str | None:
     return next((TEXT_SUFFIXES[suffix] for suffix in suffixes if suffix in TEXT_SUFFIXES), None)
 
 
-def read_table(path: Path, expected: str, dtype=None) -> Table:
+def read_table(path: Path, expected: str, dtype=None, text: bool = False) -> Table:
     """A CSV (by its suffix: .csv, .tsv or .txt, compressed or not) or Parquet file (.parquet, .pq; a folder of
     parts too), with columns as pandas or pyarrow read them (`dtype=str`: a CSV's as text). `expected` says what
-    the file should be, in the error about a file of another kind."""
+    the file should be, in the error about a file of another kind. With `text`, every value is a string as written
+    (an empty cell is "", never NaN: "NA" is a name, not a missing value)."""
     if is_parquet(path):
-        return Table(read_parquet(path), Rows(path, header=False))
+        frame = read_parquet(path)
+        return Table(frame.astype(str).where(frame.notna(), "") if text else frame, Rows(path, header=False))
     if path.is_dir():
         raise UserError(f"{path}: is a folder; expected {expected}")
     separator = csv_separator(path)
     if separator is None:
         raise UserError(f"{path}: expected {expected}")
     encoding = text_encoding(path, separator)
-    frame = read_csv_text(path, separator, path, dtype=dtype, encoding=encoding)
+    frame = read_csv_text(path, separator, path, dtype=str if text else dtype, encoding=encoding,
+                          keep_default_na=not text)
     if frame.columns.empty:
         raise UserError(f"{path}: empty file (no header line, no data rows); expected a "
                         f"{SEPARATOR_NAMES[separator]}-separated file with a header line")
@@ -182,7 +185,7 @@ def cannot_read(path: Path, exc: Exception, separator: str) -> UserError:
 
 
 def read_csv_text(source, separator: str, path: Path, dtype=None, first_line: int = 0,
-                  encoding: str = "utf-8-sig") -> pd.DataFrame:
+                  encoding: str = "utf-8-sig", keep_default_na: bool = True) -> pd.DataFrame:
     """A CSV file, or the bytes of a part of one behind its header line (`source`), read as `path` names it; a
     line number in an error counts on from `first_line` (the lines before the part). An empty source is an empty
     frame; a byte-order mark never sticks to the first column's name, whatever read the file."""
@@ -190,7 +193,8 @@ def read_csv_text(source, separator: str, path: Path, dtype=None, first_line: in
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", pd.errors.ParserWarning)  # rows longer than the header: values dropped
-            frame = pd.read_csv(source, sep=separator, encoding=encoding, index_col=False, dtype=dtype)
+            frame = pd.read_csv(source, sep=separator, encoding=encoding, index_col=False, dtype=dtype,
+                                keep_default_na=keep_default_na)
     except pd.errors.ParserWarning:
         raise UserError(f"{path}: the rows hold more values than the header names columns (name every column in "
                         "the first line, or remove the separator at the end of each line)") from None

@@ -318,7 +318,7 @@ def test_rows_longer_than_the_header_are_refused(reject, tmp_path):
 
 def test_a_semicolon_separated_manifest_names_the_columns_found(reject, tmp_path):
     manifest = write_manifest(tmp_path, ["path;label;patient_id", *rows("{path};{label};{patient}")])
-    reject(manifest, names=("manifest.csv", "missing column 'path'", "found: path;label;patient_id"))
+    reject(manifest, names=("manifest.csv", "'path;label;patient_id'", "separated by ';'"))
 
 
 def test_a_configured_column_that_is_absent_names_the_key(reject, tmp_path):
@@ -342,4 +342,4 @@ def test_a_given_split_without_test_images_is_refused(reject, tmp_path):
 
 def test_an_image_given_as_the_manifest_is_refused(reject, tmp_path):
     (tmp_path / "scan.png").write_bytes(png_bytes(80))
-    reject(tmp_path / "scan.png", names=("scan.png", "cannot be read as a CSV manifest"))
+    reject(tmp_path / "scan.png", names=("scan.png", "expected a manifest: a CSV or Parquet table"))

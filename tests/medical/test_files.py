@@ -83,6 +83,22 @@ def test_manifest_is_split_by_patient_and_stratified(tmp_path):
     assert all((again.patients[split] == data.patients[split]).all() for split in SPLITS)
 
 
+def test_a_parquet_or_utf16_manifest_is_read_as_its_csv_and_na_is_a_name(tmp_path):
+    """The manifest goes through the shared table reader: the same images from a Parquet or a UTF-16 copy, and a
+    patient called "NA" stays a patient, not a missing value."""
+    rows = [dict(row, patient_id="NA" if row["patient_id"] == "b000" else row["patient_id"])
+            for row in patient_rows(tmp_path)]
+    frame = pd.DataFrame(rows)
+    frame.to_parquet(tmp_path / "manifest.parquet", index=False)
+    frame.to_csv(tmp_path / "utf16.csv", index=False, encoding="utf-16")
+    expected = load_files(write_manifest(tmp_path, rows), Files(image_size=8), seed=3)
+    assert "NA" in set(np.concatenate([expected.patients[split] for split in SPLITS]))
+    for other in ("manifest.parquet", "utf16.csv"):
+        data = load_files(tmp_path / other, Files(image_size=8), seed=3)
+        assert all((data.patients[split] == expected.patients[split]).all() for split in SPLITS), other
+        assert all((data.images[split] == expected.images[split]).all() for split in SPLITS), other
+
+
 @pytest.mark.parametrize(("mode", "channels", "expected"), [("L", 3, (60, 60, 60)), ("RGB", 1, (18,))])
 def test_grey_and_rgb_become_the_configured_channels(tmp_path, mode, channels, expected):
     manifest = write_manifest(tmp_path, patient_rows(tmp_path, mode))
@@ -151,7 +167,7 @@ def test_a_missing_file_is_named(tmp_path):
 
 def test_an_empty_manifest_is_refused(tmp_path):
     (tmp_path / "blank.csv").write_text("")
-    assert "the manifest is empty" in error_for(tmp_path / "blank.csv")
+    assert "blank.csv: empty file (no header line, no data rows)" in error_for(tmp_path / "blank.csv")
     (tmp_path / "header.csv").write_text("path,label\n")
     assert "the manifest has no rows" in error_for(tmp_path / "header.csv")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from sklearn.model_selection import StratifiedGroupKFold
 
 from common.errors import UserError
 from common.paths import file_sha256
+from common.tables import read_table
 from .config import Files
 from .images import SPLITS, ImageSet, check_classes, short
 from .pixels import is_image_file, read_image
@@ -98,17 +98,7 @@ def load_files(path: Path, config: Files, seed: int, client=None) -> ImageSet:
 def read_manifest(manifest: Path, config: Files) -> Listing:
     """One row per image; paths are relative to the manifest's folder so that the folder can move."""
     where = str(manifest)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", pd.errors.ParserWarning)  # rows longer than the header: values dropped
-            table = pd.read_csv(manifest, dtype=str, keep_default_na=False, index_col=False)
-    except pd.errors.ParserWarning:
-        raise UserError(f"{where}: the rows hold more values than the header names columns "
-                        f"(name every column in the first line)") from None
-    except pd.errors.EmptyDataError:
-        raise UserError(f"{where}: the manifest is empty (expected a header and one row per image)") from None
-    except (pd.errors.ParserError, UnicodeDecodeError) as error:
-        raise UserError(f"{where}: cannot be read as a CSV manifest ({short(error)})") from None
+    table = read_table(manifest, "a manifest: a CSV or Parquet table of one row per image", text=True).frame
     if table.empty:
         raise UserError(f"{where}: the manifest has no rows (expected one row per image)")
     table.columns = [str(column).strip() for column in table.columns]
