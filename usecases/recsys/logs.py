@@ -17,15 +17,11 @@ import pandas as pd
 
 from common.errors import UserError
 from common.paths import file_sha256
-from common.tables import (COMPRESSED_SUFFIXES as COMPRESSED, Rows, Table, csv_separator, found_columns,
-                           is_parquet, not_parquet, numbers_or_text, plain, read_csv_text, read_numbers, read_table,
-                           value_kind)
+from common.tables import (Rows, Table, csv_separator, found_columns, is_parquet, numbers_or_text, read_numbers,
+                           read_table, value_kind)
 from .config import Columns
 
-# COMPRESSED, csv_separator, not_parquet, plain and read_csv_text are the table reader's, named here for the
-# partitioned reader (partitions.py) that imports them from this module.
-__all__ = ["COMPRESSED", "RawLog", "Rows", "check_columns", "csv_separator", "is_parquet", "log_frame", "no_rows",
-           "not_parquet", "plain", "read_csv_text", "read_ids", "read_log", "read_ratings", "read_seconds"]
+__all__ = ["RawLog", "check_columns", "log_frame", "no_rows", "read_ids", "read_log", "read_ratings", "read_seconds"]
 
 EPOCH = pd.Timestamp(0, tz="UTC")
 DATE_KINDS = ("date", "datetime", "datetime64")  # Python dates in an object column (Parquet's date32, for one)

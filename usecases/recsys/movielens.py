@@ -25,9 +25,9 @@ import pyarrow.csv as pacsv
 
 from common.errors import DataUnavailable, UserError
 from common.paths import cache_dir, data_search_path, file_sha256
-from common.tables import read_table, require_columns
+from common.tables import Rows, read_table, require_columns
 from .config import MovieLens
-from .logs import RawLog, Rows, read_ids, read_ratings, read_seconds
+from .logs import RawLog, read_ids, read_ratings, read_seconds
 
 log = logging.getLogger(__name__)
 

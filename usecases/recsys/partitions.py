@@ -23,10 +23,10 @@ import pyarrow.parquet as pq
 
 from common.errors import UserError
 from common.paths import file_sha256
-from common.tables import text_encoding
+from common.tables import (COMPRESSED_SUFFIXES as COMPRESSED, Rows, csv_separator, is_parquet, not_parquet, plain,
+                           read_csv_text, text_encoding)
 from .config import Columns
-from .logs import (COMPRESSED, Rows, check_columns, csv_separator, is_parquet, log_frame, no_rows, not_parquet, plain,
-                   read_csv_text)
+from .logs import check_columns, log_frame, no_rows
 from .movielens import LAYOUTS, check_ratings_columns, movielens_frame, movielens_sha256, read_titles
 from .outofcore import Source
 
