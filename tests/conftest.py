@@ -1,5 +1,6 @@
 """Shared test setup: GPU tests skip without a GPU; every test tracks into its own temporary store."""
 
+import os
 import shutil
 
 import pytest
@@ -11,7 +12,25 @@ import torch
 SLOW_TEST_TIMEOUT_S = 3600
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker and every run it starts get their share of the cores: two workers whose runs
+    each wake a thread per core put four spinning OpenMP threads on two cores, and those wait on each other (the
+    medical reproduction took three times its time alone). A thread count the user set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    from threadpoolctl import threadpool_limits
+
+    share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, share)
+    threads = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(threads)
+    threadpool_limits(threads)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("starts_first") is None)  # stable: the rest keep their order
     for item in items:
         if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))

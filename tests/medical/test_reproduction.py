@@ -11,7 +11,7 @@ from tests.cli_helpers import private_env, runs, usecases
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "medmnist" / "breastmnist.npz"
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.starts_first,
               pytest.mark.skipif(not SHARED.is_file(), reason="the shared BreastMNIST copy is absent")]
 
 
