@@ -15,7 +15,7 @@ SLOW_TEST_TIMEOUT_S = 3600
 def pytest_configure(config):
     """Under pytest-xdist, each worker and every run it starts get their share of the cores: two workers whose runs
     each wake a thread per core put four spinning OpenMP threads on two cores, and those wait on each other (the
-    medical reproduction took three times its time alone). A thread count the user set is kept."""
+    slow suite's longest real-data run took four times its time alone). A thread count the user set is kept."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2:
         return
