@@ -32,8 +32,8 @@ def test_resnet18_reaches_the_published_auc_within_noise(finished):
     assert resnet["auc"] >= 0.88  # published ResNet-18 (28 px): 0.901
     assert resnet["auc"] > logreg["auc"]
     assert resnet["auc_ci_low"] < resnet["auc"] < resnet["auc_ci_high"]
-    # 42 malignant test images, so one image moves the sensitivity by 0.024 and its binomial 95 % interval is about
-    # +-0.12: at least 0.8 with two threads, 0.79 with one (fp32 sums in another order). The threshold met 0.95 on validation.
+    # 42 malignant test images: one image moves the sensitivity by 0.024, and its binomial 95 % interval is about
+    # +-0.12. At least 0.8 with two threads, 0.79 with one (fp32 sums in another order); 0.95 on validation.
     assert resnet["sensitivity_at_threshold"] >= 0.7 and 0 < resnet["specificity_at_threshold"] <= 1
 
 
