@@ -21,7 +21,8 @@ def pytest_configure(config):
         return
     from threadpoolctl import threadpool_limits
 
-    share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: none
+    share = str(max(1, cores // workers))
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, share)
     threads = int(os.environ["OMP_NUM_THREADS"])
