@@ -1,13 +1,19 @@
 """The `default` preset on the real BreastMNIST copy: the issue's acceptance run (about 10 minutes alone on 2 cores
-in fp32; the slow suite starts it first, on one thread beside the other worker)."""
+in fp32; the slow suite starts it first, on one thread beside the other worker).
+
+Where $USECASES_REPRODUCE_FROM names a tracking store (CI hands it the demo's, whose medical run read the same copy
+through $USECASES_DATA_PATH), the tests check that store's finished `default` run on this file instead of training
+the same network a second time; a store without one fails the tests."""
 
 import json
+import os
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import pytest
 
+from common.paths import file_sha256
 from tests.cli_helpers import private_env, runs, usecases
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "medmnist" / "breastmnist.npz"
@@ -18,12 +24,27 @@ pytestmark = [pytest.mark.slow, pytest.mark.starts_first,
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
+    if os.environ.get("USECASES_REPRODUCE_FROM"):
+        return finished_elsewhere(os.environ["USECASES_REPRODUCE_FROM"])
     env = private_env(tmp_path_factory.mktemp("default"))
     path = tmp_path_factory.mktemp("summary") / "s.json"
     result = usecases("run", "medical", "--preset", "default", "--data", str(SHARED), "--summary", str(path),
                       timeout=3000, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(path.read_text()), env["MLFLOW_TRACKING_URI"]
+    summary = json.loads(path.read_text())
+    (run,) = runs("medical", env["MLFLOW_TRACKING_URI"])
+    assert run.info.run_id == summary["run_id"]
+    return summary, env["MLFLOW_TRACKING_URI"]
+
+
+def finished_elsewhere(uri: str):
+    """The newest finished `default` run on the shared file in the store at `uri`, and its summary."""
+    digest = file_sha256(SHARED)
+    done = [run for run in runs("medical", uri) if run.info.status == "FINISHED"
+            and run.data.tags.get("preset") == "default" and run.data.tags.get("data_sha256") == digest]
+    assert done, f"{uri} holds no finished medical `default` run on {SHARED} (data_sha256 {digest[:12]})"
+    newest = max(done, key=lambda run: run.info.start_time)
+    return mlflow.artifacts.load_dict(f"{newest.info.artifact_uri}/summary.json"), uri
 
 
 def test_resnet18_reaches_the_published_auc_within_noise(finished):
@@ -39,10 +60,8 @@ def test_resnet18_reaches_the_published_auc_within_noise(finished):
 
 def test_the_logged_model_predicts_the_real_test_images(finished):
     summary, uri = finished
-    (run,) = runs("medical", uri)
-    assert run.info.status == "FINISHED"
     mlflow.set_tracking_uri(uri)
-    model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    model = mlflow.pyfunc.load_model(f"runs:/{summary['run_id']}/model")
     test = np.load(SHARED)
     probabilities = model.predict(test["test_images"])
     assert list(probabilities.columns) == ["malignant", "normal, benign"]

@@ -15,7 +15,7 @@ from usecases.recsys.data import load_interactions
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens" / "ml-latest-small"
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.starts_first,
               pytest.mark.skipif(not SHARED.is_dir(), reason="the shared MovieLens copy is absent")]
 
 
