@@ -108,6 +108,8 @@ def _explain(error: ValidationError, schema: type[BaseModel]) -> str:
     if first["type"] == "extra_forbidden":
         known = ", ".join(_field_names(schema, location[:-1]))
         return f"unknown config key '{key}' (expected one of: {known})"
+    if not location:  # a check across keys (a model validator): its message names them
+        return f"config: {first['msg'].removeprefix('Value error, ')}"
     return f"config key '{key}': {first['msg'].lower()} (got {first['input']!r})"
 
 

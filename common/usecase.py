@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import pkgutil
 import sys
@@ -94,6 +95,13 @@ class UseCase:
 
     def run(self, config, data, job):
         return self._module("pipeline").run(config, data, job)
+
+    def server(self):
+        """The use case's own server module (its `server.py`, with `serve(model_uri, host, port, workers, events)`
+        and `default_events(local_store)`), or None: `usecases serve` then runs MLflow's scoring server."""
+        if importlib.util.find_spec(f"{self.package}.server") is None:
+            return None
+        return self._module("server")
 
     def benchmark(self, config, data, job):
         if not self.has_benchmark:

@@ -189,10 +189,26 @@ def test_serve_names_the_data_whose_champion_it_serves(monkeypatch, capsys):
     register_model("recsys", 0.9, "4" * 64, source="synthetic")
     served = []
     monkeypatch.setattr(cli.os, "execve", lambda path, args, env: served.append(args))
-    cli.main(["serve", "recsys"])
+    cli.main(["serve", "recsys", "--mlflow"])
     first = capsys.readouterr().out.splitlines()[0]
     assert "on ml-latest-small (data 333333333333, version 1" in first
     assert served[0][served[0].index("-m", 2) + 1] == "models:/gpu-usecases-recsys@champion"
+
+
+def test_serve_runs_a_use_cases_own_server_with_a_worker_per_core(monkeypatch, capsys):
+    from usecases.recsys import server
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    register_model("recsys", 0.3, "3" * 64, source="ml-latest-small")
+    started = []
+    monkeypatch.setattr(server, "serve", lambda *args: started.append(args) or 0)
+    assert cli.main(["serve", "recsys", "--port", "5009"]) == 0
+    model_uri, host, port, workers, events = started[0]
+    assert (model_uri, host, port) == ("models:/gpu-usecases-recsys@champion", "127.0.0.1", 5009)
+    assert workers == len(os.sched_getaffinity(0)) and events.endswith("recsys-events.db")
+    assert "with %d worker(s)" % workers in capsys.readouterr().out
+    assert cli.main(["serve", "finance", "--workers", "2"]) == 2  # MLflow's server: one line, no traceback
+    assert "--workers and --events need a use case with its own server" in capsys.readouterr().err
 
 
 def server_command(monkeypatch, *args):

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import UserError
@@ -54,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--base", type=int, help="with --scale: the 1x value of the use case's size key (default: "
                                                 "its declared one)")
     bench.add_argument("--timeout-s", type=float, help="with --scale: stop a run after this long, a row saying so")
+    bench.add_argument("--serve", action="store_true", help="the serving benchmark: the use case's own server "
+                                                            "against MLflow's scoring server on the same model")
+    bench.add_argument("--model-uri", help="with --serve: the model (default: the champion on the data trained on "
+                                           "last)")
+    bench.add_argument("--concurrency", default="1,8,32", help="with --serve: concurrent clients (default 1,8,32)")
+    bench.add_argument("--seconds", type=float, default=20.0, help="with --serve: load per concurrency (default 20)")
+    bench.add_argument("--serve-workers", type=int, help="with --serve: our server's workers (default: one per core)")
 
     demo = commands.add_parser("demo", help="run every use case on its default data",
                                description="Run every use case with its default preset; a data set that cannot "
@@ -65,8 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (default: 5000)")
 
     serve = commands.add_parser("serve", help="serve a use case's champion model over REST",
-                                description="Serve the registered champion of a use case (or any model URI) with "
-                                            "`mlflow models serve --env-manager local`; POST JSON to /invocations.")
+                                description="Serve the registered champion of a use case (or any model URI): with "
+                                            "the use case's own server where it has one (recsys: several workers, "
+                                            "POST /events), else `mlflow models serve --env-manager local`; POST "
+                                            "JSON to /invocations either way.")
     serve.add_argument("name", help="use case (see `usecases list`)")
     serve.add_argument("--model-uri", help="default: models:/gpu-usecases-NAME@champion, the champion on the data "
                                             "trained on last")
@@ -74,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="serve the champion on this data instead (a run's data_sha256 tag, or its first 12 digits)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=5001, help="port (default: 5001)")
+    serve.add_argument("--workers", type=int, help="worker processes of the use case's own server (default: one per "
+                                                   "core)")
+    serve.add_argument("--events", metavar="URL_OR_PATH",
+                       help="the use case's own server: where POST /events keeps events, a SQLite file (default: "
+                            "beside the local tracking store) or redis://HOST:PORT/DB for servers on several machines")
+    serve.add_argument("--mlflow", action="store_true", help="MLflow's scoring server even where the use case has "
+                                                             "its own")
 
     compare = commands.add_parser("compare", help="compare a use case's runs by hardware",
                                   description="The finished runs of a use case grouped by hardware, instance type "
@@ -275,38 +292,73 @@ def _ui(port: int) -> int:
                               "--host", "127.0.0.1", "--port", str(port)])
 
 
-def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: str | None = None) -> int:
-    """Replace this process with MLflow's scoring server for the use case's champion (or `model_uri`); the first
-    line says which data set's champion it is."""
-    import mlflow
+@dataclass(frozen=True)
+class ServerOptions:
+    """What only a use case's own server takes."""
 
-    from common.tracking.registry import SYNTHETIC_ALIAS, registered_name, served_champion
-    from common.tracking.runs import check_reachable, tracking_uri
+    workers: int | None = None
+    events: str | None = None
+    mlflow: bool = False
 
-    _usecase(name)
+
+def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: str | None = None,
+           options: ServerOptions = ServerOptions()) -> int:
+    """Serve the use case's champion (or `model_uri`) with its own server, else replace this process with MLflow's
+    scoring server; the first line says which data set's champion it is."""
+    from common.tracking.runs import tracking_uri
+
+    usecase = _usecase(name)
+    own = None if options.mlflow else usecase.server()
+    if options.workers is not None and options.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {options.workers}")
+    if own is None and (options.workers is not None or options.events is not None):
+        raise UserError(f"--workers and --events need a use case with its own server ('{name}' is served by "
+                        "MLflow's scoring server)")
     uri = tracking_uri()
-    check_reachable(uri)
-    mlflow.set_tracking_uri(uri)
-    what = model_uri
-    if model_uri is None:
-        if data_sha256 is not None and len(data_sha256) < 12:
-            raise UserError(f"--data-sha256 {data_sha256}: give at least its first 12 hex digits")
-        found = served_champion(mlflow.MlflowClient(), name, data_sha256)
-        if found is None:
-            on = f" on data {data_sha256[:12]}" if data_sha256 else ""
-            raise UserError(f"no champion of '{name}'{on} in {uri} yet (run `usecases run {name}` first, "
-                            f"or pass --model-uri)")
-        version, alias = found
-        model_uri = f"models:/{registered_name(name)}@{alias}"
-        source = version.tags.get("data_source") or "data"
-        fallback = "no run on real data has registered a model yet; " if alias == SYNTHETIC_ALIAS else ""
-        what = (f"the champion of '{name}' on {source} ({fallback}data {version.tags.get('data_sha256', '?')[:12]}, "
-                f"version {version.version}, {model_uri})")
+    model_uri, what = _served_model(name, model_uri, data_sha256)
+    if own is not None:
+        from common.tracking.runs import local_store
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = options.workers or cores
+        events = options.events or own.default_events(local_store())
+        print(f"Serving {what} on http://{host}:{port}/invocations with {workers} worker(s), events in {events}; "
+              "Ctrl-C to stop", flush=True)
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        return own.serve(model_uri, host, port, workers, events)
     print(f"Serving {what} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "--host", host, "--port", str(port)],
               {**os.environ, "MLFLOW_TRACKING_URI": uri,  # MLflow starts `uvicorn` by name: this venv's first
                "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
+
+
+def _served_model(name: str, model_uri: str | None, data_sha256: str | None) -> tuple[str, str]:
+    """The model to serve (`model_uri`, else the champion on the data trained on last or on `data_sha256`), and
+    how to name it in one line."""
+    import mlflow
+
+    from common.tracking.registry import SYNTHETIC_ALIAS, registered_name, served_champion
+    from common.tracking.runs import check_reachable, tracking_uri
+
+    uri = tracking_uri()
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    if model_uri is not None:
+        return model_uri, model_uri
+    if data_sha256 is not None and len(data_sha256) < 12:
+        raise UserError(f"--data-sha256 {data_sha256}: give at least its first 12 hex digits")
+    found = served_champion(mlflow.MlflowClient(), name, data_sha256)
+    if found is None:
+        on = f" on data {data_sha256[:12]}" if data_sha256 else ""
+        raise UserError(f"no champion of '{name}'{on} in {uri} yet (run `usecases run {name}` first, "
+                        f"or pass --model-uri)")
+    version, alias = found
+    model_uri = f"models:/{registered_name(name)}@{alias}"
+    source = version.tags.get("data_source") or "data"
+    fallback = "no run on real data has registered a model yet; " if alias == SYNTHETIC_ALIAS else ""
+    return model_uri, (f"the champion of '{name}' on {source} ({fallback}data "
+                       f"{version.tags.get('data_sha256', '?')[:12]}, version {version.version}, {model_uri})")
 
 
 def _advise(args) -> int:
@@ -368,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "server":
             return _server(args.host, args.port, args.backend_store_uri, args.artifacts_destination)
         if args.command == "serve":
-            return _serve(args.name, args.model_uri, args.host, args.port, args.data_sha256)
+            return _serve(args.name, args.model_uri, args.host, args.port, args.data_sha256,
+                          ServerOptions(args.workers, args.events, args.mlflow))
         if args.command == "compare":
             return _compare(args.name, args.output_format)
         if args.command == "demo":
@@ -386,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
             return _new(args.name, args.source)
         if args.command == "export":
             return _export(args.name, args.folder, args.force)
+        if args.command == "bench" and args.serve:
+            from common.tools.scaling import parse_list
+            from common.tools.serve_bench import serve_bench
+
+            model_uri, _ = _served_model(args.name, args.model_uri, None)
+            serve_bench(_usecase(args.name), model_uri, parse_list(args.concurrency, "--concurrency", int),
+                        args.seconds, args.serve_workers)
+            return EXIT_OK
         if args.command == "bench" and args.scale:
             from common.tools.scaling import parse_list, scale_bench
 

@@ -53,34 +53,36 @@ class ServedModel(mlflow.pyfunc.PythonModel):
         """Take what the run saved."""
         raise NotImplementedError
 
-    def answer(self, model_input) -> Any:
-        """The prediction for one request; `BadInput` for one that cannot be answered."""
+    def answer(self, model_input, params: dict | None = None) -> Any:
+        """The prediction for one request (`params`: MLflow's inference params, where the signature has them);
+        `BadInput` for one that cannot be answered."""
         raise NotImplementedError
 
     def predict(self, context, model_input: pd.DataFrame, params=None):
         """`model_input` is a DataFrame, or an array under a tensor signature: a hint MLflow infers no schema from
         (without one it warns), so requests are checked against the logged signature and by `answer`."""
         try:
-            return self.answer(model_input)
+            return self.answer(model_input, params)
         except BadInput as refused:
             raise MlflowException(" ".join(str(refused).splitlines()), error_code=INVALID_PARAMETER_VALUE) from None
 
 
 def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, *, name: str, package: str,
                requirements: list[str], optional_inputs: tuple[str, ...] = (),
-               metadata: dict | None = None) -> Served | None:
+               metadata: dict | None = None, params: dict | None = None) -> Served | None:
     """Log `model` (loaded from `bundle`) as the run's `model`: `example` is probed through it and the signature
-    inferred from its answer, the `optional_inputs` columns marked as not required. `name` is the run's model this
+    inferred from its answer, the `optional_inputs` columns marked as not required, `params` (name: default) as
+    MLflow inference params. `name` is the run's model this
     is, `package` the use case's, `requirements` the distributions it needs (pinned as installed here).
 
     Returns what was logged, or None where the tracker does not write (another rank, a test)."""
     if not tracker.active:
         return None
-    signature = infer_signature(example, model.predict(None, example))
+    signature = infer_signature(example, model.predict(None, example, params), params)
     if optional_inputs:
         inputs = Schema([ColSpec(spec.type, spec.name, required=spec.name not in optional_inputs)
                          for spec in signature.inputs.inputs])
-        signature = ModelSignature(inputs, signature.outputs)
+        signature = ModelSignature(inputs, signature.outputs, signature.params)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "bundle.pt"
         save_bundle(bundle, path)

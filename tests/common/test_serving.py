@@ -85,7 +85,7 @@ class Scaler(ServedModel):
     def load(self, bundle: dict) -> None:
         self.weights = bundle["weights"]
 
-    def answer(self, model_input: pd.DataFrame) -> pd.DataFrame:
+    def answer(self, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         if "x" not in model_input.columns:
             raise BadInput(f"input is missing column 'x'\n(got {', '.join(model_input.columns)})")
         return pd.DataFrame({"y": model_input["x"] * float(self.weights.sum())})
@@ -114,7 +114,7 @@ class Scaler(ServedModel):
     def load(self, bundle):
         self.weights = bundle["weights"]
 
-    def answer(self, model_input):
+    def answer(self, model_input, params=None):
         if (model_input["x"] < 0).any():
             raise BadInput("x must be at least 0")
         k = model_input["k"] if "k" in model_input.columns else 1

@@ -134,7 +134,7 @@ def test_users_first_seen_after_the_temporal_cut_are_served_from_their_own_histo
               "itemknn": lambda: ItemKNN(train, cfg.ItemKNN(), torch.device("cpu")),
               "factors": lambda: BPR(data.n_users, data.n_items, 4, NegativeSampler(train, torch.device("cpu"))),
               "pop": lambda: Popularity(train, torch.device("cpu"))}[form]()
-    bundle = serving_bundle(served_form(scorer, config), data, config, known)
+    bundle = serving_bundle(served_form(scorer, config, data.matrix("train")), data, config, known)
     np.testing.assert_array_equal(bundle["popularity"], np.asarray(known.sum(axis=0)).ravel())
     model = RecommenderModel.from_bundle(bundle)
     popular = pd.Series(bundle["popularity"][1:], index=data.item_ids[1:])

@@ -39,7 +39,7 @@ class VolatilityForecaster(ServedModel):
         self.overnight_factors = bundle["overnight_factors"]
         self.horizon = bundle["architecture"]["horizon"]
 
-    def answer(self, model_input: pd.DataFrame) -> pd.DataFrame:
+    def answer(self, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         frame = pd.DataFrame(model_input).copy()
         expected = INPUT_COLUMNS + self.exogenous
         missing = [column for column in expected if column not in frame.columns]

@@ -44,7 +44,7 @@ class ImageClassifierModel(ServedModel):
         return torch.from_numpy(np.ascontiguousarray(array.transpose(0, 3, 1, 2)))
 
     @torch.no_grad()
-    def answer(self, model_input: np.ndarray) -> pd.DataFrame:
+    def answer(self, model_input: np.ndarray, params: dict | None = None) -> pd.DataFrame:
         images = self._as_batch(model_input)
         logits = torch.cat([self._logits(images[start : start + BATCH]) for start in range(0, len(images), BATCH)])
         logits = logits.double()  # as the run's metrics took them: in float32, a confident model's 1 - 1e-9 is 1.0

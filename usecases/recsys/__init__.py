@@ -16,7 +16,9 @@ USECASE = UseCase.declare(
     config=Config,
     primary_metric=("ndcg@10", "max"),  # of the served model; the registry picks its champion by it
     summary_columns=summary_columns,
-    optional_requirements={"als": ("implicit>=0.7",)},  # implicit's ALS baseline; skipped without it
+    requirements=("orjson>=3.9", "starlette>=0.40", "uvicorn>=0.30"),  # its server (`usecases serve recsys`)
+    # implicit's ALS baseline (skipped without it); Redis Streams as the server's event store across machines
+    optional_requirements={"als": ("implicit>=0.7",), "events": ("redis>=5",)},
     has_benchmark=True,
     scale={"data.synthetic.users": 25_000},  # x 100 interactions each: 2.5 M, 10 M and 40 M for bench --scale
 )

@@ -65,6 +65,8 @@ class Interactions:
     sha256: str
     matrices: dict[str, sp.csr_matrix] = field(default_factory=dict)
     prepare_seconds: float | None = None  # reading, filtering, encoding and splitting, for the run's stage times
+    val_events: pd.DataFrame | None = None  # the validation and test periods as split, every user's (replay);
+    test_events: pd.DataFrame | None = None  # None on Dask
 
     @property
     def n_users(self) -> int:
@@ -119,7 +121,8 @@ def load_interactions(config: Config, path: Path | None = None, client=None) -> 
     known = sp.csr_matrix((np.ones(len(frame), dtype=np.float32), (frame["user"].to_numpy(), frame["item"].to_numpy())),
                           shape=(len(user_ids), len(item_ids)))
     data = Interactions(train, val, test, user_ids, item_ids, titles, raw.source, raw.sha256, {"known": known},
-                        prepare_seconds=time.perf_counter() - started)
+                        prepare_seconds=time.perf_counter() - started, val_events=held_out_val,
+                        test_events=held_out_test)
     density = len(frame) / max((data.n_users - 1) * (data.n_items - 1), 1)
     log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), density %.4f%%",
              raw.source, data.n_users - 1, data.n_items - 1, len(train), len(val), len(test), config.split,

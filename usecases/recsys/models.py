@@ -144,5 +144,16 @@ class LightGCN(PairwiseRanker):
         user_table, item_table = self.embeddings()
         return user_table[users], item_table[items]
 
+    @torch.no_grad()
+    def foldin_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The users' layer-0 rows and the items' rows summed over layers 0..L-1: all that folding a user in as a
+        new node of the graph needs (`foldin.GraphFoldIn`)."""
+        layer = self.ego_embeddings.weight.detach().float()
+        total = torch.zeros_like(layer)
+        for _ in range(self.layers):
+            total += layer
+            layer = torch.sparse.mm(self.adjacency, layer)
+        return self.ego_embeddings.weight[: self.n_users].detach().float(), total[self.n_users :]
+
     def ego(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ego_embeddings(users), self.ego_embeddings(items + self.n_users)

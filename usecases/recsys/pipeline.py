@@ -1,18 +1,22 @@
 """The recsys job: every model fitted on the same training split, ranked against every item on the same test
-users, the best one (by validation NDCG@10) served and timed.
+users, the best one (by validation NDCG@10, or by the validation period's replay) served and timed.
 
-Each model's served form (what `serving` scores with: factors, an item-item matrix, popularity) is ranked on the
-test users too, as `served_ndcg@10` with the training history the evaluation used (so a loss to the form, EASE
-pruned above `serving.max_similarity_mb`, shows), and as `served_fresh_ndcg@10` with the history known at the test
-cut (train + validation): what the served model's use of every event it knows is worth."""
+Each model's served form (what `serving` scores with: factors, an item-item matrix, a sequence network, popularity)
+is ranked on the test users too, as `served_ndcg@10` with the history the evaluation used (so a loss to the form,
+EASE pruned above `serving.max_similarity_mb`, shows), and as `served_fresh_ndcg@10` with the history known at the
+test cut (train + validation): what the served model's use of every event it knows is worth. With
+`evaluation.replay`, the form also replays the test period's events in time order (`replay.py`): frozen at the cut
+against each user's events folded in as they come, what real-time serving is worth."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import scipy.sparse as sp
 import torch
 
@@ -24,7 +28,10 @@ from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
 from .data import Interactions, expected_interactions, load_interactions
 from .evaluate import full_ranking, sample_users
-from .models import PairwiseRanker
+from .foldin import FoldIn
+from .models import LightGCN, PairwiseRanker
+from .replay import replay
+from .sasrec import SequenceScorer, fit_sasrec, sequences_by_user, served_sequence_form
 from .serving import Recommender, log_recommender
 from .train import fit_ranker, seconds_per_epoch
 
@@ -64,6 +71,8 @@ def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.c
     learned models validate on (the validation split, or its sample of users)."""
     train, device = data.matrix("train"), job.runtime.device
     started = time.perf_counter()
+    if name == "sasrec":
+        return fit_sasrec(data, data.matrix("val") if val is None else val, config, job)
     if name in LEARNED:
         model, result = fit_ranker(name, train, data.matrix("val") if val is None else val, config, job)
         settings = getattr(config, name)
@@ -95,6 +104,8 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
     def ranking(scorer, truth, exclude, ks):
         return full_ranking(scorer, truth, exclude, ks, runtime.device, config.evaluation.batch_users, runtime)
 
+    cuts = {"train": Cut(train, (data.train,)), "test": Cut(seen_before_test, (data.train, data.val)),
+            "known": Cut(data.matrix("known"), (data.train, data.val_events, data.test_events))}
     for name in config.models:
         try:
             scorer, fitted = fit_model(name, data, config, job, val)
@@ -103,34 +114,74 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
             continue
         started = time.perf_counter()
         validation[name] = ranking(scorer, val, train, [10])["ndcg@10"]
+        evaluated = "train"  # the history the test ranking used, which served_ndcg@10 serves with
+        if isinstance(scorer, SequenceScorer):  # ranks from each user's sequence as known at the test cut
+            scorer = scorer.with_history(sequences_by_user(pd.concat(cuts["test"].frames), data.n_users))
+            evaluated = "test"
         metrics = ranking(scorer, test, seen_before_test, config.evaluation.ks)
         models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name],
                         "evaluate_seconds": time.perf_counter() - started}
-        forms[name] = served_form(scorer, config)
-        for key, history in (("served_ndcg@10", train), ("served_fresh_ndcg@10", seen_before_test)):
-            as_served = Recommender(serving_bundle(forms[name], data, config, history))
+        forms[name] = served_form(scorer, config, train)
+        for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
+            as_served = Recommender(bundle_at(forms[name], data, config, cuts[cut]))
             models[name][key] = ranking(as_served, test, seen_before_test, config.evaluation.ks)["ndcg@10"]
+        if config.evaluation.replay and runtime.is_main:
+            models[name].update(replayed(name, as_served, data.test_events, config))
+            if config.serving.select_by == "val_replay":  # what was known at the validation cut, its period replayed
+                at_val_cut = Recommender(bundle_at(forms[name], data, config, cuts["train"]))
+                figures = replayed(name, at_val_cut, data.val_events, config, "validation")
+                models[name].update({f"val_{key}": value for key, value in figures.items()})
         log.info("%s: test NDCG@10 %.4f (served form %.4f), recall@10 %.4f", name, metrics["ndcg@10"],
                  models[name]["served_ndcg@10"], metrics["recall@10"])
     if not models:
         return RunResult(models)
-    best = max(validation, key=validation.get)
     if not runtime.is_main:
         return RunResult({})
+    best = served_choice(models, validation, config)
     job.tracker.set_tags({"served_model": best})
-    figures, served = log_recommender(serving_bundle(forms[best], data, config, data.matrix("known")), best, job)
+    figures, served = log_recommender(bundle_at(forms[best], data, config, cuts["known"]), best, job)
     models[best].update(figures)
     return RunResult(models, served)
 
 
-def served_form(scorer, config: Config) -> dict:
-    """What the served model scores with, on the CPU: factors, an item-item matrix, or popularity alone."""
+def served_choice(models: dict[str, dict[str, float]], validation: dict[str, float], config: Config) -> str:
+    """The model served: by validation NDCG@10, or by the validation period's replay with events folded in."""
+    if config.serving.select_by == "val_replay":
+        replayed_models = {name: metrics.get("val_replay_fresh_ndcg@10", -1.0) for name, metrics in models.items()}
+        return max(replayed_models, key=replayed_models.get)
+    return max(validation, key=validation.get)
+
+
+def replayed(name: str, recommender: Recommender, events, config: Config, period: str = "test") -> dict[str, float]:
+    """The replay of a period's events through a served form that knows what was known before it."""
+    if events is None:
+        log.warning("%s: no replay (the Dask engine keeps no frame of the %s period)", name, period)
+        return {}
+    from threadpoolctl import threadpool_limits
+
+    started = time.perf_counter()
+    with threadpool_limits(1, "blas"):  # one user's product at a time: a second BLAS thread only waits (50x slower)
+        figures = replay(recommender, events, max_users=config.evaluation.replay_users, seed=config.runtime.seed)
+    figures["replay_seconds"] = time.perf_counter() - started
+    if figures["replay_events"]:
+        log.info("%s: replay of %d %s events: next-event NDCG@10 %.4f frozen, %.4f fresh", name,
+                 figures["replay_events"], period, figures["replay_frozen_ndcg@10"], figures["replay_fresh_ndcg@10"])
+    return figures
+
+
+def served_form(scorer, config: Config, train: sp.csr_matrix) -> dict:
+    """What the served model scores with, on the CPU: factors (and how to fold a user's events in), an item-item
+    matrix, or popularity alone."""
+    if isinstance(scorer, SequenceScorer):
+        return served_sequence_form(scorer)
     if isinstance(scorer, PairwiseRanker):
         users, items = scorer.embeddings()
-        return {"kind": "factors", "users": users.detach().float().cpu(), "items": items.detach().float().cpu()}
+        form = {"kind": "factors", "users": users.detach().float().cpu(), "items": items.detach().float().cpu()}
+        return {**form, **_learned_foldin(scorer, config, train)}
     if isinstance(scorer, ALS):
         users, items = scorer.factors()
-        return {"kind": "factors", "users": users.cpu(), "items": items.cpu()}
+        foldin = FoldIn("als", regularization=config.als.regularization, alpha=config.als.alpha)
+        return {"kind": "factors", "users": users.cpu(), "items": items.cpu(), "foldin": foldin.as_plain()}
     if isinstance(scorer, ItemKNN):
         return {"kind": "item_item", "similarity": scorer.similarity_matrix()}
     if isinstance(scorer, EASE):
@@ -139,10 +190,46 @@ def served_form(scorer, config: Config) -> dict:
     return {"kind": "popularity"}
 
 
+def _learned_foldin(scorer: PairwiseRanker, config: Config, train: sp.csr_matrix) -> dict:
+    """BPR and LightGCN fold events in as `serving.foldin` says; LightGCN's graph fold-in needs its layer-0 user
+    rows, the items' summed layers and their training degrees."""
+    settings, name = config.serving.foldin, "lightgcn" if isinstance(scorer, LightGCN) else "bpr"
+    method = getattr(settings, name)
+    if method == "graph":
+        egos, layer_sum = scorer.foldin_tables()
+        degree = torch.from_numpy(np.diff(train.tocsc().indptr).astype(np.float32))
+        foldin = FoldIn("graph", layers=scorer.layers)
+        return {"foldin": foldin.as_plain(), "egos": egos.cpu(), "layer_sum": layer_sum.cpu(), "degree": degree}
+    if method == "gradient":
+        foldin = FoldIn("gradient", steps=settings.steps, lr=settings.lr,
+                        weight_decay=getattr(config, name).weight_decay, seed=config.runtime.seed)
+    else:
+        foldin = FoldIn("least_squares", regularization=settings.regularization)
+    return {"foldin": foldin.as_plain()}
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What was known at a point of the log: the history (unordered) and the frames it came from, in time order
+    (a sequence form is served from each user's events in order)."""
+
+    history: sp.csr_matrix
+    frames: tuple
+
+
+def bundle_at(form: dict, data: Interactions, config: Config, cut: Cut) -> dict:
+    """The served model of `form` knowing what was known at `cut`."""
+    if form["kind"] == "sequence":
+        known = sequences_by_user(pd.concat(cut.frames), data.n_users)
+        form = served_sequence_form(SequenceScorer.from_form(form).with_history(known))
+    return serving_bundle(form, data, config, cut.history)
+
+
 def serving_bundle(form: dict, data: Interactions, config: Config, history: sp.csr_matrix) -> dict:
     """A served model: `form` applied to `history` (whose items are also the ones not recommended again, and whose
     counts are the popularity); users without training rows have untrained factors (`trained`)."""
     return {**form, "history": history, "seen": history, "popularity": np.asarray(history.sum(axis=0)).ravel(),
             "trained": torch.from_numpy(np.diff(data.matrix("train").indptr) > 0),
             "user_ids": data.user_ids, "item_ids": data.item_ids, "titles": data.titles,
-            "k": config.serving.k, "latency_users": config.serving.latency_users}
+            "k": config.serving.k, "latency_users": config.serving.latency_users,
+            "max_events": config.serving.foldin.max_events}

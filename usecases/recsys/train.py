@@ -44,7 +44,7 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
         return {f"val/{name}/ndcg@10": metrics["ndcg@10"], MONITOR: metrics["ndcg@10"]}
 
     trainer = Trainer(model, optimizer, bpr_step, runtime, settings, monitor=MONITOR, mode="max",
-                      checkpoint_dir=job.checkpoint_dir / name, log_metrics=_prefixed(job, name), name=name,
+                      checkpoint_dir=job.checkpoint_dir / name, log_metrics=metrics_logger(job, name), name=name,
                       predict=rank_every_item)
     result = trainer.fit(batches, validate, resume=job.resume)
     log.info("%s: best val NDCG@10 %.4f at epoch %d of %d", name, result.best_metric, result.best_epoch + 1,
@@ -74,7 +74,7 @@ def rank_every_item(model: PairwiseRanker, batch: tuple[torch.Tensor, torch.Tens
 SHARED_KEYS = ("throughput/", "time/", "model/")  # the keys every use case logs alike, for comparing runs and advising
 
 
-def _prefixed(job: Job, name: str):
+def metrics_logger(job: Job, name: str):
     """Each model's training curves under its own name (`bpr/train/loss`), in the one run; throughput and time keep
     the names all use cases share."""
 

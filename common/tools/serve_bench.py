@@ -1,0 +1,171 @@
+"""`usecases bench NAME --serve`: the use case's own server against MLflow's scoring server on the same model, the
+same requests, at several concurrencies, one server at a time, from a load generator in another process
+(`loadgen.py`); requests per second, p50 and p99 and errors for each, and the ratio, logged as a NAME-serve run.
+
+The use case's server module gives `bench_requests(model, count, seed)`: the request bodies (MLflow's JSON scoring
+input) for the model `mlflow.pyfunc.load_model` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+
+from common.config import ConfigModel
+from common.errors import UserError
+from common.usecase import UseCase
+
+log = logging.getLogger(__name__)
+
+SERVERS = ("ours", "mlflow")
+START_TIMEOUT_S = 180
+REQUEST_BODIES = 512
+
+
+def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seconds: float,
+                workers: int | None) -> pd.DataFrame:
+    """Both servers at every concurrency; returns the table that was logged and printed."""
+    from common.tracking.runs import tracked_run
+
+    own = usecase.server()
+    if own is None:
+        raise UserError(f"use case '{usecase.name}' has no server of its own to compare with MLflow's")
+    if any(level < 1 for level in concurrencies) or seconds <= 0:
+        raise UserError(f"--concurrency takes positive integers and --seconds a positive time (got "
+                        f"{','.join(map(str, concurrencies))} and {seconds:g})")
+    bodies = own.bench_requests(mlflow.pyfunc.load_model(model_uri), REQUEST_BODIES, 0)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as folder:
+        requests = Path(folder) / "bodies.json"
+        requests.write_text(json.dumps(bodies))
+        for server in SERVERS:
+            rows += _measure(usecase.name, server, model_uri, requests, concurrencies, seconds, workers,
+                             Path(folder))
+    table = pd.DataFrame(rows)
+    ratios = _ratios(table)
+    tags = {"preset": "serve", "model_uri": model_uri, "workers": str(workers or "per core"),
+            "concurrency": ",".join(map(str, concurrencies))}
+    settings = ServeBench(model_uri=model_uri, concurrency=concurrencies, seconds=seconds, workers=workers)
+    with tracked_run(f"{usecase.name}-serve", settings, tags, run_name=f"{usecase.name}-serve",
+                     description=f"{usecase.name}: its own server against MLflow's scoring server.") as tracker:
+        for row in rows:
+            tracker.log_metrics({f"serve/{row['server']}/c{row['concurrency']}/{name}": row[name]
+                                 for name in ("requests_per_s", "p50_ms", "p99_ms", "errors")})
+        tracker.log_metrics({f"serve/ratio/c{level}": ratio for level, ratio in ratios.items()})
+        with tempfile.TemporaryDirectory() as out:
+            table.to_csv(Path(out) / "serve.csv", index=False)
+            _plot(table, Path(out) / "serve.png")
+            mlflow.log_artifacts(out)
+    print(table.to_string(index=False), flush=True)
+    print("requests per second, ours over MLflow's: " +
+          ", ".join(f"{ratio:.1f}x at concurrency {level}" for level, ratio in ratios.items()), flush=True)
+    return table
+
+
+class ServeBench(ConfigModel):
+    """The bench's settings, logged as the run's params."""
+
+    model_uri: str
+    concurrency: list[int]
+    seconds: float
+    workers: int | None
+    request_bodies: int = REQUEST_BODIES
+
+
+def _ratios(table: pd.DataFrame) -> dict[int, float]:
+    speeds = table.pivot(index="concurrency", columns="server", values="requests_per_s")
+    return {int(level): float(row["ours"] / row["mlflow"]) for level, row in speeds.iterrows() if row["mlflow"] > 0}
+
+
+def _measure(name: str, server: str, model_uri: str, requests: Path, concurrencies: list[int], seconds: float,
+             workers: int | None, folder: Path) -> list[dict]:
+    """Start one server, drive it at each concurrency, stop it."""
+    port = _free_port()
+    command = [sys.executable, "-m", "usecases", "serve", name, "--model-uri", model_uri, "--port", str(port)]
+    if server == "ours":
+        command += ["--events", str(folder / "events.db"), *(["--workers", str(workers)] if workers else [])]
+    else:
+        command.append("--mlflow")
+    log.info("serve bench: starting %s server", server)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        _wait_ready(process, port, server)
+        rows = []
+        for level in concurrencies:
+            log.info("serve bench: %s server, concurrency %d, %g s", server, level, seconds)
+            rows.append({"server": server, **_drive(port, requests, level, seconds)})
+        return rows
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _drive(port: int, requests: Path, concurrency: int, seconds: float) -> dict:
+    done = subprocess.run([sys.executable, "-m", "common.tools.loadgen", f"http://127.0.0.1:{port}/invocations",
+                           str(requests), "--concurrency", str(concurrency), "--seconds", str(seconds)],
+                          capture_output=True, text=True, timeout=seconds + 120)
+    if done.returncode != 0:
+        raise UserError(f"the load generator failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {key: result[key] for key in ("concurrency", "requests", "requests_per_s", "p50_ms", "p99_ms", "errors")}
+
+
+def _wait_ready(process: subprocess.Popen, port: int, server: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            last = (process.stderr.read().strip().splitlines() or ["(no output)"])[-1]
+            raise UserError(f"the {server} server stopped before it answered: {last}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise UserError(f"the {server} server did not answer /ping within {START_TIMEOUT_S} s")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _plot(table: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, (speed, tail) = plt.subplots(1, 2, figsize=(10, 4))
+    for server, rows in table.groupby("server"):
+        speed.plot(rows["concurrency"], rows["requests_per_s"], marker="o", label=server)
+        tail.plot(rows["concurrency"], rows["p99_ms"], marker="o", label=server)
+    for axis, label in ((speed, "requests per second"), (tail, "p99 latency (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent clients")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,142 @@
+"""Events in, recommendations out: every served form folds a request's `recent_items` into the user's history, a
+user never trained on gets a personal list, consumed items are not recommended back, unknown ids are counted."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from mlflow.exceptions import MlflowException
+
+from tests.recsys.test_serving import CLUSTER_ITEMS, bundle, clustered_log, served
+from usecases.recsys import config as cfg
+from usecases.recsys.baselines import ALS, EASE, ItemKNN, als_available
+from usecases.recsys.data import load_interactions
+from usecases.recsys.models import BPR, LightGCN, NegativeSampler
+from usecases.recsys.pipeline import served_form, serving_bundle
+from usecases.recsys.requests import parse_rows, requested_k
+from usecases.recsys.serving import RecommenderModel
+from common.serving.pyfunc import BadInput
+
+CPU = torch.device("cpu")
+
+
+def trained(model, train, steps=300):
+    """A few hundred full-batch BPR steps: enough to separate the two clusters."""
+    users, items = train.nonzero()
+    users, items = torch.from_numpy(users.astype(np.int64)), torch.from_numpy(items.astype(np.int64))
+    optimiser = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        optimiser.zero_grad()
+        model(users, items).backward()
+        optimiser.step()
+    return model
+
+
+@pytest.fixture(scope="module")
+def clustered(tmp_path_factory):
+    config = cfg.Config(data={"source": "file", "columns": {"rating": None}}, split="temporal")
+    return config, load_interactions(config, clustered_log(tmp_path_factory.mktemp("log")))
+
+
+SCORERS = {
+    "ease": lambda data, train: EASE(train, cfg.EASE(l2=1.0), CPU),
+    "itemknn": lambda data, train: ItemKNN(train, cfg.ItemKNN(), CPU),
+    "als": lambda data, train: ALS(train, cfg.ALS(factors=4, iterations=10), CPU),
+    "bpr": lambda data, train: trained(BPR(data.n_users, data.n_items, 4, NegativeSampler(train, CPU)), train),
+    "lightgcn": lambda data, train: trained(LightGCN(train, 4, 2, NegativeSampler(train, CPU), CPU), train),
+}
+FORMS = [("ease", None), ("itemknn", None), ("als", None), ("bpr", "gradient"), ("lightgcn", "graph"),
+         ("lightgcn", "gradient")]
+
+
+@pytest.mark.parametrize(("name", "method"), FORMS)
+def test_a_stranger_with_three_events_gets_their_cluster_without_the_events(clustered, name, method):
+    config, data = clustered
+    if name == "als" and not als_available():
+        pytest.skip("implicit is not installed")
+    if method:
+        config = config.model_copy(update={"serving": cfg.Serving(foldin={name: method})})
+    train = data.matrix("train")
+    torch.manual_seed(0)
+    scorer = SCORERS[name](data, train)
+    model = RecommenderModel.from_bundle(serving_bundle(served_form(scorer, config, train), data, config,
+                                                        data.matrix("known")))
+    cold = model.predict(None, pd.DataFrame({"user_id": ["stranger"], "k": [5]}))
+    assert all(item <= CLUSTER_ITEMS for item in cold["item_id"])  # cluster A is the popular one
+    recent = [CLUSTER_ITEMS + 1, CLUSTER_ITEMS + 2, CLUSTER_ITEMS + 3]
+    warm = model.predict(None, pd.DataFrame({"user_id": ["stranger"], "recent_items": [recent]}), {"k": 5})
+    assert len(warm) == 5 and not set(recent) & set(warm["item_id"])
+    assert all(item > CLUSTER_ITEMS for item in warm["item_id"]), list(warm["item_id"])
+
+
+def test_a_known_users_events_join_their_history_and_are_not_recommended_back():
+    model = served("item_item")  # item i points to i + 1; user 100 has seen item 11
+    before = model.predict(None, pd.DataFrame({"user_id": [100]}), {"k": 4})
+    assert list(before["item_id"])[:1] == [12]
+    after = model.predict(None, pd.DataFrame({"user_id": [100], "recent_items": [[12]]}), {"k": 4})
+    assert list(after["item_id"])[:1] == [13] and 12 not in set(after["item_id"])
+
+
+def test_unknown_event_ids_are_skipped_and_counted():
+    model = served("item_item")
+    answer = model.predict(None, pd.DataFrame({"user_id": [100, 200], "recent_items": [["nope", 12, 999], []]}))
+    assert list(answer["unknown_recent_items"]) == [2, 2, 0, 0]
+    assert list(answer[answer["user_id"] == 100]["item_id"])[:1] == [13]
+
+
+def test_only_unknown_events_answer_as_without_events():
+    model = served("factors")
+    plain = model.predict(None, pd.DataFrame({"user_id": [100]}))
+    unknown = model.predict(None, pd.DataFrame({"user_id": [100], "recent_items": [["nope"]]}))
+    assert list(unknown["item_id"]) == list(plain["item_id"]) and list(unknown["unknown_recent_items"]) == [1, 1]
+
+
+def test_timestamps_order_the_events_before_the_newest_are_kept():
+    rows = parse_rows({"user_id": [1], "recent_items": [[7, 8, 9]], "recent_timestamps": [[30, 10, 20]]}, 1)
+    assert rows[0].recent_items == (8, 9, 7)
+
+
+def test_factor_foldin_uses_the_bundles_method():
+    raw = bundle("factors")
+    raw["foldin"] = {"method": "least_squares", "regularization": 0.1}
+    model = RecommenderModel.from_bundle(raw)
+    # the stranger's single event, item 14 (factor 1): least squares gives p = 1 / (30 + 0.1) > 0, items by factor
+    answer = model.predict(None, pd.DataFrame({"user_id": ["stranger"], "recent_items": [[14]]}), {"k": 3})
+    assert list(answer["item_id"]) == [11, 12, 13]
+
+
+@pytest.mark.parametrize(("columns", "match"), [
+    ({"user_id": [1], "recent_items": ["abc"]}, "recent_items row 0: expected a list of item ids"),
+    ({"user_id": [1], "recent_items": [{"a": 1}]}, "recent_items row 0: expected a list"),
+    ({"user_id": [1], "recent_items": [[[1, 2]]]}, "recent_items row 0 item 0: expected an item id"),
+    ({"user_id": [1], "recent_items": [[None]]}, "recent_items row 0 item 0: expected an item id"),
+    ({"user_id": [1], "recent_items": [[1, 2]], "recent_timestamps": [[1]]}, "recent_timestamps row 0: expected a "
+                                                                             "list of 2 numbers"),
+    ({"user_id": [1], "recent_items": [[1]], "recent_timestamps": [["x"]]}, "recent_timestamps row 0 item 0"),
+    ({"user_id": [1], "recent_timestamps": [[1]]}, "recent_timestamps needs the column recent_items"),
+    ({"user_id": [None]}, "user_id row 0: expected a user id"),
+    ({"user": [1]}, "missing column 'user_id'"),
+])
+def test_malformed_requests_are_one_line(columns, match):
+    with pytest.raises(BadInput, match=match):
+        parse_rows(columns, 1)
+
+
+@pytest.mark.parametrize(("columns", "params", "expected"), [
+    ({}, None, 10), ({"k": [3]}, None, 3), ({"k": [3]}, {"k": 7}, 3), ({}, {"k": "4"}, 4), ({}, {"k": 5.0}, 5)])
+def test_k_comes_from_the_column_then_the_param(columns, params, expected):
+    assert requested_k(columns, params, 10) == expected
+
+
+@pytest.mark.parametrize(("params", "match"), [({"k": 0}, "param k: k must be between 1"),
+                                               ({"k": 2.5}, "param k: expected an integer"),
+                                               ({"k": "many"}, "param k: expected an integer")])
+def test_a_bad_k_is_one_line(params, match):
+    with pytest.raises(BadInput, match=match):
+        requested_k({}, params, 10)
+
+
+def test_the_pyfunc_refuses_a_malformed_recent_items_as_invalid_parameter():
+    with pytest.raises(MlflowException, match="recent_items row 0: expected a list") as refused:
+        served("factors").predict(None, pd.DataFrame({"user_id": [100], "recent_items": ["abc"]}))
+    assert refused.value.error_code == "INVALID_PARAMETER_VALUE"

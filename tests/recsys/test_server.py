@@ -1,0 +1,181 @@
+"""`usecases serve recsys`: the lean server on the smoke run's logged model, as a user starts it (two uvicorn workers,
+the SQLite event store), spoken to over HTTP in MLflow's scoring protocol and with `POST /events`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import mlflow
+import pandas as pd
+import psutil
+import pytest
+
+from tests.cli_helpers import free_port, runs
+from usecases.recsys.events import SQLiteEventStore
+
+READY_TIMEOUT_S = 120
+
+
+def call(port: int, path: str, body=None, method=None):
+    """(status, parsed JSON or text) of one request."""
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+@pytest.fixture(scope="module")
+def server(smoke_runs, tmp_path_factory):
+    """The server on the smoke run's model: (port, process, event store path, run id, store URI)."""
+    smoke = smoke_runs("recsys")
+    (run,) = runs("recsys", smoke.uri)
+    events = tmp_path_factory.mktemp("events") / "events.db"
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": smoke.uri}
+    process = subprocess.Popen([sys.executable, "-m", "usecases", "serve", "recsys", "--model-uri",
+                                f"runs:/{run.info.run_id}/model", "--workers", "2", "--events", str(events),
+                                "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        try:
+            if call(port, "/ping")[0] == 200 and len(workers(process)) == 2:
+                break
+        except OSError:
+            pass
+        time.sleep(0.5)
+    else:
+        pytest.fail("the server did not answer /ping with two workers in time")
+    yield port, process, events, run.info.run_id, smoke.uri
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+def workers(process) -> list[psutil.Process]:
+    """The server's live uvicorn workers (spawned by multiprocessing; its resource tracker is not one)."""
+    found = []
+    for child in psutil.Process(process.pid).children(recursive=True):
+        try:
+            line = " ".join(child.cmdline())
+            if child.status() != psutil.STATUS_ZOMBIE and "multiprocessing" in line and "resource_tracker" not in line:
+                found.append(child)
+        except psutil.Error:  # gone or a zombie: not a worker
+            continue
+    return found
+
+
+def known_user(uri: str, run_id: str):
+    mlflow.set_tracking_uri(uri)
+    example = mlflow.pyfunc.load_model(f"runs:/{run_id}/model").input_example
+    user = example["user_id"].iloc[0]
+    return user.item() if hasattr(user, "item") else user
+
+
+def test_it_speaks_mlflows_scoring_protocol(server):
+    port, _, _, run_id, uri = server
+    user = known_user(uri, run_id)
+    assert call(port, "/ping")[0] == 200
+    status, version = call(port, "/version")
+    assert status == 200 and version == mlflow.__version__
+    split = call(port, "/invocations", {"dataframe_split": {"columns": ["user_id"], "data": [[user]]},
+                                        "params": {"k": 4}})
+    records = call(port, "/invocations", {"dataframe_records": [{"user_id": user, "k": 4}]})
+    assert split[0] == records[0] == 200
+    assert [row["item_id"] for row in split[1]["predictions"]] == [row["item_id"] for row in records[1]["predictions"]]
+    assert [row["rank"] for row in split[1]["predictions"]] == [1, 2, 3, 4]
+    mlflow.set_tracking_uri(uri)
+    expected = mlflow.pyfunc.load_model(f"runs:/{run_id}/model").predict(pd.DataFrame({"user_id": [user], "k": [4]}))
+    assert [row["item_id"] for row in split[1]["predictions"]] == list(expected["item_id"])  # the same model
+
+
+def test_a_posted_event_is_gone_from_the_users_next_list_on_every_worker(server):
+    port, _, _, run_id, uri = server
+    user = known_user(uri, run_id)
+    first = call(port, "/invocations", {"dataframe_records": [{"user_id": user}], "params": {"k": 5}})[1]
+    top = first["predictions"][0]["item_id"]
+    status, answer = call(port, "/events", {"user_id": user, "item_id": top, "timestamp": 1_800_000_000})
+    assert status == 200 and answer == {"recorded": 1}
+    for _ in range(6):  # two workers: every one of them reads the shared store
+        after = call(port, "/invocations", {"dataframe_records": [{"user_id": user}], "params": {"k": 5}})[1]
+        assert top not in [row["item_id"] for row in after["predictions"]]
+
+
+def test_a_new_user_with_events_gets_a_personal_list(server):
+    port, _, _, run_id, uri = server
+    cold = call(port, "/invocations", {"dataframe_records": [{"user_id": "never-seen"}]})[1]["predictions"]
+    items = [row["item_id"] for row in cold]
+    warm = call(port, "/invocations", {"dataframe_records": [{"user_id": "never-seen-2",
+                                                               "recent_items": items[:3] + ["no-such-item"]}]})
+    assert warm[0] == 200
+    listed = warm[1]["predictions"]
+    assert not set(items[:3]) & {row["item_id"] for row in listed}
+    assert {row["unknown_recent_items"] for row in listed} == {1}
+
+
+@pytest.mark.parametrize(("body", "match"), [
+    ({"dataframe_records": [{"user_id": 1, "recent_items": "abc"}]}, "recent_items row 0: expected a list"),
+    ({"dataframe_split": {"columns": ["user_id"], "data": [[1]]}, "params": {"k": 0}}, "param k: k must be"),
+    ({"inputs": [1]}, "needs dataframe_split or dataframe_records"),
+    (b"{not json", "the body is not JSON"),
+])
+def test_bad_requests_get_400_with_one_line(server, body, match):
+    status, answer = call(server[0], "/invocations", body)
+    assert status == 400 and match in answer["message"] and "\n" not in answer["message"]
+
+
+def test_a_bad_event_gets_400_and_records_nothing(server):
+    port, _, events, _, _ = server
+    before = len(SQLiteEventStore(events).read_since("0", 100_000)[0])
+    status, answer = call(port, "/events", [{"user_id": 1, "item_id": 2}, {"user_id": 1}])
+    assert status == 400 and "item_id" in answer["message"]
+    assert len(SQLiteEventStore(events).read_since("0", 100_000)[0]) == before
+
+
+def test_no_acknowledged_event_is_lost_when_a_worker_is_killed_mid_stream(server):
+    port, process, events, _, _ = server
+    acknowledged, stop = [], threading.Event()
+
+    def stream(name: str):
+        sequence = 0
+        while not stop.is_set():
+            sequence += 1
+            try:
+                status, _ = call(port, "/events", {"user_id": "streamer", "item_id": f"{name}-{sequence}",
+                                                   "timestamp": sequence})
+            except OSError:  # the connection the killed worker held: not acknowledged, the client would retry
+                continue
+            if status == 200:
+                acknowledged.append(f"{name}-{sequence}")
+
+    threads = [threading.Thread(target=stream, args=(f"t{index}",)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    victim = workers(process)[0]
+    victim.kill()
+    time.sleep(1.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    stored = {event.item_id for event in SQLiteEventStore(events).read_since("0", 1_000_000)[0]
+              if event.user_id == "streamer"}
+    assert len(acknowledged) > 20 and not set(acknowledged) - stored
+    deadline = time.monotonic() + 60  # uvicorn's supervisor starts a new worker in the killed one's place
+    while len(workers(process)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(workers(process)) == 2 and victim.pid not in {worker.pid for worker in workers(process)}

@@ -1,0 +1,170 @@
+"""`usecases serve recsys`: the logged recommender behind a lean ASGI app on uvicorn, one worker per core.
+
+It speaks MLflow's scoring protocol (`GET /ping`, `GET /health`, `GET /version`, `POST /invocations` with
+`dataframe_split` or `dataframe_records` and optional `params`), so a client of `mlflow models serve` needs no
+change, and adds `POST /events` (one event or a list of `user_id`, `item_id`, `timestamp`): the event store keeps
+them for every worker, and the user's next request folds them in. The hot path has no pandas: JSON in and out with
+orjson, the request's columns read as lists, the user's seen items and events as arrays; one torch thread a worker.
+A request the model cannot answer gets HTTP 400 with one line, as MLflow's server gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from common.errors import UserError
+from common.serving.pyfunc import BadInput
+from .events import BadEvent, EventStore, open_event_store
+from .requests import parse_rows, requested_k
+from .serving import RecommenderModel
+
+log = logging.getLogger(__name__)
+
+MODEL_VARIABLE = "USECASES_SERVE_MODEL_URI"  # how the supervisor tells each worker process what to load
+EVENTS_VARIABLE = "USECASES_SERVE_EVENTS"
+JSON = "application/json"
+
+
+def create_app(model: RecommenderModel, events: EventStore | None) -> Starlette:
+    """The app around a loaded model and an event store (None: no `/events`, requests use `recent_items` only)."""
+
+    async def ping(request: Request) -> Response:
+        return Response("\n", media_type=JSON)
+
+    async def version(request: Request) -> Response:
+        import mlflow
+
+        return Response(mlflow.__version__, media_type="text/plain")
+
+    async def invocations(request: Request) -> Response:
+        try:
+            columns, n_rows, params = scoring_input(await request.body(), request.headers.get("content-type", JSON))
+            k = requested_k(columns, params, model.default_k)
+            rows = parse_rows(columns, n_rows)
+            stored = [events.recent(row.user_id, model.recommender.max_events) for row in rows] if events else ()
+            records = model.recommend(rows, k, stored)
+        except BadInput as refused:
+            return bad_request(str(refused))
+        return Response(orjson.dumps({"predictions": records}, option=orjson.OPT_SERIALIZE_NUMPY), media_type=JSON)
+
+    async def record_events(request: Request) -> Response:
+        if events is None:
+            return bad_request("this server keeps no events (start it with --events)")
+        try:
+            count = events.append(orjson.loads(await request.body()))
+        except orjson.JSONDecodeError as error:
+            return bad_request(f"the body is not JSON: {error}")
+        except BadEvent as refused:
+            return bad_request(str(refused))
+        return Response(orjson.dumps({"recorded": count}), media_type=JSON)
+
+    routes = [Route("/ping", ping), Route("/health", ping), Route("/version", version),
+              Route("/invocations", invocations, methods=["POST"]), Route("/events", record_events, methods=["POST"])]
+    return Starlette(routes=routes)
+
+
+def scoring_input(body: bytes, content_type: str) -> tuple[dict[str, list], int, dict | None]:
+    """MLflow's JSON scoring input as columns of lists, the row count and the params."""
+    if not content_type.startswith(JSON):
+        raise BadInput(f"content type {content_type!r} is not supported here: send application/json")
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise BadInput(f"the body is not JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise BadInput("the body must be a JSON object with dataframe_split or dataframe_records")
+    params = payload.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise BadInput(f"params must be an object such as {{\"k\": 10}}, got {type(params).__name__}")
+    if "dataframe_split" in payload:
+        return (*_split_columns(payload["dataframe_split"]), params)
+    if "dataframe_records" in payload:
+        return (*_record_columns(payload["dataframe_records"]), params)
+    raise BadInput(f"the body needs dataframe_split or dataframe_records (got keys: {', '.join(payload) or 'none'})")
+
+
+def _split_columns(split) -> tuple[dict[str, list], int]:
+    if not isinstance(split, dict) or not isinstance(split.get("columns"), list) or \
+            not isinstance(split.get("data"), list):
+        raise BadInput("dataframe_split must be an object with lists 'columns' and 'data'")
+    names, data = split["columns"], split["data"]
+    for row, values in enumerate(data):
+        if not isinstance(values, list) or len(values) != len(names):
+            raise BadInput(f"dataframe_split data row {row}: expected a list of {len(names)} values (one per column)")
+    return {str(name): [values[index] for values in data] for index, name in enumerate(names)}, len(data)
+
+
+def _record_columns(records) -> tuple[dict[str, list], int]:
+    if not isinstance(records, list) or not all(isinstance(record, dict) for record in records):
+        raise BadInput("dataframe_records must be a list of objects, one per row")
+    names = list(dict.fromkeys(name for record in records for name in record))
+    return {name: [record.get(name) for record in records] for name in names}, len(records)
+
+
+def bad_request(line: str) -> Response:
+    message = " ".join(line.splitlines())
+    return Response(orjson.dumps({"error_code": "BAD_REQUEST", "message": message}), status_code=400,
+                    media_type=JSON)
+
+
+def app_from_environment() -> Starlette:
+    """Each uvicorn worker's app: the model and event store the supervisor named in the environment."""
+    import mlflow
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(1)  # one worker per core: a second thread per request only contends
+    threadpool_limits(1)  # NumPy's BLAS too: a one-user product on two threads of a busy machine took 7.7 ms, not 0.1
+    loaded = mlflow.pyfunc.load_model(os.environ[MODEL_VARIABLE])
+    model = loaded.unwrap_python_model()
+    if not isinstance(model, RecommenderModel):
+        raise UserError(f"{os.environ[MODEL_VARIABLE]} is not a recsys model (it holds {type(model).__name__})")
+    events = os.environ.get(EVENTS_VARIABLE)
+    return create_app(model, open_event_store(events) if events else None)
+
+
+def bench_requests(loaded, count: int, seed: int) -> list[dict]:
+    """For `usecases bench recsys --serve`: `count` one-user requests of known users, K=10 as a param, every other
+    one with three recent items (a fold-in on every second request)."""
+    model = loaded.unwrap_python_model()
+    rng = np.random.default_rng(seed)
+    users = rng.choice(np.asarray(model.user_ids[1:]), size=count)
+    items = np.asarray(model.item_ids[1:])
+    bodies = []
+    for index, user in enumerate(users.tolist()):
+        if index % 2:
+            recent = rng.choice(items, size=3, replace=False).tolist()
+            split = {"columns": ["user_id", "recent_items"], "data": [[user, recent]]}
+        else:
+            split = {"columns": ["user_id"], "data": [[user]]}
+        bodies.append({"dataframe_split": split, "params": {"k": 10}})
+    return bodies
+
+
+def default_events(local_store: Path) -> str:
+    """The embedded default: one SQLite file beside the local tracking store, shared by the workers."""
+    return str(local_store / "recsys-events.db")
+
+
+def serve(model_uri: str, host: str, port: int, workers: int, events: str | None) -> int:
+    """Run uvicorn with `workers` processes, each loading `model_uri`; returns when it stops."""
+    import uvicorn
+
+    if events:
+        open_event_store(events).close()  # a bad URL or path is one line now, not one per worker
+    os.environ[MODEL_VARIABLE] = model_uri
+    os.environ.pop(EVENTS_VARIABLE, None)
+    if events:
+        os.environ[EVENTS_VARIABLE] = events
+    uvicorn.run(f"{__name__}:app_from_environment", factory=True, host=host, port=port, workers=workers,
+                log_level="warning", access_log=False)
+    return 0
