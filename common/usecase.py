@@ -98,7 +98,7 @@ class UseCase:
 
     def server(self):
         """The use case's own server module (its `server.py`, with `serve(model_uri, host, port, workers, events)`
-        and `default_events(local_store)`), or None: `usecases serve` then runs MLflow's scoring server."""
+        and `default_events(tracking_uri)`), or None: `usecases serve` then runs MLflow's scoring server."""
         if importlib.util.find_spec(f"{self.package}.server") is None:
             return None
         return self._module("server")

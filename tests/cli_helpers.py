@@ -4,7 +4,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
+
+from common.tools.serve_bench import free_port, stop_process_group as stop  # noqa: F401  (the tests import them)
 
 
 def private_env(folder) -> dict[str, str]:
@@ -111,12 +112,6 @@ def runs(usecase, uri=None):
     return mlflow.MlflowClient().search_runs([experiment.experiment_id])
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def wait_until_up(url: str, process: subprocess.Popen, seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -127,18 +122,6 @@ def wait_until_up(url: str, process: subprocess.Popen, seconds: float = 120) -> 
         except (OSError, urllib.error.HTTPError):
             time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer within {seconds:.0f} s")
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the whole process group (servers start workers), SIGKILL if it lingers."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-    except ProcessLookupError:
-        pass
 
 
 @contextmanager

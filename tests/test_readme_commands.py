@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.cli_helpers import free_port, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 # One reader reads them in turn, in one store: the use cases' smoke runs come first and stand in for `make demo`.
@@ -102,12 +102,6 @@ def skip_reason(command: Command) -> str | None:
     return next((reason for pattern, reason in SKIPPED if re.search(pattern, command.text, re.M)), None)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class Reader:
     """A reader at a terminal: one scratch folder, one store, the servers this page started."""
 
@@ -176,12 +170,7 @@ class Reader:
     def stop_servers(self) -> None:
         for _, server in self.servers.values():
             if server.poll() is None:
-                os.killpg(server.pid, signal.SIGTERM)
-                try:
-                    server.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(server.pid, signal.SIGKILL)
-                    server.wait()
+                stop(server)
         self.servers.clear()
 
 

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve a use case's champion model over REST",
                                 description="Serve the registered champion of a use case (or any model URI): with "
-                                            "the use case's own server where it has one (recsys: several workers, "
+                                            "the use case's own server where it has one (several workers, "
                                             "POST /events), else `mlflow models serve --env-manager local`; POST "
                                             "JSON to /invocations either way.")
     serve.add_argument("name", help="use case (see `usecases list`)")
@@ -317,11 +317,9 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
     uri = tracking_uri()
     model_uri, what = _served_model(name, model_uri, data_sha256)
     if own is not None:
-        from common.tracking.runs import local_store
-
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         workers = options.workers or cores
-        events = options.events or own.default_events(local_store())
+        events = options.events or own.default_events(uri)
         print(f"Serving {what} on http://{host}:{port}/invocations with {workers} worker(s), events in {events}; "
               "Ctrl-C to stop", flush=True)
         os.environ["MLFLOW_TRACKING_URI"] = uri

@@ -91,7 +91,7 @@ def _ratios(table: pd.DataFrame) -> dict[int, float]:
 def _measure(name: str, server: str, model_uri: str, requests: Path, concurrencies: list[int], seconds: float,
              workers: int | None, folder: Path) -> list[dict]:
     """Start one server, drive it at each concurrency, stop it."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "usecases", "serve", name, "--model-uri", model_uri, "--port", str(port)]
     if server == "ours":
         command += ["--events", str(folder / "events.db"), *(["--workers", str(workers)] if workers else [])]
@@ -108,12 +108,20 @@ def _measure(name: str, server: str, model_uri: str, requests: Path, concurrenci
             rows.append({"server": server, **_drive(port, requests, level, seconds)})
         return rows
     finally:
+        stop_process_group(process)
+
+
+def stop_process_group(process: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM to a server started in a session of its own (`start_new_session=True`) and its workers; SIGKILL
+    after `timeout_s`."""
+    try:
         os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout_s)
+    except ProcessLookupError:  # already gone
+        pass
 
 
 def _drive(port: int, requests: Path, concurrency: int, seconds: float) -> dict:
@@ -142,7 +150,8 @@ def _wait_ready(process: subprocess.Popen, port: int, server: str) -> None:
     raise UserError(f"the {server} server did not answer /ping within {START_TIMEOUT_S} s")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port nothing listens on now, on the loopback."""
     import socket
 
     with socket.socket() as probe:

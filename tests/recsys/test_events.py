@@ -9,7 +9,6 @@ the server binary. Writers are forked children (`os.fork`): the store must open 
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,10 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
+from tests.cli_helpers import free_port
 from usecases.recsys.events import START, BadEvent, Event, SQLiteEventStore, open_event_store
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the writer processes are forked")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

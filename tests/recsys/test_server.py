@@ -3,7 +3,6 @@ the SQLite event store), spoken to over HTTP in MLflow's scoring protocol and wi
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from tests.cli_helpers import free_port, runs
+from tests.cli_helpers import free_port, runs, stop
 from usecases.recsys.events import SQLiteEventStore
 
 READY_TIMEOUT_S = 120
@@ -62,8 +61,7 @@ def server(smoke_runs, tmp_path_factory):
     else:
         pytest.fail("the server did not answer /ping with two workers in time")
     yield port, process, events, run.info.run_id, smoke.uri
-    os.killpg(process.pid, signal.SIGTERM)
-    process.wait(timeout=30)
+    stop(process)
 
 
 def workers(process) -> list[psutil.Process]:

@@ -150,9 +150,14 @@ def bench_requests(loaded, count: int, seed: int) -> list[dict]:
     return bodies
 
 
-def default_events(local_store: Path) -> str:
-    """The embedded default: one SQLite file beside the local tracking store, shared by the workers."""
-    return str(local_store / "recsys-events.db")
+def default_events(tracking_uri: str) -> str:
+    """The embedded default, one SQLite file that the workers share: beside a SQLite tracking store, else in the
+    project's mlflow/ folder."""
+    from common.tracking.runs import local_store
+
+    sqlite = tracking_uri.startswith("sqlite:///")
+    folder = Path(tracking_uri.removeprefix("sqlite:///")).parent if sqlite else local_store()
+    return str(folder / "recsys-events.db")
 
 
 def serve(model_uri: str, host: str, port: int, workers: int, events: str | None) -> int:
