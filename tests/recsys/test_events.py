@@ -7,9 +7,7 @@ the server binary. Writers are forked children (`os.fork`): the store must open 
 """
 
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -22,36 +20,6 @@ from tests.cli_helpers import free_port
 from usecases.recsys.events import START, BadEvent, Event, SQLiteEventStore, open_event_store
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the writer processes are forked")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    """A redis-server of this module's own: empty, not persisted, stopped at the end."""
-    try:
-        import redis
-    except ImportError:
-        pytest.skip("Redis store: the redis client is not installed (pip install redis)")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("Redis store: no redis-server on PATH")
-    port = free_port()
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                               "--dir", str(tmp_path_factory.mktemp("redis"))],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client, deadline = redis.Redis(port=port), time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"redis-server on port {port} did not start")
-            time.sleep(0.05)
-    client.close()
-    yield f"redis://127.0.0.1:{port}/0"
-    server.terminate()
-    server.wait(10)
 
 
 @pytest.fixture(params=["sqlite", "redis"])

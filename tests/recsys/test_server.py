@@ -15,7 +15,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from tests.cli_helpers import free_port, runs, stop
+from tests.cli_helpers import free_port, runs, stop, wait_until_up
 from usecases.recsys.events import SQLiteEventStore
 
 READY_TIMEOUT_S = 120
@@ -177,3 +177,30 @@ def test_no_acknowledged_event_is_lost_when_a_worker_is_killed_mid_stream(server
     while len(workers(process)) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert len(workers(process)) == 2 and victim.pid not in {worker.pid for worker in workers(process)}
+
+
+def test_events_go_through_redis_for_servers_on_several_machines(server, redis_url):
+    """One worker on Redis Streams: a posted event is in the user's stream, in the retraining consumer's page, and
+    gone from the user's next list."""
+    from usecases.recsys.events import open_event_store
+
+    _, _, _, run_id, uri = server
+    user = known_user(uri, run_id)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "usecases", "serve", "recsys", "--model-uri",
+                                f"runs:/{run_id}/model", "--workers", "1", "--events", redis_url, "--port", str(port)],
+                               env={**os.environ, "MLFLOW_TRACKING_URI": uri}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}/ping", process, READY_TIMEOUT_S)
+        top = call(port, "/invocations", {"dataframe_records": [{"user_id": user}]})[1]["predictions"][0]["item_id"]
+        assert call(port, "/events", {"user_id": user, "item_id": top})[1] == {"recorded": 1}
+        after = call(port, "/invocations", {"dataframe_records": [{"user_id": user}]})[1]["predictions"]
+        assert top not in [row["item_id"] for row in after]
+        store = open_event_store(redis_url)
+        assert store.recent(user, 5)[-1] == str(top)
+        events, _ = store.read_since("0", 100_000)
+        assert (str(user), str(top)) in {(event.user_id, event.item_id) for event in events}
+        store.close()
+    finally:
+        stop(process)

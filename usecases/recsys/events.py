@@ -189,18 +189,33 @@ class SQLiteEventStore:
         return self._connected
 
     def _connect(self) -> sqlite3.Connection:
+        """Several processes (a server's workers) may open a new file at once: switching it to WAL and creating the
+        table take locks that SQLite's busy handler does not wait for, so a busy open is retried until
+        BUSY_TIMEOUT_S."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                return self._open()
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() > deadline:
+                    raise UserError(f"{self.path}: cannot open the event store: {error}") from None
+                time.sleep(0.01)
+            except (OSError, sqlite3.Error) as error:
+                raise UserError(f"{self.path}: cannot open the event store: {error}") from None
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                                         check_same_thread=False)
             mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
                 raise UserError(f"{self.path}: SQLite cannot keep the event store in WAL mode here (journal mode "
                                 f"{mode}); give a file on a local disk")
             connection.execute(f"PRAGMA synchronous={self.synchronous}")
             connection.executescript(SCHEMA)
-        except (OSError, sqlite3.Error) as error:
-            raise UserError(f"{self.path}: cannot open the event store: {error}") from None
+        except BaseException:
+            connection.close()
+            raise
         return connection
 
     def append(self, events: Event | dict | list[Event | dict]) -> int:
