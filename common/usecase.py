@@ -99,9 +99,11 @@ class UseCase:
     def server(self):
         """The use case's own server module (its `server.py`, with `serve(model_uri, host, port, workers, events)`
         and `default_events(tracking_uri)`), or None: `usecases serve` then runs MLflow's scoring server."""
-        if importlib.util.find_spec(f"{self.package}.server") is None:
+        try:
+            found = importlib.util.find_spec(f"{self.package}.server")
+        except ModuleNotFoundError:  # the package itself is not importable (a declared but absent use case)
             return None
-        return self._module("server")
+        return self._module("server") if found is not None else None
 
     def benchmark(self, config, data, job):
         if not self.has_benchmark:

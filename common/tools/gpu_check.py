@@ -1,7 +1,7 @@
 """`make gpu-check`: on a machine with a GPU, one command measures everything GPU-side and writes it down.
 
 It runs `usecases doctor --device cuda`, the `gpu` tests, every use case's `default` preset and every benchmark on
-the GPU, one after another within a time budget (each step gets what is left, at most its share), and writes
+the GPU (and, for a use case with its own server, `usecases bench NAME --serve` on the champion the run registered), one after another within a time budget (each step gets what is left, at most its share), and writes
 `gpu-report.json` (every step's outcome, the doctor's lines, each run's summary) and `gpu-report.md` (the rows the
 READMEs' GPU tables take). Without a GPU it says so in one line and exits 2.
 """
@@ -37,7 +37,8 @@ class Step:
 
 
 def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
-    """The steps, cheapest and most telling first: doctor, the gpu tests, each default run, each benchmark."""
+    """The steps, cheapest and most telling first: doctor, the gpu tests, each default run, each benchmark, each
+    use case's own server against MLflow's."""
     cli = [python, "-m", "usecases"]
     steps = [Step("doctor", [*cli, "doctor", "--device", "cuda"]),
              Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"])]
@@ -45,6 +46,8 @@ def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
               for case in usecases]
     steps += [Step(f"bench {case.name}", [*cli, *RunRequest(case, device="cuda", bench=True).command_line()])
               for case in usecases if case.has_benchmark]
+    steps += [Step(f"serve {case.name}", [*cli, "bench", case.name, "--serve"])  # the champion the run registered
+              for case in usecases if case.server() is not None]
     return steps
 
 
@@ -63,7 +66,7 @@ def _execute_one(step: Step, deadline: float, steps_left: int, summary_file: Pat
     if left <= 1:
         step.output_tail = "not run: the time budget was spent"
         return
-    share = left / steps_left if step.name.startswith(("run ", "bench ")) else left
+    share = left / steps_left if step.name.startswith(("run ", "bench ", "serve ")) else left
     command = [*step.command, "--summary", str(summary_file)] if "--preset" in step.command else step.command
     started = time.monotonic()
     try:

@@ -30,6 +30,13 @@ def test_the_plan_runs_doctor_the_gpu_tests_every_default_run_and_every_benchmar
     assert run_step.command == ["py", "-m", "usecases", "run", "alpha", "--preset", "default", "--device", "cuda"]
 
 
+def test_a_use_case_with_its_own_server_gets_the_serving_bench_after_its_run(monkeypatch):
+    monkeypatch.setattr(UseCase, "server", lambda case: object() if case.name == "beta" else None)
+    steps = gpu_check.plan(CASES, python="py")
+    assert [step.name for step in steps][-1] == "serve beta"
+    assert steps[-1].command == ["py", "-m", "usecases", "bench", "beta", "--serve"]
+
+
 def fake_runner(outcomes: dict[str, tuple[int, dict]], timeouts: list[float]):
     """Answers each command as `outcomes` says, writing its summary where `--summary` points."""
 
