@@ -140,3 +140,24 @@ def test_the_pyfunc_refuses_a_malformed_recent_items_as_invalid_parameter():
     with pytest.raises(MlflowException, match="recent_items row 0: expected a list") as refused:
         served("factors").predict(None, pd.DataFrame({"user_id": [100], "recent_items": ["abc"]}))
     assert refused.value.error_code == "INVALID_PARAMETER_VALUE"
+
+
+def test_auto_serves_the_foldin_method_that_replays_the_validation_period_best(clustered, monkeypatch):
+    from usecases.recsys import pipeline
+
+    config, data = clustered
+    config = config.model_copy(update={"evaluation": cfg.Evaluation(replay=True)})
+    train = data.matrix("train")
+    torch.manual_seed(0)
+    form = served_form(SCORERS["lightgcn"](data, train), config, train)
+    assert set(form["foldin_choices"]) == {"least_squares", "gradient", "graph"}
+    fresh = {"least_squares": 0.1, "gradient": 0.3, "graph": 0.2}
+    monkeypatch.setattr(pipeline, "replayed", lambda name, recommender, events, config, period: {
+        "replay_fresh_ndcg@10": fresh[recommender.foldin.spec.method]})
+    cut = pipeline.Cut(train, (data.train,))
+    chosen, figures = pipeline.chosen_foldin("lightgcn", form, data, config, cut)
+    assert chosen["foldin"]["method"] == "gradient" and "foldin_choices" not in chosen
+    assert figures == {f"foldin_{method}_val_replay_ndcg@10": value for method, value in fresh.items()}
+    without_replay, none = pipeline.chosen_foldin("lightgcn", form, data, config.model_copy(
+        update={"evaluation": cfg.Evaluation(replay=False)}), cut)
+    assert without_replay["foldin"]["method"] == "least_squares" and none == {}

@@ -115,12 +115,14 @@ class FoldInConfig(ConfigModel):
     """How the served model takes a user's latest events in (request's `recent_items`, `POST /events`). ALS folds in
     by its own least squares (its regularization and alpha), ItemKNN and EASE score the history at once."""
 
-    bpr: Literal["gradient", "least_squares"] = Field(
-        "gradient", description="BPR steps on the fixed item factors from the user's trained vector (zero for a new "
-                                "user), or ridge least squares on them (which lost to the steps on clustered data)")
-    lightgcn: Literal["graph", "gradient", "least_squares"] = Field(
-        "least_squares", description="least squares on the item factors (the best in the replay of ml-latest-small), "
-                                     "BPR steps, or graph: the user as a new node of the training graph")
+    bpr: Literal["auto", "gradient", "least_squares"] = Field(
+        "auto", description="BPR steps on the fixed item factors from the user's trained vector (zero for a new user), "
+                            "ridge least squares on them, or auto: the better on the validation replay (with "
+                            "evaluation.replay; else gradient)")
+    lightgcn: Literal["auto", "least_squares", "gradient", "graph"] = Field(
+        "auto", description="least squares on the item factors, BPR steps, graph (the user as a new node of the "
+                            "training graph), or auto: the best on the validation replay (with evaluation.replay; "
+                            "else least_squares)")
     regularization: float = Field(1.0, gt=0, description="lambda of least squares for bpr and lightgcn")
     steps: int = Field(20, ge=1, description="gradient fold-in: BPR steps")
     lr: float = Field(0.05, gt=0, description="gradient fold-in: step size")

@@ -122,6 +122,10 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
         models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name],
                         "evaluate_seconds": time.perf_counter() - started}
         forms[name] = served_form(scorer, config, train)
+        if runtime.is_main:  # rank 0 serves: it alone replays the fold-in methods
+            forms[name], chosen = chosen_foldin(name, forms[name], data, config, cuts["train"])
+            models[name].update(chosen)
+        forms[name].pop("foldin_choices", None)
         for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
             as_served = Recommender(bundle_at(forms[name], data, config, cuts[cut]))
             models[name][key] = ranking(as_served, test, seen_before_test, config.evaluation.ks)["ndcg@10"]
@@ -190,22 +194,53 @@ def served_form(scorer, config: Config, train: sp.csr_matrix) -> dict:
     return {"kind": "popularity"}
 
 
+FOLDIN_METHODS = {"bpr": ("gradient", "least_squares"), "lightgcn": ("least_squares", "gradient", "graph")}
+
+
 def _learned_foldin(scorer: PairwiseRanker, config: Config, train: sp.csr_matrix) -> dict:
-    """BPR and LightGCN fold events in as `serving.foldin` says; LightGCN's graph fold-in needs its layer-0 user
-    rows, the items' summed layers and their training degrees."""
+    """BPR and LightGCN fold events in as `serving.foldin` says; with `auto`, every method is offered
+    (`foldin_choices`, the first the default) and `chosen_foldin` keeps the best on the validation replay.
+    LightGCN's graph fold-in needs its layer-0 user rows, the items' summed layers and their training degrees."""
     settings, name = config.serving.foldin, "lightgcn" if isinstance(scorer, LightGCN) else "bpr"
     method = getattr(settings, name)
-    if method == "graph":
+    methods = FOLDIN_METHODS[name] if method == "auto" else (method,)
+    choices = {}
+    for candidate in methods:
+        if candidate == "graph":
+            choices[candidate] = FoldIn("graph", layers=scorer.layers).as_plain()
+        elif candidate == "gradient":
+            choices[candidate] = FoldIn("gradient", steps=settings.steps, lr=settings.lr,
+                                        weight_decay=getattr(config, name).weight_decay,
+                                        seed=config.runtime.seed).as_plain()
+        else:
+            choices[candidate] = FoldIn("least_squares", regularization=settings.regularization).as_plain()
+    form = {"foldin": choices[methods[0]], **({"foldin_choices": choices} if len(choices) > 1 else {})}
+    if "graph" in choices:
         egos, layer_sum = scorer.foldin_tables()
         degree = torch.from_numpy(np.diff(train.tocsc().indptr).astype(np.float32))
-        foldin = FoldIn("graph", layers=scorer.layers)
-        return {"foldin": foldin.as_plain(), "egos": egos.cpu(), "layer_sum": layer_sum.cpu(), "degree": degree}
-    if method == "gradient":
-        foldin = FoldIn("gradient", steps=settings.steps, lr=settings.lr,
-                        weight_decay=getattr(config, name).weight_decay, seed=config.runtime.seed)
-    else:
-        foldin = FoldIn("least_squares", regularization=settings.regularization)
-    return {"foldin": foldin.as_plain()}
+        form.update({"egos": egos.cpu(), "layer_sum": layer_sum.cpu(), "degree": degree})
+    return form
+
+
+def chosen_foldin(name: str, form: dict, data: Interactions, config: Config, cut: Cut) -> tuple[dict, dict]:
+    """The form with the fold-in method whose replay of the validation period (what was known at its start) ranks
+    the next events best, and each method's figure; a form without choices as it is."""
+    choices = form.get("foldin_choices")
+    if not choices:
+        return form, {}
+    form = {key: value for key, value in form.items() if key != "foldin_choices"}
+    if not config.evaluation.replay or data.val_events is None:
+        return form, {}
+    scores = {}
+    for method, foldin in choices.items():
+        candidate = Recommender(bundle_at({**form, "foldin": foldin}, data, config, cut))
+        scores[method] = replayed(f"{name} ({method} fold-in)", candidate, data.val_events, config,
+                                  "validation")["replay_fresh_ndcg@10"]
+    best = max(scores, key=scores.get)
+    log.info("%s: fold-in by %s (validation replay NDCG@10 %s)", name, best,
+             ", ".join(f"{method} {value:.4f}" for method, value in scores.items()))
+    return {**form, "foldin": choices[best]}, {f"foldin_{method}_val_replay_ndcg@10": value
+                                               for method, value in scores.items()}
 
 
 @dataclass(frozen=True)
