@@ -155,9 +155,10 @@ def test_auto_serves_the_foldin_method_that_replays_the_validation_period_best(c
     monkeypatch.setattr(pipeline, "replayed", lambda name, recommender, events, config, period: {
         "replay_fresh_ndcg@10": fresh[recommender.foldin.spec.method]})
     cut = pipeline.Cut(train, (data.train,))
-    chosen, figures = pipeline.chosen_foldin("lightgcn", form, data, config, cut)
+    chosen, figures, replay = pipeline.chosen_foldin("lightgcn", form, data, config, cut)
     assert chosen["foldin"]["method"] == "gradient" and "foldin_choices" not in chosen
+    assert replay == {"replay_fresh_ndcg@10": 0.3}  # reused as the served method's validation replay
     assert figures == {f"foldin_{method}_val_replay_ndcg@10": value for method, value in fresh.items()}
-    without_replay, none = pipeline.chosen_foldin("lightgcn", form, data, config.model_copy(
+    without_replay, none, no_replay = pipeline.chosen_foldin("lightgcn", form, data, config.model_copy(
         update={"evaluation": cfg.Evaluation(replay=False)}), cut)
-    assert without_replay["foldin"]["method"] == "least_squares" and none == {}
+    assert without_replay["foldin"]["method"] == "least_squares" and none == {} and no_replay is None

@@ -121,9 +121,9 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
         metrics = ranking(scorer, test, seen_before_test, config.evaluation.ks)
         models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name],
                         "evaluate_seconds": time.perf_counter() - started}
-        forms[name] = served_form(scorer, config, train)
+        forms[name], val_replay = served_form(scorer, config, train), None
         if runtime.is_main:  # rank 0 serves: it alone replays the fold-in methods
-            forms[name], chosen = chosen_foldin(name, forms[name], data, config, cuts["train"])
+            forms[name], chosen, val_replay = chosen_foldin(name, forms[name], data, config, cuts["train"])
             models[name].update(chosen)
         forms[name].pop("foldin_choices", None)
         for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
@@ -133,7 +133,7 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
             models[name].update(replayed(name, as_served, data.test_events, config))
             if config.serving.select_by == "val_replay":  # what was known at the validation cut, its period replayed
                 at_val_cut = Recommender(bundle_at(forms[name], data, config, cuts["train"]))
-                figures = replayed(name, at_val_cut, data.val_events, config, "validation")
+                figures = val_replay or replayed(name, at_val_cut, data.val_events, config, "validation")
                 models[name].update({f"val_{key}": value for key, value in figures.items()})
         log.info("%s: test NDCG@10 %.4f (served form %.4f), recall@10 %.4f", name, metrics["ndcg@10"],
                  models[name]["served_ndcg@10"], metrics["recall@10"])
@@ -222,25 +222,27 @@ def _learned_foldin(scorer: PairwiseRanker, config: Config, train: sp.csr_matrix
     return form
 
 
-def chosen_foldin(name: str, form: dict, data: Interactions, config: Config, cut: Cut) -> tuple[dict, dict]:
+def chosen_foldin(name: str, form: dict, data: Interactions, config: Config,
+                  cut: Cut) -> tuple[dict, dict, dict | None]:
     """The form with the fold-in method whose replay of the validation period (what was known at its start) ranks
-    the next events best, and each method's figure; a form without choices as it is."""
+    the next events best, each method's figure, and the chosen method's whole replay; a form without choices as it
+    is."""
     choices = form.get("foldin_choices")
     if not choices:
-        return form, {}
+        return form, {}, None
     form = {key: value for key, value in form.items() if key != "foldin_choices"}
     if not config.evaluation.replay or data.val_events is None:
-        return form, {}
-    scores = {}
-    for method, foldin in choices.items():
-        candidate = Recommender(bundle_at({**form, "foldin": foldin}, data, config, cut))
-        scores[method] = replayed(f"{name} ({method} fold-in)", candidate, data.val_events, config,
-                                  "validation")["replay_fresh_ndcg@10"]
+        return form, {}, None
+    replays = {method: replayed(f"{name} ({method} fold-in)",
+                                Recommender(bundle_at({**form, "foldin": foldin}, data, config, cut)),
+                                data.val_events, config, "validation")
+               for method, foldin in choices.items()}
+    scores = {method: figures["replay_fresh_ndcg@10"] for method, figures in replays.items()}
     best = max(scores, key=scores.get)
     log.info("%s: fold-in by %s (validation replay NDCG@10 %s)", name, best,
              ", ".join(f"{method} {value:.4f}" for method, value in scores.items()))
-    return {**form, "foldin": choices[best]}, {f"foldin_{method}_val_replay_ndcg@10": value
-                                               for method, value in scores.items()}
+    return ({**form, "foldin": choices[best]},
+            {f"foldin_{method}_val_replay_ndcg@10": value for method, value in scores.items()}, replays[best])
 
 
 @dataclass(frozen=True)
