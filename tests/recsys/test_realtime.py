@@ -162,3 +162,9 @@ def test_auto_serves_the_foldin_method_that_replays_the_validation_period_best(c
     without_replay, none, no_replay = pipeline.chosen_foldin("lightgcn", form, data, config.model_copy(
         update={"evaluation": cfg.Evaluation(replay=False)}), cut)
     assert without_replay["foldin"]["method"] == "least_squares" and none == {} and no_replay is None
+
+
+def test_a_factor_model_logged_without_foldin_answers_from_its_trained_rows():
+    model = served("factors")  # the bundle has no `foldin`: as logged before fold-in existed
+    warm = model.predict(None, pd.DataFrame({"user_id": [100], "recent_items": [[12]]}), {"k": 3})
+    assert list(warm["item_id"]) == [13, 14]  # by the trained vector (popularity would give 14, 13); 12 consumed

@@ -37,7 +37,7 @@ KNOWN_CACHE_BYTES = 64 * 2**20  # item-item scores of the known histories of the
 
 
 class Recommender:
-    """Scores every item for known user codes, from one of the three served forms; with events, folded in."""
+    """Scores every item for known user codes, from one of the four served forms; with events, folded in."""
 
     def __init__(self, bundle: dict):
         self.kind = bundle["kind"]
@@ -103,8 +103,8 @@ class Recommender:
         return best, scores[best]
 
     def _scores(self, user: int, events: np.ndarray) -> np.ndarray:
-        if not (events != UNKNOWN).any():
-            return self.score(torch.tensor([user])).numpy()[0]
+        if not (events != UNKNOWN).any() or (self.kind == "factors" and self.foldin is None):
+            return self.score(torch.tensor([user])).numpy()[0]  # a model logged without fold-in: its trained rows
         if self.kind == "item_item":  # x·B is linear in the history: the known part, cached, plus the new items
             known = self._row(self.history, user)
             new = np.setdiff1d(events[events != UNKNOWN][-self.max_events:], known)
@@ -112,8 +112,8 @@ class Recommender:
         if self.kind == "sequence":  # the user's sequence then the events, in order: repeats count as events
             own = self.sequences.user_sequences[user].numpy()
             return self.sequences.score_sequences([np.concatenate([own[own != UNKNOWN], events])])[0]
-        history = merged_history(self._row(self.history, user), events, max_length=self.max_events)
-        if self.kind == "factors" and self.foldin is not None:
+        if self.kind == "factors":
+            history = merged_history(self._row(self.history, user), events, max_length=self.max_events)
             start = self.starts[user:user + 1] if not self.cold[user] else np.zeros((1, self.starts.shape[1]))
             vector = self.foldin.users([history], start)
             return self.item_table @ vector[0]
