@@ -97,7 +97,8 @@ class UseCase:
         return self._module("pipeline").run(config, data, job)
 
     def server(self):
-        """The use case's own server module (its `server.py`, with `serve(model_uri, host, port, workers, events)`
+        """The use case's own server module (its `server.py`, with `serve(model_uri, host, port, workers, events,
+        device=, batch_ms=)`
         and `default_events(tracking_uri)`), or None: `usecases serve` then runs MLflow's scoring server."""
         try:
             found = importlib.util.find_spec(f"{self.package}.server")

@@ -201,14 +201,15 @@ def test_serve_runs_a_use_cases_own_server_with_a_worker_per_core(monkeypatch, c
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     register_model("recsys", 0.3, "3" * 64, source="ml-latest-small")
     started = []
-    monkeypatch.setattr(server, "serve", lambda *args: started.append(args) or 0)
+    monkeypatch.setattr(server, "serve", lambda *args, **options: started.append((*args, options)) or 0)
     assert cli.main(["serve", "recsys", "--port", "5009"]) == 0
-    model_uri, host, port, workers, events = started[0]
+    model_uri, host, port, workers, events, options = started[0]
+    assert options == {"device": "auto", "batch_ms": None}  # the server decides: 2 ms on a GPU, off on the CPU
     assert (model_uri, host, port) == ("models:/gpu-usecases-recsys@champion", "127.0.0.1", 5009)
     assert workers == len(os.sched_getaffinity(0)) and events.endswith("recsys-events.db")
     assert "with %d worker(s)" % workers in capsys.readouterr().out
     assert cli.main(["serve", "finance", "--workers", "2"]) == 2  # MLflow's server: one line, no traceback
-    assert "--workers and --events need a use case with its own server" in capsys.readouterr().err
+    assert "--workers, --events, --device and --batch-ms need the use case's own server" in capsys.readouterr().err
 
 
 def server_command(monkeypatch, *args):

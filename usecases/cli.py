@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default="1,8,32", help="with --serve: concurrent clients (default 1,8,32)")
     bench.add_argument("--seconds", type=float, default=20.0, help="with --serve: load per concurrency (default 20)")
     bench.add_argument("--serve-workers", type=int, help="with --serve: our server's workers (default: one per core)")
+    bench.add_argument("--batch-ms", type=float, metavar="MS",
+                       help="with --serve: also measure our server micro-batching concurrent requests for up to MS "
+                            "milliseconds (server ours+batch; ours then runs unbatched)")
 
     demo = commands.add_parser("demo", help="run every use case on its default data",
                                description="Run every use case with its default preset; a data set that cannot "
@@ -91,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
                             "beside the local tracking store) or redis://HOST:PORT/DB for servers on several machines")
     serve.add_argument("--mlflow", action="store_true", help="MLflow's scoring server even where the use case has "
                                                              "its own")
+    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="the use case's own server: where each worker scores (default: a GPU where there is one)")
+    serve.add_argument("--batch-ms", type=float, metavar="MS",
+                       help="the use case's own server: score concurrent requests together, the first waiting at most "
+                            "MS milliseconds for others (default: 2 on a GPU, 0 (off) on the CPU)")
 
     compare = commands.add_parser("compare", help="compare a use case's runs by hardware",
                                   description="The finished runs of a use case grouped by hardware, instance type "
@@ -299,6 +307,8 @@ class ServerOptions:
     workers: int | None = None
     events: str | None = None
     mlflow: bool = False
+    device: str = "auto"
+    batch_ms: float | None = None
 
 
 def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: str | None = None,
@@ -311,9 +321,10 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
     own = None if options.mlflow else usecase.server()
     if options.workers is not None and options.workers < 1:
         raise UserError(f"--workers must be at least 1, got {options.workers}")
-    if own is None and (options.workers is not None or options.events is not None):
-        raise UserError(f"--workers and --events need a use case with its own server ('{name}' is served by "
-                        "MLflow's scoring server)")
+    if own is None and (options.workers is not None or options.events is not None or options.batch_ms is not None
+                        or options.device != "auto"):
+        raise UserError(f"--workers, --events, --device and --batch-ms need the use case's own server ('{name}' is "
+                        "served by MLflow's scoring server here)")
     uri = tracking_uri()
     model_uri, what = _served_model(name, model_uri, data_sha256)
     if own is not None:
@@ -323,7 +334,7 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
         print(f"Serving {what} on http://{host}:{port}/invocations with {workers} worker(s), events in {events}; "
               "Ctrl-C to stop", flush=True)
         os.environ["MLFLOW_TRACKING_URI"] = uri
-        return own.serve(model_uri, host, port, workers, events)
+        return own.serve(model_uri, host, port, workers, events, device=options.device, batch_ms=options.batch_ms)
     print(f"Serving {what} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "--host", host, "--port", str(port)],
@@ -419,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             return _server(args.host, args.port, args.backend_store_uri, args.artifacts_destination)
         if args.command == "serve":
             return _serve(args.name, args.model_uri, args.host, args.port, args.data_sha256,
-                          ServerOptions(args.workers, args.events, args.mlflow))
+                          ServerOptions(args.workers, args.events, args.mlflow, args.device, args.batch_ms))
         if args.command == "compare":
             return _compare(args.name, args.output_format)
         if args.command == "demo":
@@ -443,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model_uri, _ = _served_model(args.name, args.model_uri, None)
             serve_bench(_usecase(args.name), model_uri, parse_list(args.concurrency, "--concurrency", int),
-                        args.seconds, args.serve_workers)
+                        args.seconds, args.serve_workers, args.batch_ms)
             return EXIT_OK
         if args.command == "bench" and args.scale:
             from common.tools.scaling import parse_list, scale_bench

@@ -46,7 +46,8 @@ def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
               for case in usecases]
     steps += [Step(f"bench {case.name}", [*cli, *RunRequest(case, device="cuda", bench=True).command_line()])
               for case in usecases if case.has_benchmark]
-    steps += [Step(f"serve {case.name}", [*cli, "bench", case.name, "--serve"])  # the champion the run registered
+    steps += [Step(f"serve {case.name}", [*cli, "bench", case.name, "--serve", "--batch-ms", "2"])  # the champion
+              # the run registered, scored on the GPU one request at a time and micro-batched
               for case in usecases if case.server() is not None]
     return steps
 

@@ -28,14 +28,15 @@ from common.usecase import UseCase
 
 log = logging.getLogger(__name__)
 
-SERVERS = ("ours", "mlflow")
+BATCHED = "ours+batch"  # our server micro-batching, where --batch-ms asks for it
 START_TIMEOUT_S = 180
 REQUEST_BODIES = 512
 
 
 def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seconds: float,
-                workers: int | None) -> pd.DataFrame:
-    """Both servers at every concurrency; returns the table that was logged and printed."""
+                workers: int | None, batch_ms: float | None = None) -> pd.DataFrame:
+    """Both servers at every concurrency (and ours micro-batching for `batch_ms`, ours then unbatched); returns
+    the table that was logged and printed."""
     from common.tracking.runs import tracked_run
 
     own = usecase.server()
@@ -44,25 +45,32 @@ def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seco
     if any(level < 1 for level in concurrencies) or seconds <= 0:
         raise UserError(f"--concurrency takes positive integers and --seconds a positive time (got "
                         f"{','.join(map(str, concurrencies))} and {seconds:g})")
+    if batch_ms is not None and batch_ms <= 0:
+        raise UserError(f"--batch-ms must be above 0 to compare micro-batching, got {batch_ms:g}")
+    servers = {"ours": [] if batch_ms is None else ["--batch-ms", "0"],
+               **({BATCHED: ["--batch-ms", f"{batch_ms:g}"]} if batch_ms is not None else {}), "mlflow": ["--mlflow"]}
     bodies = own.bench_requests(mlflow.pyfunc.load_model(model_uri), REQUEST_BODIES, 0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as folder:
         requests = Path(folder) / "bodies.json"
         requests.write_text(json.dumps(bodies))
-        for server in SERVERS:
-            rows += _measure(usecase.name, server, model_uri, requests, concurrencies, seconds, workers,
+        for server, options in servers.items():
+            rows += _measure(usecase.name, server, options, model_uri, requests, concurrencies, seconds, workers,
                              Path(folder))
     table = pd.DataFrame(rows)
     ratios = _ratios(table)
     tags = {"preset": "serve", "model_uri": model_uri, "workers": str(workers or "per core"),
             "concurrency": ",".join(map(str, concurrencies))}
-    settings = ServeBench(model_uri=model_uri, concurrency=concurrencies, seconds=seconds, workers=workers)
+    settings = ServeBench(model_uri=model_uri, concurrency=concurrencies, seconds=seconds, workers=workers,
+                          batch_ms=batch_ms)
     with tracked_run(f"{usecase.name}-serve", settings, tags, run_name=f"{usecase.name}-serve",
                      description=f"{usecase.name}: its own server against MLflow's scoring server.") as tracker:
         for row in rows:
             tracker.log_metrics({f"serve/{row['server']}/c{row['concurrency']}/{name}": row[name]
                                  for name in ("requests_per_s", "p50_ms", "p99_ms", "errors")})
         tracker.log_metrics({f"serve/ratio/c{level}": ratio for level, ratio in ratios.items()})
+        tracker.log_metrics({f"serve/batch_ratio/c{level}": ratio
+                             for level, ratio in _ratios(table, BATCHED, "ours").items()})
         with tempfile.TemporaryDirectory() as out:
             table.to_csv(Path(out) / "serve.csv", index=False)
             _plot(table, Path(out) / "serve.png")
@@ -70,6 +78,10 @@ def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seco
     print(table.to_string(index=False), flush=True)
     print("requests per second, ours over MLflow's: " +
           ", ".join(f"{ratio:.1f}x at concurrency {level}" for level, ratio in ratios.items()), flush=True)
+    if batch_ms is not None:
+        print(f"micro-batched ({batch_ms:g} ms) over unbatched: " + ", ".join(
+            f"{ratio:.2f}x at concurrency {level}" for level, ratio in _ratios(table, BATCHED, "ours").items()),
+            flush=True)
     return table
 
 
@@ -80,23 +92,26 @@ class ServeBench(ConfigModel):
     concurrency: list[int]
     seconds: float
     workers: int | None
+    batch_ms: float | None = None
     request_bodies: int = REQUEST_BODIES
 
 
-def _ratios(table: pd.DataFrame) -> dict[int, float]:
+def _ratios(table: pd.DataFrame, over: str = "ours", under: str = "mlflow") -> dict[int, float]:
+    """Requests per second of server `over` divided by `under`'s, per concurrency (none where either is absent)."""
     speeds = table.pivot(index="concurrency", columns="server", values="requests_per_s")
-    return {int(level): float(row["ours"] / row["mlflow"]) for level, row in speeds.iterrows() if row["mlflow"] > 0}
+    if over not in speeds or under not in speeds:
+        return {}
+    return {int(level): float(row[over] / row[under]) for level, row in speeds.iterrows() if row[under] > 0}
 
 
-def _measure(name: str, server: str, model_uri: str, requests: Path, concurrencies: list[int], seconds: float,
-             workers: int | None, folder: Path) -> list[dict]:
-    """Start one server, drive it at each concurrency, stop it."""
+def _measure(name: str, server: str, options: list[str], model_uri: str, requests: Path, concurrencies: list[int],
+             seconds: float, workers: int | None, folder: Path) -> list[dict]:
+    """Start one server (`usecases serve` with `options`), drive it at each concurrency, stop it."""
     port = free_port()
-    command = [sys.executable, "-m", "usecases", "serve", name, "--model-uri", model_uri, "--port", str(port)]
-    if server == "ours":
+    command = [sys.executable, "-m", "usecases", "serve", name, "--model-uri", model_uri, "--port", str(port),
+               *options]
+    if server != "mlflow":
         command += ["--events", str(folder / "events.db"), *(["--workers", str(workers)] if workers else [])]
-    else:
-        command.append("--mlflow")
     log.info("serve bench: starting %s server", server)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)

@@ -34,7 +34,7 @@ def test_a_use_case_with_its_own_server_gets_the_serving_bench_after_its_run(mon
     monkeypatch.setattr(UseCase, "server", lambda case: object() if case.name == "beta" else None)
     steps = gpu_check.plan(CASES, python="py")
     assert [step.name for step in steps][-1] == "serve beta"
-    assert steps[-1].command == ["py", "-m", "usecases", "bench", "beta", "--serve"]
+    assert steps[-1].command == ["py", "-m", "usecases", "bench", "beta", "--serve", "--batch-ms", "2"]
 
 
 def fake_runner(outcomes: dict[str, tuple[int, dict]], timeouts: list[float]):

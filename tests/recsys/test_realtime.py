@@ -168,3 +168,62 @@ def test_a_factor_model_logged_without_foldin_answers_from_its_trained_rows():
     model = served("factors")  # the bundle has no `foldin`: as logged before fold-in existed
     warm = model.predict(None, pd.DataFrame({"user_id": [100], "recent_items": [[12]]}), {"k": 3})
     assert list(warm["item_id"]) == [13, 14]  # by the trained vector (popularity would give 14, 13); 12 consumed
+
+
+def sequence_bundle(data, train) -> dict:
+    """A SASRec served form (untrained weights: the batch and one-at-a-time paths must agree on any network)."""
+    from usecases.recsys.sasrec import SASRecNetwork, SequenceScorer, left_padded, sequences_by_user, \
+        served_sequence_form
+
+    torch.manual_seed(0)
+    network = SASRecNetwork(n_items=data.n_items, dim=8, layers=1, heads=2, dropout=0.0, max_len=6).eval()
+    return served_sequence_form(SequenceScorer(network, left_padded(sequences_by_user(data.train, data.n_users), 6)))
+
+
+def batch_requests(data) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Known users and a stranger, without events, with known events, with only unknown ones and with repeats."""
+    users = np.asarray([1, 2, 3, 5, 8, 13, 0, 0, 4, 6], np.int64)  # code 0: a user the run never read
+    items = np.arange(1, data.n_items)
+    events = [np.zeros(0, np.int64), items[:3], items[-2:], np.asarray([0, 0]), items[[4, 4, 9]],
+              np.zeros(0, np.int64), items[-3:], np.zeros(0, np.int64), items[:1], np.asarray([0, items[7]])]
+    return users, events
+
+
+@pytest.mark.parametrize(("name", "method"), [*FORMS, ("sasrec", None), ("pop", None)])
+def test_a_micro_batch_answers_as_each_request_alone(clustered, name, method):
+    """`recommend_batch` (the GPU path, run here on the CPU) gives each row the list `recommend` gives it alone:
+    the same scores and, above the k-th score (ties there may fall either way), the same items."""
+    config, data = clustered
+    if name == "als" and not als_available():
+        pytest.skip("implicit is not installed")
+    if method:
+        config = config.model_copy(update={"serving": cfg.Serving(foldin={name: method})})
+    train = data.matrix("train")
+    torch.manual_seed(0)
+    form = {"sasrec": lambda: sequence_bundle(data, train), "pop": lambda: {"kind": "popularity"}}.get(
+        name, lambda: served_form(SCORERS[name](data, train), config, train))()
+    model = RecommenderModel.from_bundle(serving_bundle(form, data, config, data.matrix("known")))
+    recommender = model.recommender
+    users, events = batch_requests(data)
+    batched = recommender.to(CPU).recommend_batch(users, events, 6)
+    for user, row, (items, scores) in zip(users.tolist(), events, batched):
+        alone_items, alone_scores = recommender.recommend(user, row, 6)
+        assert np.allclose(scores, alone_scores, rtol=1e-4, atol=1e-5), (name, user, row)
+        above = scores > scores[-1] + 1e-4
+        assert set(items[above]) == set(alone_items[above]), (name, user, row)
+        assert not set(items) & {0, *row.tolist()}  # never the unknown item nor an event
+
+
+def test_the_model_answers_a_batch_of_requests_each_at_its_own_k(clustered):
+    config, data = clustered
+    train = data.matrix("train")
+    model = RecommenderModel.from_bundle(serving_bundle(served_form(SCORERS["ease"](data, train), config, train),
+                                                        data, config, data.matrix("known")))
+    first = parse_rows({"user_id": [data.user_ids[1], "stranger"]}, 2)
+    second = parse_rows({"user_id": [data.user_ids[2]], "recent_items": [[data.item_ids[3]]]}, 1)
+    together = model.recommend_requests([(first, 2, ()), (second, 5, [[data.item_ids[4]]])])
+    assert together == [model.recommend(first, 2), model.recommend(second, 5, [[data.item_ids[4]]])]
+    model.recommender.to(CPU)
+    model.recommender.device = torch.device("meta")  # any device but the CPU: every row through recommend_batch
+    with pytest.raises(NotImplementedError):  # (no meta kernels for the sparse product: the path was taken)
+        model.recommend(first, 2)

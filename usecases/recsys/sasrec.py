@@ -156,14 +156,18 @@ class SequenceScorer:
         sequences = self.user_sequences[users.to(self.device)]
         return self.network.scores(self.network.last_hidden(sequences)).float()
 
-    @torch.no_grad()
     def score_sequences(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
         """(len(sequences), n_items) float32 scores, each from the sequence's last `max_len` known items; a sequence
         with no known item scores every item 0 (nothing to go on: the caller falls back to popularity)."""
+        return self.score_tensor(sequences).cpu().numpy()
+
+    @torch.no_grad()
+    def score_tensor(self, sequences: Sequence[np.ndarray]) -> torch.Tensor:
+        """`score_sequences` as a tensor on the network's device."""
         padded = left_padded(sequences, self.max_len).to(self.device)
         scores = self.network.scores(self.network.last_hidden(padded)).float()
         scores[padded[:, -1] == UNKNOWN] = 0.0
-        return scores.cpu().numpy()
+        return scores
 
     @classmethod
     def from_form(cls, form: dict, device: torch.device | str = "cpu") -> SequenceScorer:

@@ -5,7 +5,9 @@ It speaks MLflow's scoring protocol (`GET /ping`, `GET /health`, `GET /version`,
 change, and adds `POST /events` (one event or a list of `user_id`, `item_id`, `timestamp`): the event store keeps
 them for every worker, and the user's next request folds them in. The hot path has no pandas: JSON in and out with
 orjson, the request's columns read as lists, the user's seen items and events as arrays; one torch thread a worker.
-A request the model cannot answer gets HTTP 400 with one line, as MLflow's server gives.
+A request the model cannot answer gets HTTP 400 with one line, as MLflow's server gives. On a GPU (`--device`)
+concurrent requests are micro-batched: the first waits at most `--batch-ms` (default 2) for others, and the batch is
+scored in one product and one top-k (`Recommender.recommend_batch`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common.errors import UserError
+from common.serving.microbatch import MicroBatcher
 from common.serving.pyfunc import BadInput
 from .events import BadEvent, EventStore, open_event_store
 from .requests import parse_rows, requested_k
@@ -31,11 +34,16 @@ log = logging.getLogger(__name__)
 
 MODEL_VARIABLE = "USECASES_SERVE_MODEL_URI"  # how the supervisor tells each worker process what to load
 EVENTS_VARIABLE = "USECASES_SERVE_EVENTS"
+DEVICE_VARIABLE = "USECASES_SERVE_DEVICE"
+BATCH_VARIABLE = "USECASES_SERVE_BATCH_MS"
+GPU_BATCH_MS = 2.0  # the queueing a request may spend waiting for others on a GPU
 JSON = "application/json"
 
 
-def create_app(model: RecommenderModel, events: EventStore | None) -> Starlette:
-    """The app around a loaded model and an event store (None: no `/events`, requests use `recent_items` only)."""
+def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: float = 0.0) -> Starlette:
+    """The app around a loaded model and an event store (None: no `/events`, requests use `recent_items` only);
+    with `batch_ms` above 0, concurrent requests are scored together (`MicroBatcher`)."""
+    batcher = MicroBatcher(model.recommend_requests, batch_ms / 1000) if batch_ms > 0 else None
 
     async def ping(request: Request) -> Response:
         return Response("\n", media_type=JSON)
@@ -51,7 +59,7 @@ def create_app(model: RecommenderModel, events: EventStore | None) -> Starlette:
             k = requested_k(columns, params, model.default_k)
             rows = parse_rows(columns, n_rows)
             stored = [events.recent(row.user_id, model.recommender.max_events) for row in rows] if events else ()
-            records = model.recommend(rows, k, stored)
+            records = await batcher.submit((rows, k, stored)) if batcher else model.recommend(rows, k, stored)
         except BadInput as refused:
             return bad_request(str(refused))
         return Response(orjson.dumps({"predictions": records}, option=orjson.OPT_SERIALIZE_NUMPY), media_type=JSON)
@@ -69,7 +77,9 @@ def create_app(model: RecommenderModel, events: EventStore | None) -> Starlette:
 
     routes = [Route("/ping", ping), Route("/health", ping), Route("/version", version),
               Route("/invocations", invocations, methods=["POST"]), Route("/events", record_events, methods=["POST"])]
-    return Starlette(routes=routes)
+    app = Starlette(routes=routes)
+    app.state.batcher = batcher  # its batch and request counts: the mean batch size a server achieved
+    return app
 
 
 def scoring_input(body: bytes, content_type: str) -> tuple[dict[str, list], int, dict | None]:
@@ -124,12 +134,18 @@ def app_from_environment() -> Starlette:
 
     torch.set_num_threads(1)  # one worker per core: a second thread per request only contends
     threadpool_limits(1)  # NumPy's BLAS too: a one-user product on two threads of a busy machine took 7.7 ms, not 0.1
+    from common.runtime.devices import select_device
+
     loaded = mlflow.pyfunc.load_model(os.environ[MODEL_VARIABLE])
     model = loaded.unwrap_python_model()
     if not isinstance(model, RecommenderModel):
         raise UserError(f"{os.environ[MODEL_VARIABLE]} is not a recsys model (it holds {type(model).__name__})")
+    device = select_device(os.environ.get(DEVICE_VARIABLE, "auto"))
+    model.recommender.to(device)
+    batch_ms = os.environ.get(BATCH_VARIABLE)
     events = os.environ.get(EVENTS_VARIABLE)
-    return create_app(model, open_event_store(events) if events else None)
+    return create_app(model, open_event_store(events) if events else None,
+                      float(batch_ms) if batch_ms else GPU_BATCH_MS if device.type != "cpu" else 0.0)
 
 
 def bench_requests(loaded, count: int, seed: int) -> list[dict]:
@@ -160,16 +176,25 @@ def default_events(tracking_uri: str) -> str:
     return str(folder / "recsys-events.db")
 
 
-def serve(model_uri: str, host: str, port: int, workers: int, events: str | None) -> int:
-    """Run uvicorn with `workers` processes, each loading `model_uri`; returns when it stops."""
+def serve(model_uri: str, host: str, port: int, workers: int, events: str | None, device: str = "auto",
+          batch_ms: float | None = None) -> int:
+    """Run uvicorn with `workers` processes, each loading `model_uri` on `device`; concurrent requests are
+    micro-batched for `batch_ms` (None: 2 ms on a GPU, off on the CPU); returns when it stops."""
     import uvicorn
+
+    from common.runtime.devices import select_device
 
     if events:
         open_event_store(events).close()  # a bad URL or path is one line now, not one per worker
-    os.environ[MODEL_VARIABLE] = model_uri
-    os.environ.pop(EVENTS_VARIABLE, None)
-    if events:
-        os.environ[EVENTS_VARIABLE] = events
+    if batch_ms is not None and batch_ms < 0:
+        raise UserError(f"--batch-ms must be at least 0, got {batch_ms:g}")
+    select_device(device)  # a device this machine lacks is one line now
+    settings = {MODEL_VARIABLE: model_uri, EVENTS_VARIABLE: events, DEVICE_VARIABLE: device,
+                BATCH_VARIABLE: None if batch_ms is None else str(batch_ms)}
+    for name, value in settings.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
     uvicorn.run(f"{__name__}:app_from_environment", factory=True, host=host, port=port, workers=workers,
                 log_level="warning", access_log=False)
     return 0

@@ -66,6 +66,8 @@ class Recommender:
         elif self.kind == "item_item":
             self.dense_similarity = _numpy(self.similarity) if isinstance(self.similarity, torch.Tensor) else None
         self.item_table = np.ascontiguousarray(_numpy(self.items)) if self.items is not None else None
+        self.device = torch.device("cpu")
+        self._on_device: dict[str, torch.Tensor] = {}
         self._known_cache: dict[int, np.ndarray] = {}
         self._known_lock = threading.Lock()
         self._known_cache_size = max(1, KNOWN_CACHE_BYTES // (4 * self.history.shape[1]))
@@ -102,12 +104,77 @@ class Recommender:
         best = best[np.argsort(-scores[best], kind="stable")]
         return best, scores[best]
 
+    def to(self, device: torch.device | str) -> Recommender:
+        """Score batches on `device` (`recommend_batch`, what a micro-batching server calls on a GPU); the one-user
+        numpy path stays on the CPU."""
+        self.device = torch.device(device)
+        self._on_device = {}
+        if self.sequences is not None:
+            from .sasrec import SequenceScorer
+
+            self.sequences = SequenceScorer(self.sequences.network.to(self.device), self.sequences.user_sequences)
+        return self
+
+    @torch.no_grad()
+    def recommend_batch(self, users: np.ndarray, events: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray,
+                                                                                                np.ndarray]]:
+        """Each user's top k (item codes, scores) given their recent item codes, as `recommend` gives them, scored
+        together on `self.device`: one product and one top-k for a micro-batch of concurrent requests."""
+        users = np.asarray(users, np.int64)
+        fresh = np.asarray([(row != UNKNOWN).any() for row in events], bool)
+        scores, popular = self._batch_scores(users, [np.asarray(row, np.int64) for row in events], fresh)
+        scores[torch.from_numpy(popular).to(self.device)] = self._table("popularity", lambda: self.popularity)
+        excluded = [excluded_items(self._row(self.seen, user), row) for user, row in zip(users.tolist(), events)]
+        rows = np.repeat(np.arange(len(users)), [len(codes) for codes in excluded])
+        scores[torch.from_numpy(rows).to(self.device), torch.from_numpy(np.concatenate(excluded)).to(self.device)] = \
+            -torch.inf
+        best_scores, best = torch.topk(scores, min(k, scores.shape[1]), dim=1)
+        best_scores, best = best_scores.cpu().numpy(), best.cpu().numpy()
+        return [(items[np.isfinite(values)], values[np.isfinite(values)]) for items, values in zip(best, best_scores)]
+
+    def _batch_scores(self, users: np.ndarray, events: list[np.ndarray], fresh: np.ndarray) -> tuple[torch.Tensor,
+                                                                                                     np.ndarray]:
+        """Every item's score per row on the device, and the rows that get popularity instead (as `_scores`)."""
+        cold = self.cold.numpy()[users]
+        if self.kind == "factors":
+            vectors = self._table("users", lambda: torch.as_tensor(self.users))[torch.from_numpy(users).to(self.device)]
+            folded = np.flatnonzero(fresh) if self.foldin is not None else np.zeros(0, np.int64)
+            if len(folded):
+                histories = [merged_history(self._row(self.history, users[row]), events[row],
+                                            max_length=self.max_events) for row in folded]
+                starts = np.where(cold[folded, None], 0.0, self.starts[users[folded]])
+                vectors[torch.from_numpy(folded).to(self.device)] = \
+                    torch.from_numpy(self.foldin.users(histories, starts)).to(self.device, vectors.dtype)
+            popular = cold.copy()
+            popular[folded] = False
+            return vectors @ self._table("items", lambda: torch.as_tensor(self.items)).T, popular
+        if self.kind == "item_item":  # the merged binary histories times the item-item matrix, as one product
+            histories = [self._merged_item_history(user, row) if is_fresh else self._row(self.history, user)
+                         for user, row, is_fresh in zip(users.tolist(), events, fresh)]
+            return _device_item_item(self._table("similarity", lambda: _torch_matrix(self.similarity)), histories,
+                                     self.device), np.asarray([len(history) == 0 for history in histories])
+        if self.kind == "sequence":
+            own = self.sequences.user_sequences[torch.from_numpy(users).to(self.device)].cpu().numpy()
+            sequences = [np.concatenate([mine[mine != UNKNOWN], row]) if is_fresh else mine[mine != UNKNOWN]
+                         for mine, row, is_fresh in zip(own, events, fresh)]
+            return self.sequences.score_tensor(sequences), cold & ~fresh
+        return torch.empty(len(users), self.history.shape[1], device=self.device), np.ones(len(users), bool)
+
+    def _merged_item_history(self, user: int, events: np.ndarray) -> np.ndarray:
+        known = self._row(self.history, user)
+        return np.concatenate([known, np.setdiff1d(events[events != UNKNOWN][-self.max_events:], known)])
+
+    def _table(self, name: str, make) -> torch.Tensor:
+        """A table on the device, moved there once."""
+        if name not in self._on_device:
+            self._on_device[name] = make().to(self.device)
+        return self._on_device[name]
+
     def _scores(self, user: int, events: np.ndarray) -> np.ndarray:
         if not (events != UNKNOWN).any() or (self.kind == "factors" and self.foldin is None):
             return self.score(torch.tensor([user])).numpy()[0]  # a model logged without fold-in: its trained rows
         if self.kind == "item_item":  # x·B is linear in the history: the known part, cached, plus the new items
-            known = self._row(self.history, user)
-            new = np.setdiff1d(events[events != UNKNOWN][-self.max_events:], known)
+            new = self._merged_item_history(user, events)[len(self._row(self.history, user)):]
             return self._known_item_item(user) + self._item_item(new)
         if self.kind == "sequence":  # the user's sequence then the events, in order: repeats count as events
             own = self.sequences.user_sequences[user].numpy()
@@ -145,6 +212,32 @@ def _numpy(value):
     return value.numpy() if isinstance(value, torch.Tensor) else value
 
 
+def _torch_matrix(matrix: sp.csr_matrix | torch.Tensor) -> torch.Tensor:
+    """The item-item matrix as torch: dense as it is, sparse as its transpose in CSR (torch multiplies sparse on the
+    left)."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix.float()
+    transposed = sp.csr_matrix(matrix.T, dtype=np.float32)
+    with warnings.catch_warnings():  # torch calls its sparse CSR support beta; products on it are what we use
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(torch.from_numpy(transposed.indptr.astype(np.int64)),
+                                       torch.from_numpy(transposed.indices.astype(np.int64)),
+                                       torch.from_numpy(transposed.data), size=transposed.shape,
+                                       check_invariants=True)
+
+
+def _device_item_item(similarity: torch.Tensor, histories: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """The binary histories (one row each) times the item-item matrix `_torch_matrix` made."""
+    n_items = similarity.shape[0]
+    rows = np.repeat(np.arange(len(histories)), [len(history) for history in histories])
+    codes = np.concatenate([np.zeros(0, np.int64), *histories])
+    multi_hot = torch.zeros(len(histories), n_items, device=device)
+    multi_hot[torch.from_numpy(rows).to(device), torch.from_numpy(codes).to(device)] = 1.0
+    if similarity.layout == torch.sparse_csr:
+        return (similarity @ multi_hot.T).T.contiguous()
+    return multi_hot @ similarity
+
+
 def _times(histories: sp.csr_matrix, similarity: sp.csr_matrix | torch.Tensor) -> torch.Tensor:
     """Histories times the item-item matrix, whole (a tensor) or pruned (sparse)."""
     if isinstance(similarity, torch.Tensor):
@@ -169,9 +262,31 @@ class RecommenderModel(ServedModel):
     def recommend(self, rows: Sequence[UserRequest], k: int, stored: Sequence[Sequence] = ()) -> list[dict]:
         """The answer as records (what MLflow's scoring server returns for a DataFrame): per row, the user's
         `stored` events (a server's event store, oldest first) then the request's recent items."""
+        answers = self._answers(rows, k, stored)
+        return [record for row, answer in zip(rows, answers) for record in self._records(row.user_id, *answer)]
+
+    def recommend_requests(self, requests: Sequence[tuple[Sequence[UserRequest], int, Sequence[Sequence]]]) \
+            -> list[list[dict]]:
+        """Several requests' `recommend(rows, k, stored)` answered as one batch (a micro-batching server's call):
+        every row scored at the largest k, each request's lists then cut to its own k."""
+        rows = [row for request_rows, _, _ in requests for row in request_rows]
+        stored = [events for request_rows, _, request_stored in requests
+                  for events in (request_stored or [()] * len(request_rows))]
+        answers = iter(self._answers(rows, max(k for _, k, _ in requests), stored))
+        return [[record for row in request_rows
+                 for record in self._records(row.user_id, *_cut(next(answers), k))]
+                for request_rows, k, _ in requests]
+
+    def _answers(self, rows: Sequence[UserRequest], k: int, stored: Sequence[Sequence]) -> list[tuple]:
+        """Per row (item codes, scores, how many recent items were unknown): on a GPU every row in one batch, on
+        the CPU users without events in one product and the others one at a time (their events folded in)."""
         events = [[*(stored[index] if stored else ()), *row.recent_items] for index, row in enumerate(rows)]
         codes = [np.asarray([self.item_codes.get(str(item), UNKNOWN) for item in row], np.int64) for row in events]
         users = np.asarray([self.user_codes.get(str(row.user_id), UNKNOWN) for row in rows], np.int64)
+        unknown = [int((row == UNKNOWN).sum()) for row in codes]
+        if self.recommender.device.type != "cpu":
+            return [(*answer, count) for answer, count in zip(self.recommender.recommend_batch(users, codes, k),
+                                                               unknown)]
         answers: list = [None] * len(rows)
         without = [index for index, row in enumerate(codes) if not (row != UNKNOWN).any()]
         if without:  # one batched product for the users without events
@@ -182,8 +297,7 @@ class RecommenderModel(ServedModel):
         for index, row in enumerate(codes):
             if answers[index] is None:
                 answers[index] = self.recommender.recommend(int(users[index]), row, k)
-        return [record for index, row in enumerate(rows)
-                for record in self._records(row.user_id, *answers[index], int((codes[index] == UNKNOWN).sum()))]
+        return [(*answer, count) for answer, count in zip(answers, unknown)]
 
     def _records(self, user_id, items: np.ndarray, scores: np.ndarray, unknown: int) -> list[dict]:
         user_id = _plain(user_id)
@@ -204,6 +318,11 @@ class RecommenderModel(ServedModel):
         names = ["user_id", "rank", "item_id", "score", "unknown_recent_items"] + \
             (["title"] if self.titles is not None else [])
         return pd.DataFrame.from_records(records, columns=names)
+
+
+def _cut(answer: tuple, k: int) -> tuple:
+    items, scores, unknown = answer
+    return items[:k], scores[:k], unknown
 
 
 def _plain(value):
