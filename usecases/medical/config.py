@@ -53,11 +53,65 @@ class Synthetic(ConfigModel):
     seed: int = 0
 
 
+class Slides(ConfigModel):
+    """Whole-slide images: `--data FOLDER` with the slides and a labels file (slide, label, optional patient), read
+    region by region; tiles at `mpp` microns per pixel where the tissue covers at least `min_tissue` of the tile."""
+
+    labels_file: str = "labels.csv"
+    mpp: float | None = Field(1.0, gt=0, description="microns per pixel of the tiles (0.25: about 40x, 0.5: 20x, "
+                                                      "1.0: 10x); null: level-0 pixels, for slides without one")
+    tile_px: int = Field(224, ge=16)
+    min_tissue: float = Field(0.5, gt=0, le=1, description="the tissue fraction of a tile to keep it")
+    max_tiles: int | None = Field(2000, ge=1, description="per slide: a seeded sample where a slide has more")
+    stain: Literal["macenko", "reinhard", "none"] = Field(
+        "macenko", description="normalised to a reference, fitted once per slide on a sample of its tiles")
+    stain_fit_tiles: int = Field(16, ge=1, description="tiles per slide the stain fit pools")
+    cache_dir: Path | None = Field(None, description="tile coordinates by the slide's digest; default: "
+                                                     "~/.cache/gpu-usecases/slides (or $XDG_CACHE_HOME)")
+    readers: int = Field(2, ge=0, description="DataLoader workers reading tiles, each with its own slide handles")
+    batch_size: int = Field(64, ge=1, description="tiles per batch through normalisation and the encoder")
+    val_fraction: float = Field(0.2, gt=0, lt=0.5)
+    test_fraction: float = Field(0.3, gt=0, lt=0.5)
+
+
+class SlideEncoder(ConfigModel):
+    """Tile features: `model.name` trained on tiles that carry their slide's label (weak labels; ImageNet weights
+    cannot be downloaded everywhere), its pooled layer as the features attention MIL reads."""
+
+    tiles_per_slide: int = Field(48, ge=1, description="tiles sampled per training and validation slide")
+    epochs: int = Field(4, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+
+
+class MIL(ConfigModel):
+    """Gated attention MIL per slide (Ilse et al. 2018), the best epoch on validation AUC."""
+
+    hidden: int = Field(128, ge=1)
+    dropout: float = Field(0.25, ge=0, lt=1)
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(1e-5, ge=0)
+    epochs: int = Field(40, ge=1)
+    max_tiles: int = Field(4096, ge=1, description="tiles per slide per training step (all in evaluation)")
+
+
+class SyntheticSlides(ConfigModel):
+    """Pyramidal TIFF slides written tile by tile: tissue on glass, positive slides with tumour-like nuclei
+    clusters in some of their tissue (a slide-level signal that attention can find)."""
+
+    slides: int = Field(24, ge=8)
+    size: int = Field(4096, ge=512, description="level-0 width and height in pixels")
+    mpp: float = Field(0.5, gt=0)
+    seed: int = 0
+
+
 class Data(ConfigModel):
-    source: Literal["medmnist", "files", "synthetic"] = "medmnist"
+    source: Literal["medmnist", "files", "synthetic", "slides"] = "medmnist"
     medmnist: MedMNIST = MedMNIST()
     files: Files = Files()
     synthetic: Synthetic = Synthetic()
+    slides: Slides = Slides()
+    synthetic_slides: SyntheticSlides = SyntheticSlides()
     in_memory: bool | Literal["auto"] = Field(
         "auto", description="hold the data as one tensor on the device and augment in batches; auto: when it fits")
 
@@ -127,13 +181,26 @@ class Baselines(ConfigModel):
 
 
 class Benchmark(ConfigModel):
+    """`bench medical`: training epochs; with `--slides`, the whole-slide pipeline's reader counts, the plain loop's
+    tiles and the gigapixel slide whose peak memory is measured."""
+
     epochs: int = Field(3, ge=2, description="per side; the first is a warm-up and not counted")
+    slide_workers: list[Annotated[int, Field(ge=0)]] = Field(
+        [0, 1, 2], min_length=1, description="--slides: tiles/s at these reader counts and at data.slides.readers")
+    plain_tiles: int = Field(300, ge=1, description="--slides: tiles the plain per-tile loop is timed on")
+    gigapixel: bool = Field(True, description="--slides: write a slide of gigapixel_size, then tile and encode it in a "
+                                              "process of its own, its tree's peak memory measured")
+    gigapixel_size: list[Annotated[int, Field(ge=512)]] = Field(
+        [50_000, 40_000], min_length=2, max_length=2, description="--slides: its level-0 width and height (2 "
+                                                                  "gigapixels: about 10 minutes to write on one core)")
 
 
 class Config(ConfigModel):
     data: Data = Data()
     augment: Augment = Augment()
     model: Model = Model()
+    encoder: SlideEncoder = SlideEncoder()
+    mil: MIL = MIL()
     train: Train = Train()
     evaluation: Evaluation = Evaluation()
     baselines: Baselines = Baselines()

@@ -24,15 +24,19 @@ from .explain import grad_cam, overlay_figure, pick_examples
 from .images import ImageSet
 from .models import check_backbone_fits, use_cifar_stem
 from .serving import log_classifier
+from .slides.data import SlideSet, load_slides
+from .slides.pipeline import run_slides
 from .train import channels_first, fit_network, predict_logits
 
 log = logging.getLogger(__name__)
 
 
-def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet, dict[str, str]]:
+def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet | SlideSet, dict[str, str]]:
     """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
     `client`, image files are decoded on its cluster. `evaluation.positive_class` is resolved to an index here, so
     that the run's params say which class the threshold is for."""
+    if config.data.source == "slides":
+        return _load_slides(config, path)
     data = load_images(config.data, path, config.runtime.seed, client)
     own_data = path is not None and data.source.startswith("files:")
     setting = config.evaluation.positive_class
@@ -72,7 +76,21 @@ def large_data(config: Config, path: Path | None) -> str | None:
     return None
 
 
-def run(config: Config, data: ImageSet, job: Job) -> RunResult:
+def _load_slides(config: Config, path: Path | None) -> tuple[SlideSet, dict[str, str]]:
+    data = load_slides(config, path)
+    counts = {split: len(data.members(split)) for split in ("train", "val", "test")}
+    log.info("data: %s, %d slides, train/val/test %s, positive class '%s'", data.source, len(data.paths),
+             "/".join(map(str, counts.values())), data.classes[1])
+    for notice in data.notices:
+        log.warning(notice)
+    return data, {"data_source": data.source, "data_sha256": data.sha256, "task": "binary",
+                  **{f"data_{split}_slides": count for split, count in counts.items()},
+                  **({"data_path": str(path)} if path else {}), "positive_class": data.classes[1]}
+
+
+def run(config: Config, data: ImageSet | SlideSet, job: Job) -> RunResult:
+    if isinstance(data, SlideSet):
+        return run_slides(config, data, job)
     runtime, evaluation = job.runtime, config.evaluation
     started = time.perf_counter()
     model, arch, result = fit_network(config, data, job)

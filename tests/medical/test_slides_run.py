@@ -1,0 +1,125 @@
+"""Whole-slide learning as a user runs it: `usecases run medical --preset slides-smoke` (synthetic pyramidal TIFF
+slides written once, tiled, stain-normalised, encoded, attention MIL against mean pooling), and a user's slide
+folder refused in one line, before any run, for each mistake the issue names."""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import tifffile
+import torch
+
+from tests.cli_helpers import assert_rejected, private_env, runs, usecases
+from usecases.medical.slides.synthetic import write_slide
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "pathology"
+
+
+@pytest.fixture(scope="module")
+def slide_run(tmp_path_factory):
+    """(summary, run) of the slides-smoke preset in a private store and cache."""
+    folder = tmp_path_factory.mktemp("slides-smoke")
+    env = private_env(folder)
+    result = usecases("run", "medical", "--preset", "slides-smoke", "--set", f"data.slides.cache_dir={folder / 'cache'}",
+                      "--summary", str(folder / "s.json"), timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = runs("medical", env["MLFLOW_TRACKING_URI"])
+    return json.loads((folder / "s.json").read_text()), run
+
+
+def test_attention_mil_and_the_pooled_baseline_learn_the_slide_signal(slide_run):
+    summary, run = slide_run
+    models = summary["models"]
+    assert set(models) == {"attention_mil", "mean_pool_logreg"}
+    assert models["attention_mil"]["auc"] >= 0.9 and models["attention_mil"]["val_auc"] >= 0.9
+    assert models["attention_mil"]["auc_ci_low"] <= models["attention_mil"]["auc"]
+    assert run.data.metrics["tiles_per_s"] > 0 and models["attention_mil"]["tiles"] > 1000
+    assert run.data.tags["data_source"] == "slides:synthetic" and run.info.status == "FINISHED"
+
+
+def test_each_test_slide_has_a_heatmap_and_the_fits_load_safely(slide_run, tmp_path):
+    _, run = slide_run
+    client = mlflow.MlflowClient()
+    heatmaps = [item.path for item in client.list_artifacts(run.info.run_id, "heatmaps")]
+    assert len(heatmaps) == int(run.data.tags["data_test_slides"]) >= 4
+    state = torch.load(mlflow.artifacts.download_artifacts(run_id=run.info.run_id,
+                                                           artifact_path="slides/slide_models.pt",
+                                                           dst_path=str(tmp_path)), weights_only=True)
+    assert state["attention_mil"] and all(isinstance(value, torch.Tensor) for value in state["attention_mil"].values())
+    assert len(state["stain"]) == 24 and all(fit["stain_matrix"].shape == (3, 2) for fit in state["stain"].values())
+
+
+@pytest.fixture(scope="module")
+def slide_folder(tmp_path_factory):
+    """Eight small synthetic slides of four patients, both classes, and a labels.csv naming them."""
+    folder = tmp_path_factory.mktemp("user-slides")
+    rows = ["slide,label,patient"]
+    for index in range(8):
+        write_slide(folder / f"s{index}.tif", 512, 512, positive=bool(index % 2), seed=index)
+        rows.append(f"s{index}.tif,{index % 2},p{index // 2}")
+    (folder / "labels.csv").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def user_folder(slide_folder: Path, tmp_path: Path, labels: list[str] | None = None, extra: dict | None = None) -> Path:
+    folder = tmp_path / "slides"
+    shutil.copytree(slide_folder, folder)
+    for name, write in (extra or {}).items():
+        write(folder / name)
+    if labels is not None:
+        (folder / "labels.csv").write_text("\n".join(["slide,label,patient", *labels]) + "\n")
+    return folder
+
+
+def rejected(capsys, folder: Path, *names: str) -> str:
+    return assert_rejected(capsys, "medical", "run", "medical", "--preset", "slides-smoke", "--data", str(folder),
+                           "--set", f"data.slides.cache_dir={folder.parent / 'cache'}", "--set", "data.slides.mpp=0.5",
+                           names=names)
+
+
+def test_a_broken_slide_is_named_in_one_line(capsys, slide_folder, tmp_path):
+    broken = (lambda path: path.write_bytes(b"II*\x00" + bytes(1000)))
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(7)] + ["broken.svs,1,p9"],
+                         {"broken.svs": broken})
+    line = rejected(capsys, folder, "broken.svs")
+    assert "damaged" in line or "not a readable" in line
+
+
+def test_a_labels_file_naming_a_missing_slide_is_one_line(capsys, slide_folder, tmp_path):
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)] + ["gone.svs,1,p9"])
+    assert "file not found" in rejected(capsys, folder, "labels.csv", "row 9", "gone.svs")
+
+
+def test_a_label_column_with_one_class_is_one_line(capsys, slide_folder, tmp_path):
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,1,p{i}" for i in range(8)])
+    assert "needs at least 2 classes" in rejected(capsys, folder, "labels.csv")
+
+
+def test_a_slide_without_a_resolution_is_one_line_when_a_magnification_is_asked(capsys, slide_folder, tmp_path):
+    plain = (lambda path: tifffile.imwrite(path, np.full((512, 512, 3), 200, np.uint8), tile=(256, 256),
+                                           photometric="rgb"))
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)] + ["plain.tif,1,p9"],
+                         {"plain.tif": plain})
+    assert "data.slides.mpp=null" in rejected(capsys, folder, "plain.tif", "microns per pixel")
+
+
+def test_a_slide_without_tissue_is_one_line(capsys, slide_folder, tmp_path):
+    blank = (lambda path: tifffile.imwrite(path, np.full((1024, 1024, 3), 245, np.uint8), tile=(256, 256),
+                                           photometric="rgb", resolution=(1e4 / 0.5, 1e4 / 0.5),
+                                           resolutionunit="CENTIMETER"))
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)] + ["glass.tif,1,p9"],
+                         {"glass.tif": blank})
+    assert "no tissue found" in rejected(capsys, folder, "glass.tif")
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared pathology slides are absent")
+def test_the_shared_broken_slide_beside_real_ones_is_named(capsys, tmp_path):
+    folder = tmp_path / "real"
+    folder.mkdir()
+    for name in ("cmu-1-small-region.svs", "broken.svs"):
+        (folder / name).symlink_to(SHARED / name)
+    (folder / "labels.csv").write_text("slide,label\ncmu-1-small-region.svs,0\nbroken.svs,1\n")
+    rejected(capsys, folder, "broken.svs")

@@ -1,0 +1,107 @@
+"""A folder of whole-slide images and their labels, checked and split by patient before any run starts.
+
+`--data FOLDER` holds the slides and `labels.csv` (columns `slide`, `label`, optional `patient` and `split`), read
+by the medical manifest reader, so the same one-line errors name the file, column and row. Without `--data`, the
+synthetic slide set is written once into the cache (real pyramidal TIFFs) and read back the same way. Every slide is
+opened and tiled here (the tile coordinates cached by the slide's digest), so a broken slide, one without a
+resolution or without tissue is refused in one line before the run; the split holds out whole patients (a patient's
+slides look alike).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common.errors import UserError
+from common.paths import building, cache_dir
+from ..config import Config, Files
+from ..files import assert_no_patient_leak, class_names, read_manifest, split_by_patient
+from ..images import SPLITS
+from .reader import open_slide
+from .synthetic import write_slide_set
+from .tiles import TileGrid, slide_digest, tile_grid
+
+log = logging.getLogger(__name__)
+LABEL_COLUMNS = Files(path_column="slide", label_column="label", patient_column="patient", split_column="split")
+
+
+@dataclass
+class SlideSet:
+    """Slides with one binary label each (`classes[1]` the positive one) and the split each slide is in."""
+
+    paths: list[Path]
+    labels: np.ndarray
+    classes: list[str]
+    patients: np.ndarray
+    split: np.ndarray
+    source: str
+    sha256: str
+    mpp: list[float | None]
+    grids: list[TileGrid]  # each slide's tissue tiles at the configured magnification
+    notices: list[str] = field(default_factory=list)
+
+    def members(self, split: str) -> np.ndarray:
+        return np.flatnonzero(self.split == split)
+
+
+def load_slides(config: Config, path: Path | None) -> SlideSet:
+    """The user's folder, or the synthetic set; every slide opened once, the split by patient."""
+    settings = config.data.slides
+    notices = []
+    if path is None:
+        folder = synthetic_folder(config)
+    else:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise UserError(f"{folder}: expected a folder of slides with {settings.labels_file}")
+    labels_file = folder / settings.labels_file
+    if not labels_file.is_file():
+        raise UserError(f"{folder}: no {settings.labels_file} (expected columns slide, label and optionally patient: "
+                        f"one row per slide)")
+    listing = read_manifest(labels_file, LABEL_COLUMNS)
+    grids, mpp = [], []
+    for slide_path in listing.files:  # a broken slide, one without a resolution or without tissue: refused here
+        with open_slide(slide_path) as slide:
+            grids.append(tile_grid(slide, settings.mpp, settings.tile_px, settings.min_tissue,
+                                   cache_dir("slides", settings.cache_dir) / "tiles"))
+            mpp.append(slide.mpp)
+    classes = class_names(listing.labels, listing.where)
+    if len(classes) != 2:
+        raise UserError(f"{listing.where}: column 'label' has {len(classes)} classes ({', '.join(classes)}); slide-"
+                        f"level learning here is binary (one positive class)")
+    labels = np.array([classes.index(label) for label in listing.labels], dtype=np.int64)
+    patients = np.array(listing.patients, dtype=str)
+    if not listing.has_patients:
+        notices.append(f"{listing.where}: no patient column, so every slide is its own patient")
+    split = (np.array(listing.splits, dtype=str) if listing.splits is not None
+             else split_by_patient(labels, patients, settings, config.runtime.seed, listing.where))
+    for name in SPLITS:
+        members = np.flatnonzero(split == name)
+        if name != "test" and len(np.unique(labels[members])) < 2:
+            raise UserError(f"{listing.where}: the {name} split needs slides of both classes (it has "
+                            f"{len(members)} slides, labels {sorted(set(labels[members].tolist()))})")
+    assert_no_patient_leak({name: patients[split == name] for name in SPLITS}, listing.where)
+    digest = hashlib.sha256(labels_file.read_bytes())
+    for slide_path in listing.files:
+        digest.update(slide_digest(slide_path).encode())
+    source = f"slides:{'synthetic' if path is None else folder.name}"
+    return SlideSet(list(listing.files), labels, classes, patients, split, source, digest.hexdigest(), mpp, grids,
+                    notices + listing.notices)
+
+
+def synthetic_folder(config: Config) -> Path:
+    """The synthetic slide set of these settings, written once into the cache."""
+    synthetic = config.data.synthetic_slides
+    name = f"synthetic-{synthetic.slides}x{synthetic.size}-mpp{synthetic.mpp:g}-seed{synthetic.seed}"
+    folder = cache_dir("slides", config.data.slides.cache_dir) / name
+    with building(folder, config.data.slides.labels_file) as work:
+        if work is not None:
+            log.info("writing %d synthetic slides of %d x %d px to %s", synthetic.slides, synthetic.size,
+                     synthetic.size, folder)
+            write_slide_set(work, synthetic.slides, (synthetic.size, synthetic.size), synthetic.seed, synthetic.mpp)
+    return folder

@@ -1,0 +1,167 @@
+"""The slide-level job: tissue tiles of every slide, stain-normalised per slide, encoded by the medical network
+trained on tiles that carry their slide's label; then attention MIL per slide against mean-pooled features with
+logistic regression, both evaluated as the medical use case evaluates images (test AUC with its bootstrap
+interval, the rates at the threshold chosen on validation), and an attention heatmap per test slide.
+
+Only the training and validation slides teach the encoder and select its epoch, the MIL epoch and the baseline's
+C; the test slides are read once, to be scored.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.errors import UserError
+from common.job import Job
+from common.usecase import RunResult
+from ..config import Config
+from ..images import ImageSet
+from ..train import fit_network
+from .data import SlideSet
+from .features import SlideTiles, encode_slides, fit_normaliser, read_tiles
+from .mil import (MILSettings, fit_attention_mil, fit_pooled_baseline, heatmap_figure, attention_heatmap,
+                  pooled_probabilities, predict_bags, slide_metrics)
+from .reader import open_slide
+
+log = logging.getLogger(__name__)
+THUMBNAIL_PX = 1024
+ENCODER_NAME = "tile_encoder"
+
+
+def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
+    settings, runtime, seed = config.data.slides, job.runtime, config.runtime.seed
+    rng = np.random.default_rng(seed)
+    started = time.perf_counter()
+    slides = [_chosen_tiles(path, grid, settings.max_tiles, rng) for path, grid in zip(data.paths, data.grids)]
+    counts = np.array([len(slide.indices) for slide in slides])
+    log.info("tiles: %d in %d slides (%d to %d a slide) at %s, %d px", counts.sum(), len(slides), counts.min(),
+             counts.max(), f"{settings.mpp:g} µm/px" if settings.mpp else "level 0", settings.tile_px)
+    normalisers = _normalisers(slides, data, settings.stain, settings.stain_fit_tiles, rng)
+    tiles_seconds = time.perf_counter() - started
+
+    network = _trained_encoder(config, data, slides, normalisers, rng, job)
+    bags, tiles_per_s = encode_slides(network, slides, normalisers, runtime.device, settings.batch_size,
+                                      settings.readers)
+    log.info("features: %d tiles read, normalised and encoded at %.0f tiles/s", counts.sum(), tiles_per_s)
+    job.tracker.log_metrics({"tiles_per_s": tiles_per_s})
+    if not runtime.is_main:
+        return RunResult({})
+
+    train, val, test = (data.members(split) for split in ("train", "val", "test"))
+    labels = data.labels
+    mil_config = config.mil
+    mil, history = fit_attention_mil([bags[i] for i in train], labels[train], [bags[i] for i in val], labels[val],
+                                     MILSettings(hidden=mil_config.hidden, attention_hidden=mil_config.hidden,
+                                                 dropout=mil_config.dropout, lr=mil_config.lr,
+                                                 weight_decay=mil_config.weight_decay, epochs=mil_config.epochs,
+                                                 max_tiles=mil_config.max_tiles),
+                                     runtime.device, seed)
+    for epoch, value in enumerate(history.val_auc):
+        job.tracker.log_metrics({"attention_mil/val_auc": value}, step=epoch)
+    val_probabilities, _ = predict_bags(mil, [bags[i] for i in val], runtime.device)
+    test_probabilities, attentions = predict_bags(mil, [bags[i] for i in test], runtime.device)
+    evaluation = config.evaluation
+    common = {"tiles_per_s": tiles_per_s, "tiles": float(counts.sum()), "slides": float(len(slides)),
+              "tiling_seconds": tiles_seconds}
+    models = {"attention_mil": {**slide_metrics(labels[val], val_probabilities, labels[test], test_probabilities,
+                                                evaluation.target_sensitivity, evaluation.bootstrap, seed),
+                                "best_epoch": history.best_epoch + 1, **common}}
+    pooled = fit_pooled_baseline([bags[i] for i in train], labels[train], [bags[i] for i in val], labels[val])
+    models["mean_pool_logreg"] = {
+        **slide_metrics(labels[val], pooled_probabilities(pooled, [bags[i] for i in val]), labels[test],
+                        pooled_probabilities(pooled, [bags[i] for i in test]), evaluation.target_sensitivity,
+                        evaluation.bootstrap, seed), **common}
+    _log_heatmaps([slides[i] for i in test], attentions, test_probabilities, job)
+    _log_state({"attention_mil": mil.state_dict(),
+                "stain": {str(data.paths[i].name): normaliser.state_dict()
+                          for i, normaliser in enumerate(normalisers) if normaliser is not None}}, job)
+    return RunResult(models)
+
+
+def _chosen_tiles(path, grid, max_tiles: int | None, rng: np.random.Generator) -> SlideTiles:
+    """The slide's tissue tiles, a seeded sample of `max_tiles` of them where it has more."""
+    indices = np.arange(len(grid))
+    if max_tiles is not None and len(indices) > max_tiles:
+        indices = np.sort(rng.choice(indices, size=max_tiles, replace=False))
+    return SlideTiles(path, grid, indices)
+
+
+def _sample(slide: SlideTiles, count: int, rng: np.random.Generator) -> SlideTiles:
+    chosen = slide.indices if len(slide.indices) <= count else np.sort(rng.choice(slide.indices, count, False))
+    return SlideTiles(slide.path, slide.grid, chosen)
+
+
+def _normalisers(slides: list[SlideTiles], data: SlideSet, method: str, count: int, rng: np.random.Generator):
+    """One normaliser per slide, fitted once on a sample of its tiles; Reinhard's reference is the first training
+    slide's sample (Macenko has a published one)."""
+    if method == "none":
+        return [None] * len(slides)
+    reference = read_tiles(_sample(slides[data.members("train")[0]], count, rng)) if method == "reinhard" else None
+    fitted = []
+    for slide in slides:
+        try:
+            fitted.append(fit_normaliser(method, read_tiles(_sample(slide, count, rng)), reference))
+        except ValueError as error:
+            raise UserError(f"{slide.path}: the {method} stain fit failed: {error} (set data.slides.stain=none "
+                            f"to skip normalisation)") from None
+    return fitted
+
+
+def _trained_encoder(config: Config, data: SlideSet, slides: list[SlideTiles], normalisers, rng, job: Job):
+    """The medical network trained on `encoder.tiles_per_slide` normalised tiles of each training and validation
+    slide, each labelled with its slide's label; its best epoch by the validation tiles' AUC."""
+    encoder = config.encoder
+    images, labels = {}, {}
+    for split in ("train", "val"):
+        parts, part_labels = [], []
+        for position in data.members(split):
+            tiles = read_tiles(_sample(slides[position], encoder.tiles_per_slide, rng))
+            if normalisers[position] is not None:
+                tiles = normalisers[position].normalize(tiles)
+            parts.append(tiles.permute(0, 2, 3, 1).numpy())
+            part_labels.append(np.full(len(tiles), data.labels[position], np.int64))
+        images[split], labels[split] = np.concatenate(parts), np.concatenate(part_labels)
+    images["test"], labels["test"] = images["val"][:0], labels["val"][:0]
+    tile_set = ImageSet(images, labels, "binary", data.classes, data.source, data.sha256)
+    trained = config.model_copy(deep=True)
+    trained.train.epochs, trained.train.batch_size, trained.train.lr = encoder.epochs, encoder.batch_size, encoder.lr
+    trained.train.patience = None
+    log.info("tile encoder: %s on %d training and %d validation tiles (weak labels: the slide's)",
+             config.model.name, len(labels["train"]), len(labels["val"]))
+    network, _, result = fit_network(trained, tile_set, job)
+    job.tracker.log_metrics({f"{ENCODER_NAME}/best_epoch": result.best_epoch + 1})
+    return network
+
+
+def _log_heatmaps(slides: list[SlideTiles], attentions: list[np.ndarray], probabilities: np.ndarray,
+                  job: Job) -> None:
+    """Where attention MIL looked on each test slide, over its thumbnail."""
+    if not job.tracker.active:
+        return
+    for slide, attention, probability in zip(slides, attentions, probabilities):
+        with open_slide(slide.path) as opened:
+            thumbnail = opened.thumbnail(THUMBNAIL_PX)
+            downsample = opened.level_dimensions[0][0] / thumbnail.shape[1]
+        heatmap = attention_heatmap(slide.grid.coords[slide.indices], attention, slide.grid.tile_l0,
+                                    thumbnail.shape, downsample)
+        figure = heatmap_figure(thumbnail, heatmap)
+        figure.suptitle(f"{slide.path.name}: p(positive) = {probability:.2f}")
+        job.tracker.log_figure(figure, f"heatmaps/{slide.path.stem}.png")
+
+
+def _log_state(state: dict, job: Job) -> None:
+    """The MIL weights and each slide's stain fit, as tensors (`torch.load(weights_only=True)` reads them)."""
+    if not job.tracker.active:
+        return
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "slide_models.pt"
+        torch.save(state, path)
+        mlflow.log_artifact(str(path), "slides")

@@ -1,0 +1,258 @@
+"""Whole-slide images read region by region: OpenSlide for the scanners' formats, tifffile for a plain TIFF that
+OpenSlide refuses. A slide is gigapixels, so nothing here ever decodes a whole level: regions and thumbnails are
+read in bounded blocks.
+
+Handles are per process. An OpenSlide or tifffile handle inherited by a forked DataLoader worker shares the
+parent's file position and caches, so each worker must open its own: `SlideHandles` does that, keyed by path and
+process id.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import openslide
+import tifffile
+import zarr
+
+from common.errors import UserError
+
+SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs")
+PLAIN_TIFF_SUFFIXES = (".tif", ".tiff")
+# Level-0 microns per pixel outside this range are a writer's default (72 dpi is 353 µm), not a scanner's.
+PLAUSIBLE_MPP = (0.05, 50.0)
+# A matching level is one within 1% of the asked downsample: scanners store 2.0005 for a halving.
+LEVEL_TOLERANCE = 1.01
+THUMBNAIL_BLOCK_PX = 1024
+MICRONS_PER_UNIT = {"centimeter": 1e4, "inch": 25400.0}
+
+
+def open_slide(path: str | Path, mpp: float | None = None) -> Slide:
+    """Open a slide; `mpp` overrides (or supplies) the microns per pixel at level 0 that the file states."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such slide file")
+    if path.suffix.lower() not in SLIDE_SUFFIXES:
+        raise UserError(f"{path}: not a slide format this reader takes (expected {', '.join(SLIDE_SUFFIXES)})")
+    try:
+        return OpenSlideSlide(path, mpp)
+    except openslide.OpenSlideUnsupportedFormatError:
+        if path.suffix.lower() in PLAIN_TIFF_SUFFIXES:
+            return TiffSlide(path, mpp)
+        raise UserError(f"{path}: not a readable {path.suffix} slide (damaged, truncated or another format)") from None
+    except openslide.OpenSlideError as error:
+        raise UserError(f"{path}: damaged or truncated slide ({one_line(error)})") from None
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def mpp_from_resolution(resolution: float | None, unit: str | None) -> float | None:
+    """Microns per pixel from a TIFF XResolution and ResolutionUnit, None when absent or implausible."""
+    if not resolution or str(unit).lower() not in MICRONS_PER_UNIT:
+        return None
+    mpp = MICRONS_PER_UNIT[str(unit).lower()] / float(resolution)
+    return mpp if PLAUSIBLE_MPP[0] <= mpp <= PLAUSIBLE_MPP[1] else None
+
+
+def on_white(pixels: np.ndarray) -> np.ndarray:
+    """RGB uint8 from grey, RGB or RGBA: transparent parts (outside the scanned area) become white background."""
+    if pixels.ndim == 2:
+        pixels = pixels[..., None]
+    if pixels.shape[-1] == 1:
+        return np.repeat(pixels, 3, axis=-1)
+    if pixels.shape[-1] == 3:
+        return pixels
+    alpha = pixels[..., 3:4].astype(np.float32) / 255
+    return (pixels[..., :3] * alpha + 255 * (1 - alpha) + 0.5).astype(np.uint8)
+
+
+class Slide:
+    """A pyramid of levels, each read by region. Coordinates are level-0 pixels and sizes are level pixels, as in
+    OpenSlide, so one tile grid serves every level."""
+
+    def __init__(self, path: Path, level_dimensions: list[tuple[int, int]], mpp: float | None):
+        self.path = path
+        self.level_dimensions = level_dimensions
+        width, height = level_dimensions[0]
+        self.level_downsamples = [(width / w + height / h) / 2 for w, h in level_dimensions]
+        self.mpp = mpp
+
+    def read_level(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def read_region(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
+        """RGB uint8 (height, width, 3) of `level` at level-0 (x, y); outside the slide is white."""
+        if not 0 <= level < len(self.level_dimensions):
+            raise UserError(f"{self.path}: no level {level} (the slide has {len(self.level_dimensions)})")
+        if width <= 0 or height <= 0:
+            raise UserError(f"{self.path}: region size must be positive, not {width}x{height}")
+        return on_white(self.read_level(level, int(x), int(y), int(width), int(height)))
+
+    def best_level_for_downsample(self, downsample: float) -> int:
+        """The most reduced level that still has at least the detail asked for (downsample at or below)."""
+        fitting = [level for level, ds in enumerate(self.level_downsamples) if ds <= downsample * LEVEL_TOLERANCE]
+        return max(fitting, default=0)
+
+    def downsample_for_mpp(self, target_mpp: float) -> float:
+        """Level-0 pixels per output pixel at `target_mpp`: needs the slide's own mpp."""
+        if self.mpp is None:
+            raise UserError(
+                f"{self.path}: the file states no microns per pixel, so tiles at {target_mpp:g} µm/px cannot be "
+                "sized; cut tiles in level-0 pixels instead (--set data.slides.mpp=null; in code open_slide(path, "
+                "mpp=...) supplies it)"
+            )
+        return target_mpp / self.mpp
+
+    def thumbnail_plan(self, max_size: int) -> tuple[int, int]:
+        """(level, block): a thumbnail is `level` averaged over block x block pixels, at most `max_size` a side."""
+        level = self.best_level_for_downsample(max(self.level_dimensions[0]) / max_size)
+        return level, max(1, math.ceil(max(self.level_dimensions[level]) / max_size))
+
+    def thumbnail_downsample(self, max_size: int) -> float:
+        """Level-0 pixels per thumbnail pixel of `thumbnail(max_size)`."""
+        level, block = self.thumbnail_plan(max_size)
+        return self.level_downsamples[level] * block
+
+    def thumbnail(self, max_size: int = 1024) -> np.ndarray:
+        """RGB uint8 overview, read in blocks so a slide whose only level is gigapixels still fits in memory."""
+        level, block = self.thumbnail_plan(max_size)
+        width, height = self.level_dimensions[level]
+        downsample = self.level_downsamples[level]
+        step = block * max(1, THUMBNAIL_BLOCK_PX // block)
+        out = np.empty((math.ceil(height / block), math.ceil(width / block), 3), np.uint8)
+        for top in range(0, height, step):
+            for left in range(0, width, step):
+                region = self.read_region(
+                    level, round(left * downsample), round(top * downsample),
+                    min(step, width - left), min(step, height - top),
+                )
+                reduced = block_mean(region, block)
+                row, col = top // block, left // block
+                out[row : row + reduced.shape[0], col : col + reduced.shape[1]] = reduced
+        return out
+
+    def __enter__(self) -> Slide:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, levels={self.level_dimensions}, mpp={self.mpp})"
+
+
+def block_mean(image: np.ndarray, block: int) -> np.ndarray:
+    """Average over block x block pixels; a partial block at the edge averages what is there."""
+    if block == 1:
+        return image
+    height, width = image.shape[:2]
+    pad = ((0, -height % block), (0, -width % block), (0, 0))
+    padded = np.pad(image, pad, mode="edge").astype(np.float32)
+    rows, cols = padded.shape[0] // block, padded.shape[1] // block
+    return (padded.reshape(rows, block, cols, block, 3).mean(axis=(1, 3)) + 0.5).astype(np.uint8)
+
+
+class OpenSlideSlide(Slide):
+    """The scanners' formats (Aperio, Hamamatsu, Mirax, generic tiled TIFF), JPEG 2000 included."""
+
+    def __init__(self, path: Path, mpp: float | None = None):
+        self.handle = openslide.OpenSlide(path)
+        properties = self.handle.properties
+        stated = [float(properties[key]) for key in ("openslide.mpp-x", "openslide.mpp-y") if key in properties]
+        stated_mpp = sum(stated) / len(stated) if stated else mpp_from_resolution(
+            properties.get("tiff.XResolution"), properties.get("tiff.ResolutionUnit"))
+        super().__init__(path, list(self.handle.level_dimensions), stated_mpp if mpp is None else mpp)
+
+    def read_level(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
+        try:
+            return np.asarray(self.handle.read_region((x, y), level, (width, height)))
+        except openslide.OpenSlideError as error:
+            raise UserError(f"{self.path}: cannot read level {level} at ({x}, {y}), the file is damaged or truncated "
+                            f"({one_line(error)})") from None
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class TiffSlide(Slide):
+    """A plain TIFF (strips or tiles, one level or a pyramid), read through tifffile's zarr store so a region
+    decodes only the strips or tiles it covers."""
+
+    def __init__(self, path: Path, mpp: float | None = None):
+        try:
+            self.tiff = tifffile.TiffFile(path)
+            series = self.tiff.series[0]
+            root = zarr.open(series.aszarr(), mode="r")
+        except (tifffile.TiffFileError, ValueError, OSError, IndexError) as error:
+            raise UserError(f"{path}: not a readable TIFF slide ({one_line(error)})") from None
+        self.levels = [root] if isinstance(root, zarr.Array) else [root[str(i)] for i in range(len(series.levels))]
+        if series.axes not in ("YX", "YXS") or series.dtype != np.uint8:
+            self.tiff.close()
+            raise UserError(f"{path}: expected an 8-bit grey, RGB or RGBA image, not {series.axes} of {series.dtype}")
+        page = series.pages[0]
+        resolution = page.tags.get("XResolution")
+        unit = page.tags.get("ResolutionUnit")
+        stated_mpp = mpp_from_resolution(
+            resolution.value[0] / resolution.value[1] if resolution else None, unit.value.name if unit else None)
+        dimensions = [(level.shape[1], level.shape[0]) for level in self.levels]
+        super().__init__(path, dimensions, stated_mpp if mpp is None else mpp)
+
+    def read_level(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
+        array = self.levels[level]
+        downsample = self.level_downsamples[level]
+        left, top = math.floor(x / downsample), math.floor(y / downsample)
+        samples = array.shape[2:] if array.ndim == 3 else ()
+        out = np.full((height, width, *samples), 255, np.uint8)
+        rows = slice(max(top, 0), min(top + height, array.shape[0]))
+        cols = slice(max(left, 0), min(left + width, array.shape[1]))
+        if rows.start < rows.stop and cols.start < cols.stop:
+            try:
+                block = array[rows, cols]
+            except (ValueError, OSError, RuntimeError) as error:
+                raise UserError(f"{self.path}: cannot read level {level} at ({x}, {y}), the file is damaged or "
+                                f"truncated ({one_line(error)})") from None
+            out[rows.start - top : rows.stop - top, cols.start - left : cols.stop - left] = block
+        return out
+
+    def close(self) -> None:
+        self.tiff.close()
+
+
+class SlideHandles:
+    """Open slides of this process, keyed by path and process id, the least recently used closed past `max_open`.
+
+    A Dataset holds one of these instead of open slides: a forked DataLoader worker then opens its own handles on
+    first use and never reads through the parent's (it only forgets its copies of them).
+    """
+
+    def __init__(self, max_open: int = 16, mpp: float | None = None):
+        self.max_open = max_open
+        self.mpp = mpp
+        self.open: OrderedDict[tuple[int, Path], Slide] = OrderedDict()
+
+    def get(self, path: str | Path) -> Slide:
+        pid = os.getpid()
+        self.open = OrderedDict((key, slide) for key, slide in self.open.items() if key[0] == pid)
+        key = (pid, Path(path))
+        if key not in self.open:
+            self.open[key] = open_slide(path, self.mpp)
+            while len(self.open) > self.max_open:
+                self.open.popitem(last=False)[1].close()
+        self.open.move_to_end(key)
+        return self.open[key]
+
+    def close(self) -> None:
+        pid = os.getpid()
+        for (owner, _), slide in self.open.items():
+            if owner == pid:
+                slide.close()
+        self.open.clear()
