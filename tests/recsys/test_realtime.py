@@ -49,8 +49,9 @@ FORMS = [("ease", None), ("itemknn", None), ("als", None), ("bpr", "gradient"), 
          ("lightgcn", "gradient")]
 
 
-@pytest.mark.parametrize(("name", "method"), FORMS)
-def test_a_stranger_with_three_events_gets_their_cluster_without_the_events(clustered, name, method):
+def served_model(clustered, name: str, method: str | None) -> RecommenderModel:
+    """The served form of model `name` (fold-in by `method`) trained on the clustered log, as the pipeline logs it;
+    `sasrec` an untrained network, `pop` popularity alone."""
     config, data = clustered
     if name == "als" and not als_available():
         pytest.skip("implicit is not installed")
@@ -58,9 +59,14 @@ def test_a_stranger_with_three_events_gets_their_cluster_without_the_events(clus
         config = config.model_copy(update={"serving": cfg.Serving(foldin={name: method})})
     train = data.matrix("train")
     torch.manual_seed(0)
-    scorer = SCORERS[name](data, train)
-    model = RecommenderModel.from_bundle(serving_bundle(served_form(scorer, config, train), data, config,
-                                                        data.matrix("known")))
+    form = {"sasrec": lambda: sequence_bundle(data, train), "pop": lambda: {"kind": "popularity"}}.get(
+        name, lambda: served_form(SCORERS[name](data, train), config, train))()
+    return RecommenderModel.from_bundle(serving_bundle(form, data, config, data.matrix("known")))
+
+
+@pytest.mark.parametrize(("name", "method"), FORMS)
+def test_a_stranger_with_three_events_gets_their_cluster_without_the_events(clustered, name, method):
+    model = served_model(clustered, name, method)
     cold = model.predict(None, pd.DataFrame({"user_id": ["stranger"], "k": [5]}))
     assert all(item <= CLUSTER_ITEMS for item in cold["item_id"])  # cluster A is the popular one
     recent = [CLUSTER_ITEMS + 1, CLUSTER_ITEMS + 2, CLUSTER_ITEMS + 3]
@@ -193,17 +199,8 @@ def batch_requests(data) -> tuple[np.ndarray, list[np.ndarray]]:
 def test_a_micro_batch_answers_as_each_request_alone(clustered, name, method):
     """`recommend_batch` (the GPU path, run here on the CPU) gives each row the list `recommend` gives it alone:
     the same scores and, above the k-th score (ties there may fall either way), the same items."""
-    config, data = clustered
-    if name == "als" and not als_available():
-        pytest.skip("implicit is not installed")
-    if method:
-        config = config.model_copy(update={"serving": cfg.Serving(foldin={name: method})})
-    train = data.matrix("train")
-    torch.manual_seed(0)
-    form = {"sasrec": lambda: sequence_bundle(data, train), "pop": lambda: {"kind": "popularity"}}.get(
-        name, lambda: served_form(SCORERS[name](data, train), config, train))()
-    model = RecommenderModel.from_bundle(serving_bundle(form, data, config, data.matrix("known")))
-    recommender = model.recommender
+    _, data = clustered
+    recommender = served_model(clustered, name, method).recommender
     users, events = batch_requests(data)
     batched = recommender.to(CPU).recommend_batch(users, events, 6)
     for user, row, (items, scores) in zip(users.tolist(), events, batched):
