@@ -18,6 +18,7 @@ from common.errors import UserError
 from common.runtime.interrupt import Terminated, stop_on_signals
 
 EXIT_OK, EXIT_FAILURE, EXIT_USER_ERROR = 0, 1, 2
+SLIDES_PRESET = "slides-smoke"  # what `bench --slides` runs unless a preset is given
 log = logging.getLogger("usecases")
 
 
@@ -65,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-ms", type=float, metavar="MS",
                        help="with --serve: also measure our server micro-batching concurrent requests for up to MS "
                             "milliseconds (server ours+batch; ours then runs unbatched)")
+    bench.add_argument("--slides", action="store_true",
+                       help=f"the whole-slide benchmark (tiles/s of read + normalise + encode against a plain per-tile "
+                            f"loop; a gigapixel slide's peak memory): --preset {SLIDES_PRESET} unless one is given")
+    bench.set_defaults(preset=None)  # None: not given, so that --slides can tell
 
     demo = commands.add_parser("demo", help="run every use case on its default data",
                                description="Run every use case with its default preset; a data set that cannot "
@@ -199,6 +204,21 @@ def _engine_overrides(args: argparse.Namespace) -> list[str]:
     if (args.cluster or args.workers) and not args.engine:
         overrides.append("runtime.engine=dask")
     return overrides
+
+
+def _bench_preset(args: argparse.Namespace) -> str:
+    """`--slides` means the slides preset unless one is given, and a given one must read slides; else `default`."""
+    if not args.slides:
+        return args.preset or "default"
+    from common.config import load_config
+
+    preset, usecase = args.preset or SLIDES_PRESET, _usecase(args.name)
+    source = getattr(getattr(load_config(usecase.config, usecase.presets_dir, preset, args.overrides), "data", None),
+                     "source", None)
+    if source != "slides":
+        raise UserError(f"--slides: preset '{preset}' reads {source or 'no slides'} (data.source), not slides; give a "
+                        f"preset with data.source: slides, such as {SLIDES_PRESET}")
+    return preset
 
 
 def _found() -> dict:
@@ -448,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
             return _new(args.name, args.source)
         if args.command == "export":
             return _export(args.name, args.folder, args.force)
+        if args.command == "bench" and args.slides and (args.scale or args.serve):
+            raise UserError("--slides is a benchmark of its own: give it without --scale and --serve")
         if args.command == "bench" and args.serve:
             from common.tools.scaling import parse_list
             from common.tools.serve_bench import serve_bench
@@ -467,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         from common.usecase import RunRequest
 
         use_gpu_frames(args.frames, args.device)  # before the use case's package is imported: cudf.pandas takes over
-        run_usecase(RunRequest(_usecase(args.name), args.preset, (*args.overrides, *_engine_overrides(args)),
+        preset = _bench_preset(args) if args.command == "bench" else args.preset
+        run_usecase(RunRequest(_usecase(args.name), preset, (*args.overrides, *_engine_overrides(args)),
                                args.device, args.frames, args.data, args.summary, getattr(args, "resume", False),
                                bench=args.command == "bench"))
         return EXIT_OK

@@ -1,9 +1,11 @@
 """`make gpu-check`: on a machine with a GPU, one command measures everything GPU-side and writes it down.
 
 It runs `usecases doctor --device cuda`, the `gpu` tests, every use case's `default` preset and every benchmark on
-the GPU (and, for a use case with its own server, `usecases bench NAME --serve` on the champion the run registered), one after another within a time budget (each step gets what is left, at most its share), and writes
-`gpu-report.json` (every step's outcome, the doctor's lines, each run's summary) and `gpu-report.md` (the rows the
-READMEs' GPU tables take). Without a GPU it says so in one line and exits 2.
+the GPU (the whole-slide one too, `usecases bench NAME --slides`, where a use case has its preset; and, for a use
+case with its own server, `usecases bench NAME --serve` on the champion the run registered), one after another
+within a time budget (each step gets what is left, at most its share), and writes `gpu-report.json` (every step's
+outcome, the doctor's lines, each run's summary) and `gpu-report.md` (the rows the READMEs' GPU tables take).
+Without a GPU it says so in one line and exits 2.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.config import available_presets
 from common.usecase import RunRequest, UseCase
 
 DEFAULT_BUDGET_S = 480  # the 8 minutes a lent GPU machine leaves for measuring, after its start
+SLIDES_PRESET = "slides-smoke"  # a use case with this preset has a whole-slide benchmark (`bench NAME --slides`)
 
 
 @dataclass
@@ -46,6 +50,10 @@ def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
               for case in usecases]
     steps += [Step(f"bench {case.name}", [*cli, *RunRequest(case, device="cuda", bench=True).command_line()])
               for case in usecases if case.has_benchmark]
+    steps += [Step(f"bench {case.name} --slides", [*cli, "bench", case.name, "--slides", "--preset", SLIDES_PRESET,
+                                                   "--device", "cuda", "--set", "benchmark.gigapixel=false"])
+              # tiles/s on the GPU; writing the gigapixel slide (minutes on one core) would spend the step's share
+              for case in usecases if case.has_benchmark and SLIDES_PRESET in available_presets(case.presets_dir)]
     steps += [Step(f"serve {case.name}", [*cli, "bench", case.name, "--serve", "--batch-ms", "2"])  # the champion
               # the run registered, scored on the GPU one request at a time and micro-batched
               for case in usecases if case.server() is not None]
@@ -87,7 +95,7 @@ def markdown_rows(steps: list[Step], gpu: str, primary: dict[str, tuple[str, str
     for step in steps:
         if not step.name.startswith(("run ", "bench ")):
             continue
-        kind, name = step.name.split(" ", 1)
+        kind, name = step.name.split()[:2]
         if not step.passed:
             result = "not run" if step.returncode is None else f"failed (exit {step.returncode})"
         elif kind == "run":
@@ -98,8 +106,7 @@ def markdown_rows(steps: list[Step], gpu: str, primary: dict[str, tuple[str, str
             speedups = [value for values in step.summary.get("models", {}).values() for key, value in values.items()
                         if key.endswith("speedup") and value != 1.0]
             result = f"speedup {speedups[0]:.2f}x over the plain loop" if speedups else "ok"
-        rows.append(f"| {gpu} | {name} | `usecases {kind} {name} --preset default --device cuda` | {result} | "
-                    f"{step.seconds:.0f} s |")
+        rows.append(f"| {gpu} | {name} | `usecases {' '.join(step.command[3:])}` | {result} | {step.seconds:.0f} s |")
     return rows
 
 

@@ -37,6 +37,23 @@ def test_a_use_case_with_its_own_server_gets_the_serving_bench_after_its_run(mon
     assert steps[-1].command == ["py", "-m", "usecases", "bench", "beta", "--serve", "--batch-ms", "2"]
 
 
+def test_a_use_case_with_a_slides_preset_gets_the_whole_slide_bench_and_its_row(tmp_path):
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "slides-smoke.yaml").write_text("{}\n")
+    slides = UseCase("gamma", "plugins.gamma", "a test use case", ConfigModel, tmp_path, ("auc", "max"),
+                     has_benchmark=True)
+    steps = gpu_check.plan([*CASES, slides], python="py")
+    assert [step.name for step in steps][-3:] == ["bench alpha", "bench gamma", "bench gamma --slides"]
+    assert steps[-1].command == ["py", "-m", "usecases", "bench", "gamma", "--slides", "--preset", "slides-smoke",
+                                 "--device", "cuda", "--set", "benchmark.gigapixel=false"]
+    summary = {"models": {"pipeline": {"speedup": 4.0}, "plain_loop": {"speedup": 1.0}}}
+    gpu_check.execute(steps[-1:], budget_s=100, run=fake_runner({"bench gamma": (0, summary)}, []))
+    assert steps[-1].summary == summary, "its summary is kept, as a run's is"
+    (row,) = gpu_check.markdown_rows(steps[-1:], "GPU", {"gamma": ("auc", "max")})[2:]
+    assert row == ("| GPU | gamma | `usecases bench gamma --slides --preset slides-smoke --device cuda --set "
+                   "benchmark.gigapixel=false` | speedup 4.00x over the plain loop | 0 s |")
+
+
 def fake_runner(outcomes: dict[str, tuple[int, dict]], timeouts: list[float]):
     """Answers each command as `outcomes` says, writing its summary where `--summary` points."""
 

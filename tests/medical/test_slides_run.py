@@ -23,7 +23,8 @@ def slide_run(tmp_path_factory):
     """(summary, run) of the slides-smoke preset in a private store and cache."""
     folder = tmp_path_factory.mktemp("slides-smoke")
     env = private_env(folder)
-    result = usecases("run", "medical", "--preset", "slides-smoke", "--set", f"data.slides.cache_dir={folder / 'cache'}",
+    result = usecases("run", "medical", "--preset", "slides-smoke",
+                      "--set", f"data.slides.cache_dir={folder / 'cache'}",
                       "--summary", str(folder / "s.json"), timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = runs("medical", env["MLFLOW_TRACKING_URI"])

@@ -23,6 +23,8 @@ from common.runtime.devices import Runtime
 from .config import Config
 from .images import ImageSet
 from .models import build_classifier
+from .slides.bench import slides_benchmark
+from .slides.data import SlideSet
 from .train import fit_network, label_tensor, loss_function, new_classifier
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,9 @@ def _steady(history: list[dict[str, float]]) -> dict[str, float]:
             "epochs_counted": len(counted)}
 
 
-def benchmark(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]:
+def benchmark(config: Config, data: ImageSet | SlideSet, job: Job) -> dict[str, dict[str, float]]:
+    if isinstance(data, SlideSet):  # a preset with data.source slides (`bench medical --slides`)
+        return slides_benchmark(config, data, job)
     if job.runtime.distributed:
         from common.errors import UserError
 

@@ -192,7 +192,7 @@ class Benchmark(ConfigModel):
                                               "process of its own, its tree's peak memory measured")
     gigapixel_size: list[Annotated[int, Field(ge=512)]] = Field(
         [50_000, 40_000], min_length=2, max_length=2, description="--slides: its level-0 width and height (2 "
-                                                                  "gigapixels: about 10 minutes to write on one core)")
+                                                                  "gigapixels: about 3 minutes to write on one core)")
 
 
 class Config(ConfigModel):

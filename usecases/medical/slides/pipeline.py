@@ -38,11 +38,11 @@ def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
     settings, runtime, seed = config.data.slides, job.runtime, config.runtime.seed
     rng = np.random.default_rng(seed)
     started = time.perf_counter()
-    slides = [_chosen_tiles(path, grid, settings.max_tiles, rng) for path, grid in zip(data.paths, data.grids)]
+    slides = [chosen_tiles(path, grid, settings.max_tiles, rng) for path, grid in zip(data.paths, data.grids)]
     counts = np.array([len(slide.indices) for slide in slides])
     log.info("tiles: %d in %d slides (%d to %d a slide) at %s, %d px", counts.sum(), len(slides), counts.min(),
              counts.max(), f"{settings.mpp:g} µm/px" if settings.mpp else "level 0", settings.tile_px)
-    normalisers = _normalisers(slides, data, settings.stain, settings.stain_fit_tiles, rng)
+    normalisers = slide_normalisers(slides, data, settings.stain, settings.stain_fit_tiles, rng)
     tiles_seconds = time.perf_counter() - started
 
     network = _trained_encoder(config, data, slides, normalisers, rng, job)
@@ -84,7 +84,7 @@ def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
     return RunResult(models)
 
 
-def _chosen_tiles(path, grid, max_tiles: int | None, rng: np.random.Generator) -> SlideTiles:
+def chosen_tiles(path, grid, max_tiles: int | None, rng: np.random.Generator) -> SlideTiles:
     """The slide's tissue tiles, a seeded sample of `max_tiles` of them where it has more."""
     indices = np.arange(len(grid))
     if max_tiles is not None and len(indices) > max_tiles:
@@ -97,7 +97,8 @@ def _sample(slide: SlideTiles, count: int, rng: np.random.Generator) -> SlideTil
     return SlideTiles(slide.path, slide.grid, chosen)
 
 
-def _normalisers(slides: list[SlideTiles], data: SlideSet, method: str, count: int, rng: np.random.Generator):
+def slide_normalisers(slides: list[SlideTiles], data: SlideSet, method: str, count: int,
+                      rng: np.random.Generator) -> list:
     """One normaliser per slide, fitted once on a sample of its tiles; Reinhard's reference is the first training
     slide's sample (Macenko has a published one)."""
     if method == "none":

@@ -214,7 +214,8 @@ def _require_tissue(density: torch.Tensor) -> torch.Tensor:
     count = int(mask.sum())
     if count < MIN_TISSUE_PIXELS:
         raise ValueError(f"too few tissue pixels to fit stain normalisation: {count} of {mask.numel()} have optical "
-                         f"density >= {TRANSPARENT_OD} in every channel, {MIN_TISSUE_PIXELS} needed; fit on tissue tiles")
+                         f"density >= {TRANSPARENT_OD} in every channel, {MIN_TISSUE_PIXELS} needed; fit on tissue "
+                         "tiles")
     return mask
 
 
