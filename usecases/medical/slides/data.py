@@ -55,6 +55,8 @@ def load_slides(config: Config, path: Path | None) -> SlideSet:
     notices = []
     if path is None:
         folder = synthetic_folder(config)
+        notices.append(f"data: no --data FOLDER of slides given, so the {config.data.synthetic_slides.slides} "
+                       f"synthetic slides in {folder} stand in")
     else:
         folder = Path(path)
         if not folder.is_dir():
