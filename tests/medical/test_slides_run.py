@@ -124,3 +124,28 @@ def test_the_shared_broken_slide_beside_real_ones_is_named(capsys, tmp_path):
         (folder / name).symlink_to(SHARED / name)
     (folder / "labels.csv").write_text("slide,label\ncmu-1-small-region.svs,0\nbroken.svs,1\n")
     rejected(capsys, folder, "broken.svs")
+
+
+def test_many_slides_are_tiled_on_a_dask_cluster_as_in_this_process(slide_folder, tmp_path, dask_client):
+    from distributed import get_task_stream
+
+    from common.config import load_config
+    from common.errors import UserError
+    from usecases.medical import USECASE
+    from usecases.medical.slides.data import load_slides
+
+    def config(cache: str):
+        return load_config(USECASE.config, USECASE.presets_dir, "slides-smoke",
+                           [f"data.slides.cache_dir={tmp_path / cache}", "data.slides.mpp=0.5"])
+
+    folder = user_folder(slide_folder, tmp_path / "eight", [f"s{i}.tif,{i % 2},p{i}" for i in range(8)])
+    alone = load_slides(config("here"), folder)
+    with get_task_stream(dask_client) as stream:
+        spread = load_slides(config("cluster"), folder, dask_client)
+    assert sum(task["key"].startswith("tiles_of") for task in stream.data) == len(alone.paths) == 8
+    assert [grid.coords.tolist() for grid in spread.grids] == [grid.coords.tolist() for grid in alone.grids]
+    assert spread.split.tolist() == alone.split.tolist() and spread.sha256 == alone.sha256
+    broken = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)] + ["bad.svs,1,p9"],
+                         {"bad.svs": lambda path: path.write_bytes(b"II*\x00" + bytes(1000))})
+    with pytest.raises(UserError, match=r"bad\.svs"):
+        load_slides(config("broken"), broken, dask_client)

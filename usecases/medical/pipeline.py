@@ -36,7 +36,7 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet 
     `client`, image files are decoded on its cluster. `evaluation.positive_class` is resolved to an index here, so
     that the run's params say which class the threshold is for."""
     if config.data.source == "slides":
-        return _load_slides(config, path)
+        return _load_slides(config, path, client)
     data = load_images(config.data, path, config.runtime.seed, client)
     own_data = path is not None and data.source.startswith("files:")
     setting = config.evaluation.positive_class
@@ -76,8 +76,8 @@ def large_data(config: Config, path: Path | None) -> str | None:
     return None
 
 
-def _load_slides(config: Config, path: Path | None) -> tuple[SlideSet, dict[str, str]]:
-    data = load_slides(config, path)
+def _load_slides(config: Config, path: Path | None, client=None) -> tuple[SlideSet, dict[str, str]]:
+    data = load_slides(config, path, client)
     counts = {split: len(data.members(split)) for split in ("train", "val", "test")}
     log.info("data: %s, %d slides, train/val/test %s, positive class '%s'", data.source, len(data.paths),
              "/".join(map(str, counts.values())), data.classes[1])

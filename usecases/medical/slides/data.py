@@ -49,8 +49,9 @@ class SlideSet:
         return np.flatnonzero(self.split == split)
 
 
-def load_slides(config: Config, path: Path | None) -> SlideSet:
-    """The user's folder, or the synthetic set; every slide opened once, the split by patient."""
+def load_slides(config: Config, path: Path | None, client=None) -> SlideSet:
+    """The user's folder, or the synthetic set; every slide opened and tiled once (on the cluster of a Dask
+    `client`), the split by patient."""
     settings = config.data.slides
     notices = []
     if path is None:
@@ -66,12 +67,13 @@ def load_slides(config: Config, path: Path | None) -> SlideSet:
         raise UserError(f"{folder}: no {settings.labels_file} (expected columns slide, label and optionally patient: "
                         f"one row per slide)")
     listing = read_manifest(labels_file, LABEL_COLUMNS)
-    grids, mpp = [], []
-    for slide_path in listing.files:  # a broken slide, one without a resolution or without tissue: refused here
-        with open_slide(slide_path) as slide:
-            grids.append(tile_grid(slide, settings.mpp, settings.tile_px, settings.min_tissue,
-                                   cache_dir("slides", settings.cache_dir) / "tiles"))
-            mpp.append(slide.mpp)
+    tiling = (settings.mpp, settings.tile_px, settings.min_tissue, cache_dir("slides", settings.cache_dir) / "tiles")
+    if client is not None:  # many slides: each one's mask and grid on a worker of the cluster
+        tiled = client.gather(client.map(tiles_of, listing.files, *[[value] * len(listing.files) for value in tiling],
+                                         pure=False))
+    else:
+        tiled = [tiles_of(slide_path, *tiling) for slide_path in listing.files]
+    grids, mpp = [grid for grid, _ in tiled], [slide_mpp for _, slide_mpp in tiled]
     classes = class_names(listing.labels, listing.where)
     if len(classes) != 2:
         raise UserError(f"{listing.where}: column 'label' has {len(classes)} classes ({', '.join(classes)}); slide-"
@@ -94,6 +96,14 @@ def load_slides(config: Config, path: Path | None) -> SlideSet:
     source = f"slides:{'synthetic' if path is None else folder.name}"
     return SlideSet(list(listing.files), labels, classes, patients, split, source, digest.hexdigest(), mpp, grids,
                     notices + listing.notices)
+
+
+def tiles_of(slide_path: Path, mpp: float | None, tile_px: int, min_tissue: float,
+             cache: Path) -> tuple[TileGrid, float | None]:
+    """One slide's tile grid (its tissue mask on a thumbnail, cached by its digest) and its microns per pixel: the
+    work a Dask worker does per slide. A broken slide, one without a resolution or without tissue: one line."""
+    with open_slide(slide_path) as slide:
+        return tile_grid(slide, mpp, tile_px, min_tissue, cache), slide.mpp
 
 
 def synthetic_folder(config: Config) -> Path:
