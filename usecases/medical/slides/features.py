@@ -35,13 +35,12 @@ class SlideTiles:
 class TileDataset(Dataset):
     """(tile uint8 3 x H x W, slide position) for every chosen tile of every slide, in slide order."""
 
-    def __init__(self, slides: Sequence[SlideTiles], mpp: Sequence[float | None] | None = None):
+    def __init__(self, slides: Sequence[SlideTiles]):
         self.slides = list(slides)
         self.owner = np.concatenate([np.full(len(slide.indices), position, np.int64)
                                      for position, slide in enumerate(self.slides)] or [np.zeros(0, np.int64)])
         self.tile = np.concatenate([slide.indices for slide in self.slides] or [np.zeros(0, np.int64)])
         self.handles = SlideHandles()  # opened in each worker on first use, never the parent's
-        self.mpp = mpp
 
     def __len__(self) -> int:
         return len(self.owner)
@@ -64,9 +63,10 @@ def tile_loader(slides: Sequence[SlideTiles], batch_size: int, readers: int) -> 
 def read_tiles(slide: SlideTiles) -> torch.Tensor:
     """The chosen tiles of one slide as a uint8 (N, 3, H, W) batch, read in this process."""
     dataset = TileDataset([slide])
-    tiles = torch.stack([dataset[index][0] for index in range(len(dataset))]) if len(dataset) else None
-    dataset.handles.close()
-    return tiles
+    try:
+        return torch.stack([dataset[index][0] for index in range(len(dataset))])
+    finally:
+        dataset.handles.close()
 
 
 def fit_normaliser(method: str, sample: torch.Tensor, reference: torch.Tensor | None

@@ -43,7 +43,7 @@ def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
     log.info("tiles: %d in %d slides (%d to %d a slide) at %s, %d px", counts.sum(), len(slides), counts.min(),
              counts.max(), f"{settings.mpp:g} µm/px" if settings.mpp else "level 0", settings.tile_px)
     normalisers = slide_normalisers(slides, data, settings.stain, settings.stain_fit_tiles, rng)
-    tiles_seconds = time.perf_counter() - started
+    stain_fit_seconds = time.perf_counter() - started
 
     network = _trained_encoder(config, data, slides, normalisers, rng, job)
     bags, tiles_per_s = encode_slides(network, slides, normalisers, runtime.device, settings.batch_size,
@@ -68,7 +68,7 @@ def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
     test_probabilities, attentions = predict_bags(mil, [bags[i] for i in test], runtime.device)
     evaluation = config.evaluation
     common = {"tiles_per_s": tiles_per_s, "tiles": float(counts.sum()), "slides": float(len(slides)),
-              "tiling_seconds": tiles_seconds}
+              "stain_fit_seconds": stain_fit_seconds}
     models = {"attention_mil": {**slide_metrics(labels[val], val_probabilities, labels[test], test_probabilities,
                                                 evaluation.target_sensitivity, evaluation.bootstrap, seed),
                                 "best_epoch": history.best_epoch + 1, **common}}
