@@ -241,6 +241,43 @@ def test_each_process_opens_its_own_handles(plain_tiff, monkeypatch):
     parent.close()
 
 
+def test_auto_reads_with_cucim_only_on_a_gpu_run_with_cucim_and_its_formats(monkeypatch):
+    monkeypatch.setattr(reader, "cucim_installed", lambda: True)
+    assert reader.pixel_reader("auto", "cuda", "a.svs") == reader.pixel_reader("auto", "cuda", "b.tif") == "cucim"
+    assert reader.pixel_reader("auto", "cuda", "c.ndpi") == "openslide"  # not a format cuCIM reads
+    assert reader.pixel_reader("auto", "cpu", "a.svs") == "openslide"
+    assert reader.pixel_reader("openslide", "cuda", "a.svs") == "openslide"
+    monkeypatch.setattr(reader, "cucim_installed", lambda: False)
+    assert reader.pixel_reader("auto", "cuda", "a.svs") == "openslide"
+
+
+def test_cucim_asked_for_where_it_is_not_installed_or_cannot_read_is_one_line(plain_tiff, tmp_path):
+    ndpi = tmp_path / "scan.ndpi"
+    shutil.copy(plain_tiff, ndpi)
+    with pytest.raises(UserError, match=r"scan\.ndpi: cuCIM reads .svs, .tif, .tiff slides only"):
+        open_slide(ndpi, reader="cucim")
+    if reader.cucim_installed():
+        pytest.skip("cuCIM is installed here: its reads are compared with OpenSlide's below")
+    with pytest.raises(UserError, match=r"needs cuCIM: pip install 'gpu-usecases\[cuda13\]'"):
+        open_slide(plain_tiff, reader="cucim")
+
+
+@needs_shared
+@pytest.mark.skipif(not reader.cucim_installed(), reason="cuCIM is not installed (the cuda13 or cuda12 extra)")
+@pytest.mark.parametrize("name", ["cmu-1-small-region.svs", "tcga-cr-7395-01a-01-ts1.svs", "kidney-48-5.tif"])
+def test_cucim_reads_the_pixels_openslide_reads(name):
+    """The JPEG Aperio region, the JPEG 2000 TCGA slide and the kidney TIFF (cuCIM's slow path, RGBA): the same
+    levels, resolution and pixels, a region past the edge white as OpenSlide's."""
+    with open_slide(PATHOLOGY / name) as ours, open_slide(PATHOLOGY / name, reader="cucim") as theirs:
+        assert isinstance(theirs, reader.CuCIMSlide)
+        assert theirs.level_dimensions == ours.level_dimensions and theirs.mpp == ours.mpp
+        width, height = ours.level_dimensions[0]
+        top = len(ours.level_dimensions) - 1
+        for level, x, y, w, h in [(0, 500, 400, 96, 64), (top, 0, 0, 128, 100), (0, width - 30, height - 20, 64, 64),
+                                  (0, -16, 8, 48, 48)]:
+            np.testing.assert_array_equal(theirs.read_region(level, x, y, w, h), ours.read_region(level, x, y, w, h))
+
+
 def test_a_slide_set_has_labels_and_patients_with_two_slides(folder):
     labels = write_slide_set(folder / "set", n_slides=6, size=(1024, 1024), seed=1)
     rows = list(csv.DictReader(labels.open()))

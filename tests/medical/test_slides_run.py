@@ -15,6 +15,8 @@ import torch
 from tests.cli_helpers import assert_rejected, private_env, runs, usecases
 from usecases.medical.slides.synthetic import write_slide
 
+pytestmark = pytest.mark.starts_first(2)  # the default suite's longest files first (tests/conftest.py)
+
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "pathology"
 
 
@@ -29,6 +31,20 @@ def slide_run(tmp_path_factory):
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = runs("medical", env["MLFLOW_TRACKING_URI"])
     return json.loads((folder / "s.json").read_text()), run
+
+
+@pytest.mark.slow  # a second smoke run (a minute); the cluster path's features are compared in the default suite
+def test_the_smoke_preset_on_the_dask_engine_encodes_on_the_cluster_and_learns(tmp_path):
+    env = private_env(tmp_path)
+    result = usecases("run", "medical", "--preset", "slides-smoke", "--set", f"data.slides.cache_dir={tmp_path / 'c'}",
+                      "--set", "runtime.engine=dask", "--set", "runtime.workers=2",
+                      "--summary", str(tmp_path / "s.json"), timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "encoded at" in result.stderr and "on the Dask cluster" in result.stderr
+    models = json.loads((tmp_path / "s.json").read_text())["models"]
+    assert models["attention_mil"]["auc"] >= 0.9 and models["mean_pool_logreg"]["auc"] >= 0.9
+    (run,) = runs("medical", env["MLFLOW_TRACKING_URI"])
+    assert run.data.tags["engine"] == "dask" and run.data.tags["dask_workers"] == "2"
 
 
 def test_attention_mil_and_the_pooled_baseline_learn_the_slide_signal(slide_run):
@@ -149,3 +165,39 @@ def test_many_slides_are_tiled_on_a_dask_cluster_as_in_this_process(slide_folder
                          {"bad.svs": lambda path: path.write_bytes(b"II*\x00" + bytes(1000))})
     with pytest.raises(UserError, match=r"bad\.svs"):
         load_slides(config("broken"), broken, dask_client)
+
+
+def test_slides_are_encoded_on_a_dask_cluster_as_in_this_process(slide_folder, tmp_path, dask_client):
+    """One task per slide on the workers, each reading its slide itself: the same features in slide order, each
+    slide's own stain fit applied."""
+    from functools import partial
+
+    from distributed import get_task_stream
+
+    from common.config import load_config
+    from usecases.medical import USECASE
+    from usecases.medical.models import architecture, build_classifier
+    from usecases.medical.slides.data import load_slides
+    from usecases.medical.slides.features import encode_on_cluster, encode_slides
+    from usecases.medical.slides.pipeline import chosen_tiles, slide_normalisers
+
+    config = load_config(USECASE.config, USECASE.presets_dir, "slides-smoke",
+                         [f"data.slides.cache_dir={tmp_path / 'cache'}", "data.slides.mpp=0.5"])
+    data = load_slides(config, user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)]))
+    rng = np.random.default_rng(0)
+    slides = [chosen_tiles(path, grid, 6, rng) for path, grid in zip(data.paths, data.grids)]
+    normalisers = slide_normalisers(slides, data, "macenko", 8, rng)
+    torch.manual_seed(0)
+    build = partial(build_classifier, architecture("resnet18", 3, 2, cifar_stem=True, channels_last=False))
+    network = build()
+    here, _ = encode_slides(network, slides, normalisers, torch.device("cpu"), 5, readers=0)
+    with get_task_stream(dask_client) as stream:
+        spread, tiles_per_s = encode_on_cluster(dask_client, build, network.state_dict(), slides, normalisers,
+                                                torch.device("cpu"), 5)
+    assert sum(task["key"].startswith("encode_slide") for task in stream.data) == len(slides) == 8
+    assert [bag.shape for bag in spread] == [bag.shape for bag in here] == [(len(s.indices), 512) for s in slides]
+    for mine, theirs in zip(here, spread):
+        np.testing.assert_allclose(theirs, mine, rtol=1e-5, atol=1e-6)
+    unnormalised, _ = encode_on_cluster(dask_client, build, network.state_dict(), slides, [None] * 8,
+                                        torch.device("cpu"), 5)
+    assert not np.allclose(unnormalised[0], here[0], atol=1e-3) and tiles_per_s > 0

@@ -69,6 +69,9 @@ class Slides(ConfigModel):
     cache_dir: Path | None = Field(None, description="tile coordinates by the slide's digest; default: "
                                                      "~/.cache/gpu-usecases/slides (or $XDG_CACHE_HOME)")
     readers: int = Field(2, ge=0, description="DataLoader workers reading tiles, each with its own slide handles")
+    reader: Literal["auto", "openslide", "cucim"] = Field(
+        "auto", description="what decodes the tiles: auto takes cuCIM on a GPU run where it is installed (the "
+                            "cuda13 extra) for .svs and .tif slides, else OpenSlide (tifffile for plain TIFFs)")
     batch_size: int = Field(64, ge=1, description="tiles per batch through normalisation and the encoder")
     val_fraction: float = Field(0.2, gt=0, lt=0.5)
     test_fraction: float = Field(0.3, gt=0, lt=0.5)

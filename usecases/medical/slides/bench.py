@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ from common.errors import UserError
 from common.runtime.interrupt import stop_point
 from ..models import ImageClassifier, architecture, build_classifier, use_cifar_stem
 from .features import PooledFeatures, SlideTiles, encode_slides, fit_normaliser, read_tiles
-from .reader import open_slide
+from .reader import CUCIM_SUFFIXES, cucim_installed, open_slide, pixel_reader
 from .synthetic import write_slide
 from .tiles import TileGrid, tile_grid
 
@@ -54,7 +55,8 @@ def slides_benchmark(config: Config, data: SlideSet, job: Job) -> dict[str, dict
 
     settings, device, bench = config.data.slides, job.runtime.device, config.benchmark
     rng = np.random.default_rng(config.runtime.seed)
-    slides = [chosen_tiles(path, grid, settings.max_tiles, rng) for path, grid in zip(data.paths, data.grids)]
+    slides = [chosen_tiles(path, grid, settings.max_tiles, rng, pixel_reader(settings.reader, device.type, path))
+              for path, grid in zip(data.paths, data.grids)]
     normalisers = slide_normalisers(slides, data, settings.stain, settings.stain_fit_tiles, rng)
     network = encoder(config)
     tiles = sum(len(slide.indices) for slide in slides)
@@ -65,20 +67,29 @@ def slides_benchmark(config: Config, data: SlideSet, job: Job) -> dict[str, dict
     for readers in sorted({*bench.slide_workers, settings.readers}):
         log.info("benchmark: pipeline, %d tiles of %d slides, %d readers", tiles, len(slides), readers)
         _, rates[readers] = encode_slides(network, slides, normalisers, device, settings.batch_size, readers)
+    by_reader = {}
+    if cucim_installed() and all(slide.path.suffix.lower() in CUCIM_SUFFIXES for slide in slides):
+        for reader in ("openslide", "cucim"):  # the same tiles decoded by each, at the configured readers
+            log.info("benchmark: pipeline read by %s", reader)
+            _, by_reader[reader] = encode_slides(network, [replace(slide, reader=reader) for slide in slides],
+                                                 normalisers, device, settings.batch_size, settings.readers)
     log.info("benchmark: plain per-tile loop, %d tiles", min(bench.plain_tiles, tiles))
     plain, plain_features, plain_normaliser = plain_loop(network, slides, normalisers, settings.stain, device,
                                                          bench.plain_tiles)
     ours = rates[settings.readers]
     pipeline = {"tiles_per_s": ours, "tiles": float(tiles), "readers": float(settings.readers),
-                "speedup": ours / plain, **{f"tiles_per_s/readers_{count}": rate for count, rate in rates.items()}}
+                "speedup": ours / plain, **{f"tiles_per_s/readers_{count}": rate for count, rate in rates.items()},
+                **{f"tiles_per_s/{reader}": rate for reader, rate in by_reader.items()}}
     results = {"pipeline": pipeline,
                "plain_loop": {"tiles_per_s": plain, "tiles": float(len(plain_features)), "speedup": 1.0}}
     if bench.gigapixel:
         with tempfile.TemporaryDirectory(prefix="gigapixel-") as folder:
             results["gigapixel"] = gigapixel(config, device, Path(folder))
-    job.tracker.set_tags({"slides_bench_plain_normaliser": plain_normaliser})
+    job.tracker.set_tags({"slides_bench_plain_normaliser": plain_normaliser,
+                          "slides_bench_reader": " and ".join(sorted({slide.reader for slide in slides}))})
     job.tracker.log_metrics({"tiles_per_s": ours, "plain_tiles_per_s": plain, "speedup": ours / plain,
                              **{f"tiles_per_s/readers_{count}": rate for count, rate in rates.items()},
+                             **{f"tiles_per_s/{reader}": rate for reader, rate in by_reader.items()},
                              **{f"gigapixel_{key}": value for key, value in results.get("gigapixel", {}).items()}})
     print(report(results, rates, plain_normaliser, device), flush=True)
     return results
@@ -253,6 +264,8 @@ def report(results: dict[str, dict[str, float]], rates: dict[int, float], plain_
     lines = [f"slides bench on {device}: {pipeline['tiles']:.0f} tiles through the pipeline, "
              f"{plain['tiles']:.0f} through the plain loop", "readers  tiles/s"]
     lines += [f"{count:>7}  {rate:7.1f}" for count, rate in rates.items()]
+    lines += [f"read by {reader}: {pipeline[f'tiles_per_s/{reader}']:.1f} tiles/s" for reader in ("openslide", "cucim")
+              if f"tiles_per_s/{reader}" in pipeline]
     lines.append(f"plain loop (per tile, {plain_normaliser} normalisation): {plain['tiles_per_s']:.1f} tiles/s; "
                  f"pipeline at {pipeline['readers']:.0f} readers: {pipeline['speedup']:.2f}x")
     if "gigapixel" in results:

@@ -2,12 +2,14 @@
 the device normalises their stain per slide in batches and the encoder turns them into one feature row per tile.
 
 Memory stays bounded by the batches in flight, whatever the slide's size: only coordinates and features are kept.
+On the Dask engine each slide is one task on the cluster's workers (one per GPU with dask-cuda), which read and encode
+it in their own process and send back only its features.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +27,12 @@ PREFETCH_BATCHES = 4  # per reader: tiles decoded ahead while the device works
 
 @dataclass(frozen=True)
 class SlideTiles:
-    """The tiles of one slide to read: its file and tile grid, and which of the grid's tiles."""
+    """The tiles of one slide to read: its file and tile grid, which of the grid's tiles, and with which reader."""
 
     path: Path
     grid: TileGrid
     indices: np.ndarray
+    reader: str = "openslide"  # or "cucim"
 
 
 class TileDataset(Dataset):
@@ -48,7 +51,7 @@ class TileDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         position = int(self.owner[index])
         slide = self.slides[position]
-        pixels = read_tile(self.handles.get(slide.path), slide.grid, int(self.tile[index]))
+        pixels = read_tile(self.handles.get(slide.path, slide.reader), slide.grid, int(self.tile[index]))
         return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))), position
 
 
@@ -126,3 +129,29 @@ def encode_slides(network: nn.Module, slides: Sequence[SlideTiles], normalisers:
     seconds = time.perf_counter() - started
     return [np.concatenate(parts) if parts else np.zeros((0, 0), np.float32) for parts in features], \
         count / max(seconds, 1e-9)
+
+
+def encode_on_cluster(client, build_network: Callable[[], nn.Module], weights: dict[str, torch.Tensor],
+                      slides: Sequence[SlideTiles], normalisers: Sequence, device: torch.device,
+                      batch_size: int) -> tuple[list[np.ndarray], float]:
+    """`encode_slides` for many slides: one task per slide on the workers of a Dask `client`, each worker building
+    the network and loading `weights` (sent to each worker once, as tensors) on its own device of `device`'s type;
+    the same features, in slide order."""
+    (shipped,) = client.scatter([weights], broadcast=True)
+    started = time.perf_counter()
+    futures = client.map(encode_slide, slides, normalisers, build_network=build_network, weights=shipped,
+                         device_type=device.type, tiles_per_batch=batch_size,
+                         pure=False)  # client.map takes a batch_size of its own
+    bags = client.gather(futures)
+    seconds = time.perf_counter() - started
+    return bags, sum(len(slide.indices) for slide in slides) / max(seconds, 1e-9)
+
+
+def encode_slide(slide: SlideTiles, normaliser, build_network: Callable[[], nn.Module],
+                 weights: dict[str, torch.Tensor], device_type: str, tiles_per_batch: int) -> np.ndarray:
+    """One slide's features, read and encoded in this (worker) process by its own copy of the network."""
+    network = build_network()
+    network.load_state_dict(weights)
+    (features,), _ = encode_slides(network, [slide], [normaliser], torch.device(device_type), tiles_per_batch,
+                                   readers=0)
+    return features

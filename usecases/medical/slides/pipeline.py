@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +23,13 @@ from common.job import Job
 from common.usecase import RunResult
 from ..config import Config
 from ..images import ImageSet
+from ..models import build_classifier
 from ..train import fit_network
 from .data import SlideSet
-from .features import SlideTiles, encode_slides, fit_normaliser, read_tiles
+from .features import SlideTiles, encode_on_cluster, encode_slides, fit_normaliser, read_tiles
 from .mil import (MILSettings, fit_attention_mil, fit_pooled_baseline, heatmap_figure, attention_heatmap,
                   pooled_probabilities, predict_bags, slide_metrics)
-from .reader import open_slide
+from .reader import open_slide, pixel_reader
 
 log = logging.getLogger(__name__)
 THUMBNAIL_PX = 1024
@@ -38,17 +40,26 @@ def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
     settings, runtime, seed = config.data.slides, job.runtime, config.runtime.seed
     rng = np.random.default_rng(seed)
     started = time.perf_counter()
-    slides = [chosen_tiles(path, grid, settings.max_tiles, rng) for path, grid in zip(data.paths, data.grids)]
+    readers = [pixel_reader(settings.reader, runtime.device.type, path) for path in data.paths]
+    slides = [chosen_tiles(path, grid, settings.max_tiles, rng, reader)
+              for path, grid, reader in zip(data.paths, data.grids, readers)]
     counts = np.array([len(slide.indices) for slide in slides])
-    log.info("tiles: %d in %d slides (%d to %d a slide) at %s, %d px", counts.sum(), len(slides), counts.min(),
-             counts.max(), f"{settings.mpp:g} µm/px" if settings.mpp else "level 0", settings.tile_px)
+    log.info("tiles: %d in %d slides (%d to %d a slide) at %s, %d px, read by %s", counts.sum(), len(slides),
+             counts.min(), counts.max(), f"{settings.mpp:g} µm/px" if settings.mpp else "level 0", settings.tile_px,
+             " and ".join(sorted(set(readers))))
     normalisers = slide_normalisers(slides, data, settings.stain, settings.stain_fit_tiles, rng)
     stain_fit_seconds = time.perf_counter() - started
 
-    network = _trained_encoder(config, data, slides, normalisers, rng, job)
-    bags, tiles_per_s = encode_slides(network, slides, normalisers, runtime.device, settings.batch_size,
-                                      settings.readers)
-    log.info("features: %d tiles read, normalised and encoded at %.0f tiles/s", counts.sum(), tiles_per_s)
+    network, arch = _trained_encoder(config, data, slides, normalisers, rng, job)
+    if job.dask is not None:
+        weights = {name: value.cpu() for name, value in network.state_dict().items()}
+        bags, tiles_per_s = encode_on_cluster(job.dask, partial(build_classifier, arch), weights, slides, normalisers,
+                                              runtime.device, settings.batch_size)
+    else:
+        bags, tiles_per_s = encode_slides(network, slides, normalisers, runtime.device, settings.batch_size,
+                                          settings.readers)
+    log.info("features: %d tiles read, normalised and encoded at %.0f tiles/s%s", counts.sum(), tiles_per_s,
+             " on the Dask cluster" if job.dask is not None else "")
     job.tracker.log_metrics({"tiles_per_s": tiles_per_s})
     if not runtime.is_main:
         return RunResult({})
@@ -84,17 +95,18 @@ def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
     return RunResult(models)
 
 
-def chosen_tiles(path, grid, max_tiles: int | None, rng: np.random.Generator) -> SlideTiles:
+def chosen_tiles(path, grid, max_tiles: int | None, rng: np.random.Generator,
+                 reader: str = "openslide") -> SlideTiles:
     """The slide's tissue tiles, a seeded sample of `max_tiles` of them where it has more."""
     indices = np.arange(len(grid))
     if max_tiles is not None and len(indices) > max_tiles:
         indices = np.sort(rng.choice(indices, size=max_tiles, replace=False))
-    return SlideTiles(path, grid, indices)
+    return SlideTiles(path, grid, indices, reader)
 
 
 def _sample(slide: SlideTiles, count: int, rng: np.random.Generator) -> SlideTiles:
     chosen = slide.indices if len(slide.indices) <= count else np.sort(rng.choice(slide.indices, count, False))
-    return SlideTiles(slide.path, slide.grid, chosen)
+    return SlideTiles(slide.path, slide.grid, chosen, slide.reader)
 
 
 def slide_normalisers(slides: list[SlideTiles], data: SlideSet, method: str, count: int,
@@ -135,9 +147,9 @@ def _trained_encoder(config: Config, data: SlideSet, slides: list[SlideTiles], n
     trained.train.patience = None
     log.info("tile encoder: %s on %d training and %d validation tiles (weak labels: the slide's)",
              config.model.name, len(labels["train"]), len(labels["val"]))
-    network, _, result = fit_network(trained, tile_set, job)
+    network, arch, result = fit_network(trained, tile_set, job)
     job.tracker.log_metrics({f"{ENCODER_NAME}/best_epoch": result.best_epoch + 1})
-    return network
+    return network, arch
 
 
 def _log_heatmaps(slides: list[SlideTiles], attentions: list[np.ndarray], probabilities: np.ndarray,

@@ -1,6 +1,6 @@
 """Whole-slide images read region by region: OpenSlide for the scanners' formats, tifffile for a plain TIFF that
-OpenSlide refuses. A slide is gigapixels, so nothing here ever decodes a whole level: regions and thumbnails are
-read in bounded blocks.
+OpenSlide refuses, and RAPIDS cuCIM where it is installed (the cuda13 extra) and chosen. A slide is gigapixels, so
+nothing here ever decodes a whole level: regions and thumbnails are read in bounded blocks.
 
 Handles are per process. An OpenSlide or tifffile handle inherited by a forked DataLoader worker shares the
 parent's file position and caches, so each worker must open its own: `SlideHandles` does that, keyed by path and
@@ -22,6 +22,7 @@ import zarr
 from common.errors import UserError
 
 SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs")
+CUCIM_SUFFIXES = (".svs", ".tif", ".tiff")  # cuCIM reads Aperio SVS and (generic, Philips) tiled TIFF only
 PLAIN_TIFF_SUFFIXES = (".tif", ".tiff")
 # Level-0 microns per pixel outside this range are a writer's default (72 dpi is 353 µm), not a scanner's.
 PLAUSIBLE_MPP = (0.05, 50.0)
@@ -31,13 +32,16 @@ THUMBNAIL_BLOCK_PX = 1024
 MICRONS_PER_UNIT = {"centimeter": 1e4, "inch": 25400.0}
 
 
-def open_slide(path: str | Path, mpp: float | None = None) -> Slide:
-    """Open a slide; `mpp` overrides (or supplies) the microns per pixel at level 0 that the file states."""
+def open_slide(path: str | Path, mpp: float | None = None, reader: str = "openslide") -> Slide:
+    """Open a slide; `mpp` overrides (or supplies) the microns per pixel at level 0 that the file states. `reader`
+    cucim reads the pixels with cuCIM (its levels and resolution still come from OpenSlide or tifffile)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such slide file")
     if path.suffix.lower() not in SLIDE_SUFFIXES:
         raise UserError(f"{path}: not a slide format this reader takes (expected {', '.join(SLIDE_SUFFIXES)})")
+    if reader == "cucim":
+        return CuCIMSlide(path, mpp)
     try:
         return OpenSlideSlide(path, mpp)
     except openslide.OpenSlideUnsupportedFormatError:
@@ -46,6 +50,20 @@ def open_slide(path: str | Path, mpp: float | None = None) -> Slide:
         raise UserError(f"{path}: not a readable {path.suffix} slide (damaged, truncated or another format)") from None
     except openslide.OpenSlideError as error:
         raise UserError(f"{path}: damaged or truncated slide ({one_line(error)})") from None
+
+
+def cucim_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cucim") is not None
+
+
+def pixel_reader(setting: str, device_type: str, path: str | Path) -> str:
+    """The reader of one slide: `auto` takes cuCIM on a GPU run where it is installed and reads the format."""
+    if setting != "auto":
+        return setting
+    usable = device_type == "cuda" and Path(path).suffix.lower() in CUCIM_SUFFIXES and cucim_installed()
+    return "cucim" if usable else "openslide"
 
 
 def one_line(error: BaseException) -> str:
@@ -227,6 +245,58 @@ class TiffSlide(Slide):
         self.tiff.close()
 
 
+class CuCIMSlide(Slide):
+    """RAPIDS cuCIM's `CuImage`: Aperio SVS and tiled TIFF decoded by its own multithreaded decoders (nvImageCodec
+    on a GPU machine). The levels and microns per pixel are OpenSlide's (or tifffile's), so a slide tiles alike with
+    either reader; the pixels are the same (checked on the shared slides)."""
+
+    def __init__(self, path: Path, mpp: float | None = None):
+        if path.suffix.lower() not in CUCIM_SUFFIXES:
+            raise UserError(f"{path}: cuCIM reads {', '.join(CUCIM_SUFFIXES)} slides only (set "
+                            f"data.slides.reader=openslide)")
+        try:
+            from cucim import CuImage
+        except ImportError:
+            raise UserError("data.slides.reader=cucim needs cuCIM: pip install 'gpu-usecases[cuda13]' (cucim-cu13), "
+                            "or set data.slides.reader=openslide") from None
+        with open_slide(path, mpp) as described:
+            super().__init__(path, described.level_dimensions, described.mpp)
+        try:
+            self.image = CuImage(str(path))
+        except (ValueError, RuntimeError) as error:
+            raise UserError(f"{path}: cuCIM cannot read this slide ({one_line(error)}); set "
+                            f"data.slides.reader=openslide") from None
+        levels = [tuple(int(side) for side in dims) for dims in self.image.resolutions["level_dimensions"]]
+        if levels != [tuple(dims) for dims in self.level_dimensions]:
+            raise UserError(f"{path}: cuCIM sees levels {levels}, OpenSlide {self.level_dimensions}; set "
+                            f"data.slides.reader=openslide")
+
+    def read_level(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
+        """cuCIM refuses a region past the edge of some TIFFs: the part inside is read, the rest stays white."""
+        downsample = self.level_downsamples[level]
+        level_width, level_height = self.level_dimensions[level]
+        left, top = math.floor(x / downsample), math.floor(y / downsample)
+        inside = (max(left, 0), max(top, 0), min(left + width, level_width), min(top + height, level_height))
+        if inside == (left, top, left + width, top + height):
+            return self._read(level, x, y, width, height)
+        out = np.full((height, width, 3), 255, np.uint8)
+        if inside[0] < inside[2] and inside[1] < inside[3]:
+            part = on_white(self._read(level, x if left >= 0 else 0, y if top >= 0 else 0, inside[2] - inside[0],
+                                       inside[3] - inside[1]))
+            out[inside[1] - top : inside[3] - top, inside[0] - left : inside[2] - left] = part
+        return out
+
+    def _read(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
+        try:
+            return np.asarray(self.image.read_region(location=(x, y), size=(width, height), level=level))
+        except (ValueError, RuntimeError) as error:
+            raise UserError(f"{self.path}: cuCIM cannot read level {level} at ({x}, {y}), the file is damaged or "
+                            f"truncated ({one_line(error)})") from None
+
+    def close(self) -> None:
+        self.image.close()
+
+
 class SlideHandles:
     """Open slides of this process, keyed by path and process id, the least recently used closed past `max_open`.
 
@@ -237,14 +307,14 @@ class SlideHandles:
     def __init__(self, max_open: int = 16, mpp: float | None = None):
         self.max_open = max_open
         self.mpp = mpp
-        self.open: OrderedDict[tuple[int, Path], Slide] = OrderedDict()
+        self.open: OrderedDict[tuple[int, Path, str], Slide] = OrderedDict()
 
-    def get(self, path: str | Path) -> Slide:
+    def get(self, path: str | Path, reader: str = "openslide") -> Slide:
         pid = os.getpid()
         self.open = OrderedDict((key, slide) for key, slide in self.open.items() if key[0] == pid)
-        key = (pid, Path(path))
+        key = (pid, Path(path), reader)
         if key not in self.open:
-            self.open[key] = open_slide(path, self.mpp)
+            self.open[key] = open_slide(path, self.mpp, reader)
             while len(self.open) > self.max_open:
                 self.open.popitem(last=False)[1].close()
         self.open.move_to_end(key)
@@ -252,7 +322,7 @@ class SlideHandles:
 
     def close(self) -> None:
         pid = os.getpid()
-        for (owner, _), slide in self.open.items():
+        for (owner, _, _), slide in self.open.items():
             if owner == pid:
                 slide.close()
         self.open.clear()
