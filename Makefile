@@ -18,10 +18,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# A file per worker, so the slow suite's module fixtures (the real-data runs) are made once; files in collection
-# order, so the longest (marked starts_first) starts first instead of alone at the end.
+# Whole files per xdist worker, as the default suite (pyproject.toml), so the slow suite's module fixtures (the
+# real-data runs) are made once; its longest files are marked starts_first so none runs alone at the end.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -m slow
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu

@@ -31,7 +31,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.get_closest_marker("starts_first") is None)  # stable: the rest keep their order
+    items.sort(key=_start_rank)  # stable: the rest keep their order
     for item in items:
         if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
@@ -41,6 +41,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _start_rank(item) -> float:
+    """Files go to the xdist workers whole (--dist loadfile: a module fixture is made once) and each worker takes the
+    next file when it is free, so the longest files (real runs in their fixtures) are marked `starts_first(N)`, N = 1
+    the longest, and start at once instead of leaving one worker alone at the end."""
+    marker = item.get_closest_marker("starts_first")
+    return float("inf") if marker is None else (marker.args[0] if marker.args else 0)
 
 
 @pytest.fixture(scope="session")

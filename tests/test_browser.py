@@ -17,6 +17,8 @@ from common.tracking.links import training_runs_links
 from tests.cli_helpers import mlflow_server, usecases
 from usecases import finance
 
+pytestmark = pytest.mark.starts_first(9)  # the default suite's longest files first (tests/conftest.py)
+
 USECASE = "finance"
 EXPERIMENT = f"gpu-usecases-{USECASE}"
 PRIMARY = f"primary/{finance.USECASE.primary_metric[0]}"  # what the CLI logs as the served model's primary metric

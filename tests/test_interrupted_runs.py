@@ -13,6 +13,8 @@ import pytest
 
 from tests.cli_helpers import runs, usecases
 
+pytestmark = pytest.mark.starts_first(6)  # the default suite's longest files first (tests/conftest.py)
+
 # One baseline (not five): what is stopped and resumed is the neural model's training.
 ONE_BASELINE = ["--set", "baselines.models=[ewma]"]
 LONG_FINANCE = ["--set", "train.epochs=60", "--set", "train.patience=60", "--set", "train.refit_every=200",

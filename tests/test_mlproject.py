@@ -15,6 +15,8 @@ from mlflow.projects._project_spec import load_project
 
 from tests.cli_helpers import runs
 
+pytestmark = pytest.mark.starts_first(11)  # the default suite's longest files first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

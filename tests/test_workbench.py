@@ -17,6 +17,8 @@ from arch.data import sp500
 
 from tests.cli_helpers import free_port, mlflow_server, runs, stop, usecases, user_error, wait_until_up
 
+pytestmark = pytest.mark.starts_first(1)  # the default suite's longest files first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

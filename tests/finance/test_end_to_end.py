@@ -16,6 +16,8 @@ import pytest
 from tests.cli_helpers import assert_rejected, runs, usecases
 from usecases.finance.features import add_features
 
+pytestmark = pytest.mark.starts_first(10)  # the default suite's longest files first (tests/conftest.py)
+
 MODELS = {"ewma", "garch", "gjr_garch_t", "har", "har_rv", "neural"}
 METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p", "christoffersen_cc_p",
            "basel_green_windows", "es975_mcneil_frey_p", "es975_z2", "es975_z2_p", "qlike_true", "qlike_sq_oracle",

@@ -8,6 +8,8 @@ from PIL import Image
 
 from tests.cli_helpers import assert_rejected, runs
 
+pytestmark = pytest.mark.starts_first(7)  # the default suite's longest files first (tests/conftest.py)
+
 REQUIRED = {"auc", "acc", "auc_ci_low", "auc_ci_high", "ece", "brier", "sensitivity_at_threshold",
             "specificity_at_threshold"}
 

@@ -12,6 +12,8 @@ from tests.cli_helpers import assert_rejected, runs, usecases
 from usecases.recsys import USECASE, Config
 from usecases.recsys.data import load_interactions
 
+pytestmark = pytest.mark.starts_first(8)  # the default suite's longest files first (tests/conftest.py)
+
 REQUIRED = {"recall@10", "ndcg@10", "hit@10", "mrr@10", "precision@10", "coverage@10"}
 
 

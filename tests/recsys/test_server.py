@@ -18,6 +18,8 @@ import pytest
 from tests.cli_helpers import free_port, runs, stop, wait_until_up
 from usecases.recsys.events import SQLiteEventStore
 
+pytestmark = pytest.mark.starts_first(3)  # the default suite's longest files first (tests/conftest.py)
+
 READY_TIMEOUT_S = 120
 
 
