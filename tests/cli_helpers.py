@@ -81,9 +81,27 @@ class SmokeRun:
 
 def smoke_run(tmp_path_factory, usecase: str) -> SmokeRun:
     """`usecases run USECASE --preset smoke` in a private store, as a user runs it, for tests/conftest.py's
-    session-wide `smoke_runs`: one run that every test reading a finished smoke run shares. System metrics are
-    sampled every 0.5 s, so a run of a few seconds logs some."""
-    folder = tmp_path_factory.mktemp(f"{usecase}-smoke")
+    session-wide `smoke_runs`: one run that every test reading a finished smoke run shares, whichever pytest-xdist
+    worker asks first (the others wait for it under a lock in the folder the workers share, pytest-xdist's recipe,
+    and read it). System metrics are sampled every 0.5 s, so a run of a few seconds logs some."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _made_smoke_run(tmp_path_factory.mktemp(f"{usecase}-smoke"), usecase)
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / f"{usecase}-smoke"
+    record = shared / "record.json"
+    with FileLock(f"{shared}.lock"):
+        if not record.is_file():
+            shared.mkdir(exist_ok=True)
+            made = _made_smoke_run(shared, usecase)
+            record.write_text(json.dumps({"stdout": made.result.stdout, "stderr": made.result.stderr,
+                                          "summary": made.summary, "uri": made.uri}))
+            return made
+    kept = json.loads(record.read_text())
+    return SmokeRun(subprocess.CompletedProcess([], 0, kept["stdout"], kept["stderr"]), kept["summary"], kept["uri"])
+
+
+def _made_smoke_run(folder: Path, usecase: str) -> SmokeRun:
     env = {**private_env(folder), "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"}
     result = usecases("run", usecase, "--preset", "smoke", "--summary", str(folder / "s.json"), timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
