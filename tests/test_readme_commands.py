@@ -184,6 +184,7 @@ def reader(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.starts_first  # about 7 minutes: with the real-data reproductions, so it never runs alone at the end
 @pytest.mark.timeout(2400)
 def test_every_command_of_the_readmes_runs_as_written(reader):
     """One reader reads the pages in turn, so a page's commands may use what an earlier page made (the smoke runs
