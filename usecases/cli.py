@@ -348,8 +348,9 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
     uri = tracking_uri()
     model_uri, what = _served_model(name, model_uri, data_sha256)
     if own is not None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        workers = options.workers or cores
+        from common.runtime.devices import usable_cores
+
+        workers = options.workers or usable_cores()
         events = options.events or own.default_events(uri)
         print(f"Serving {what} on http://{host}:{port}/invocations with {workers} worker(s), events in {events}; "
               "Ctrl-C to stop", flush=True)

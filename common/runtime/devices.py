@@ -63,6 +63,11 @@ def select_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which containers and `taskset` narrow), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: none
+
+
 def cpu_has_native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 

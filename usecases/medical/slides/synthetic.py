@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -25,6 +24,8 @@ import numpy as np
 import tifffile
 from scipy import ndimage
 from threadpoolctl import threadpool_limits
+
+from common.runtime.devices import usable_cores
 
 HAEMATOXYLIN = np.array([0.644, 0.717, 0.267], np.float32)  # optical density per unit stain, R G B
 EOSIN = np.array([0.093, 0.954, 0.283], np.float32)
@@ -217,7 +218,7 @@ def write_slide_set(folder: str | Path, n_slides: int, size: tuple[int, int] = (
     rows = [{"slide": f"slide-{index:03d}.tif", "label": int(patient_labels[patient]),
              "patient": f"patient-{patient:03d}"} for index, patient in enumerate(patients)]
     seeds = [int(rng.integers(2**31)) for _ in rows]
-    with ProcessPoolExecutor(max_workers=max(1, min(len(rows), os.cpu_count() or 1))) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, min(len(rows), usable_cores()))) as pool:
         list(pool.map(partial(_write_one, folder, size, mpp), rows, seeds))
     labels = folder / "labels.csv"
     with open(labels, "w", newline="") as handle:
