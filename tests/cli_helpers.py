@@ -118,7 +118,10 @@ def two_ranks(script: Path, outdir: Path, *args: str) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
                str(outdir), *args]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    # a rank's own error (gloo's "terminate called ... what():" before an abort) comes before torchrun's summary
+    causes = [line for line in done.stderr.splitlines() if "what():" in line or "Error" in line][:10]
+    assert done.returncode == 0, (f"torchrun failed:\n{done.stdout[-3000:]}\n" + "\n".join(causes) +
+                                  f"\n{done.stderr[-3000:]}")
     return [torch.load(outdir / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
 
 
