@@ -55,6 +55,12 @@ def file_sha256(*paths: Path) -> str:
     return digest.hexdigest()
 
 
+def stored_bytes(*paths: Path) -> int:
+    """The bytes a run reads from storage: each file's size on disk, a folder's files counted recursively."""
+    return sum(entry.stat().st_size for path in map(Path, paths)
+               for entry in (path.rglob("*") if path.is_dir() else [path]) if entry.is_file())
+
+
 def write_json_atomic(data: dict, path: Path) -> None:
     """Write beside the target, then rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -112,7 +112,7 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
             if runtime.is_main:
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
                                   checkpoint_dir / STATE_FILE)
-            job = Job(runtime, tracker, checkpoint_dir, request.resume, client)
+            job = Job(runtime, tracker, checkpoint_dir, run_id is not None, client)
             outcome = (RunResult(usecase.benchmark(config, loaded, job)) if bench
                        else _checked_result(usecase, usecase.run(config, loaded, job)))
             summary = {}
@@ -182,9 +182,11 @@ def _prepare(request: RunRequest, experiment: str, description: str, root: Path,
 
     name, preset = request.usecase.name, request.preset
     experiment_id = ensure_experiment(experiment, description)
-    check_project_run(experiment, experiment_id, resuming=request.resume)  # here, where every rank hears of its refusal
+    resuming = request.resume or request.resume_if_interrupted
+    check_project_run(experiment, experiment_id, resuming=resuming)  # here, where every rank hears of its refusal
     mark_dead_runs(experiment_id, name if experiment == name else None, preset)
-    run_id = resumable_run(experiment_id, root, preset, params, data_tags) if request.resume else None
+    run_id = resumable_run(experiment_id, root, preset, params, data_tags, required=request.resume) if resuming \
+        else None
     prune_checkpoints(root, keep=run_id)
     return run_id
 

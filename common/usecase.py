@@ -150,6 +150,7 @@ class RunRequest:
     data: Path | None = None
     summary: Path | None = None
     resume: bool = False
+    resume_if_interrupted: bool = False  # continue an interrupted run if there is one, else start (spot, Job restarts)
     bench: bool = False
 
     def __post_init__(self):
@@ -160,7 +161,7 @@ class RunRequest:
             raise UserError(f"--device {self.device}: expected one of {', '.join(DEVICES)}")
         if self.frames not in FRAMES:
             raise UserError(f"--frames {self.frames}: expected one of {', '.join(FRAMES)}")
-        if self.resume and self.bench:
+        if (self.resume or self.resume_if_interrupted) and self.bench:
             raise UserError(f"use case '{self.usecase.name}': a benchmark cannot be resumed (--resume is for runs)")
 
     def with_overrides(self, *overrides: str) -> RunRequest:

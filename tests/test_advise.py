@@ -9,10 +9,12 @@ import json
 import mlflow
 import pandas as pd
 import pytest
+import yaml
 
 from common.advisor.estimate import BOUNDS, MEASURED_SPREAD
 from common.advisor.catalog import FOLDER
 from tests.cli_helpers import assert_rejected, runs
+from tests.common.test_renting import kubernetes_objects
 from usecases.cli import main
 
 
@@ -24,11 +26,11 @@ def advise(capsys, *args: str) -> str:
 
 # medical's smoke run takes 35 s on 2 cores: in the slow suite; finance and recsys run the same report in the default
 @pytest.mark.parametrize("name", [pytest.param("medical", marks=pytest.mark.slow), "finance", "recsys"])
-def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name, capsys):
+def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name, capsys, tmp_path):
     assert main(["run", name, "--preset", "smoke"]) == 0
     table = advise(capsys, name)
     assert "Every figure below is estimated" in table and "Recommendations (estimated):" in table
-    assert "- train, cheapest run that fits:" in table and "- serve, cheapest per 1M predictions:" in table
+    assert "- train, cheapest run that fits:" in table and "- serve 100 requests/s, cheapest a month:" in table
     report = json.loads(advise(capsys, name, "--format", "json"))
     rows = report["rows"]
     assert len(rows) >= 10 and report["estimated"] is True
@@ -48,8 +50,47 @@ def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name,
     if name in ("finance", "recsys"):  # the GARCH fits and the CPU baselines: more vCPUs shorten them
         assert report["measured"]["cpu_parts_seconds"]
         assert any("vCPUs" in line for line in report["actions"]), (report["actions"], report["measured"])
+    assert_the_renting_answer(name, report, capsys, tmp_path)
     if name == "medical":
         assert_a_gpu_run_of_the_preset_calibrates_the_cpu_run(run, capsys)
+
+
+def assert_the_renting_answer(name, report, capsys, tmp_path):
+    """For the recommended instance: spot with its interruptions, the multi-GPU speed-up as a range, the month of
+    serving; a large data set's place on the instance; the budget and the deadline; the launch files."""
+    rows = {row["instance"]: row for row in report["rows"]}
+    pick = rows[report["recommendations"]["train_cheapest"]]
+    assert report["measured"]["data_bytes"] > 0
+    assert pick["spot"]["cost_usd"]["expected"] > 0 and pick["spot"]["interruptions"] >= 0
+    assert any(line.startswith("spot on ") and "interruptions at 0.05 an hour" in line for line in report["actions"])
+    assert any(("2 GPUs (" in line or " x " in line) and "with DDP" in line and "x (expected" in line
+               for line in report["actions"]), report["actions"]
+    assert rows["p4d.24xlarge"]["scaling"]["gpus"] == 8 and rows["p4d.24xlarge"]["scaling"]["paced_by"] == "nvlink3"
+    assert any(line.startswith("serving 100 requests/s: ") and "a month" in line for line in report["actions"])
+    big = json.loads(advise(capsys, name, "--data-gb", "2000", "--format", "json"))
+    big_pick = next(row for row in big["rows"] if row["instance"] == big["recommendations"]["train_cheapest"])
+    assert big_pick["data"]["data_gb"] == pytest.approx(2000) and big_pick["data"]["where"]
+    data_line = next(line for line in big["actions"] if line.startswith(f"data on {big_pick['instance']}: "))
+    assert f"reads {big_pick['data']['needed_gbs'] * 1000:.2g} MB/s of input" in data_line or \
+        f"reads {big_pick['data']['needed_gbs']:.2g} GB/s of input" in data_line, data_line
+    assert ("data from" in advise(capsys, name, "--data-gb", "2000")) == any(
+        row["data"]["matters"] for row in big["rows"] if row["data"])
+    cheapest = big_pick["spot"]["cost_usd"]["expected"] if big["pricing"]["train_cheapest"] == "spot" else \
+        big_pick["train_cost_usd"]["expected"]
+    budget = json.loads(advise(capsys, name, "--data-gb", "2000", "--budget", f"{cheapest / 2}", "--format", "json"))
+    assert budget["recommendations"]["train_cheapest"] is None
+    assert any(line.startswith("no instance trains within $") for line in budget["actions"])
+    hours = (big_pick["spot"]["seconds"]["expected"] if big["pricing"]["train_cheapest"] == "spot" else
+             big_pick["train_seconds"]["expected"]) / 3600
+    rushed = json.loads(advise(capsys, name, "--data-gb", "2000", "--deadline", f"{hours / 3}", "--format", "json"))
+    assert rushed["recommendations"]["train_cheapest"] not in (None, big["recommendations"]["train_cheapest"])
+    out = tmp_path / "launch"
+    printed = advise(capsys, name, "--launch", str(out))
+    assert f"{out / 'sky-task.yaml'}: SkyPilot task" in printed
+    task = yaml.safe_load((out / "sky-task.yaml").read_text())
+    assert f"usecases run {name} --preset smoke --resume-if-interrupted" in task["run"]
+    _, job = kubernetes_objects(list(yaml.safe_load_all((out / "k8s-job.yaml").read_text())))
+    assert f"usecases run {name} --preset smoke" in job.spec.template.spec.containers[0].command[-1]
 
 
 def assert_a_gpu_run_of_the_preset_calibrates_the_cpu_run(cpu_run, capsys):
@@ -103,3 +144,37 @@ def test_no_run_a_bad_catalogue_or_a_bad_workload_is_one_line(capsys, tmp_path):
                                                  "measured": {"gpu": "RTX 9090", "samples_per_s": 10}}))
     assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "g.json"),
                     names=("unknown GPU 'RTX 9090'", "known: T4"))
+
+
+SKYPILOT_CHECK = """
+import sys, yaml, sky
+from sky.utils import common_utils, schemas
+task = yaml.safe_load(open(sys.argv[1]))
+common_utils.validate_schema(task, schemas.get_task_schema(), "Invalid task YAML: ")
+resources = {key: value for key, value in task["resources"].items() if key not in ("infra", "instance_type")}
+loaded = sky.Task.from_yaml_config({**task, "resources": resources})
+print("loaded", loaded.run.strip(), sorted(loaded.envs), list(loaded.resources)[0].use_spot)
+"""
+
+
+@pytest.mark.slow  # installs SkyPilot (about 90 s) into its own environment: its pins clash with this project's
+def test_the_launched_skypilot_task_loads_in_skypilot(tmp_path, capsys):
+    """SkyPilot's own schema and task loader read the task offline; the instance type and region are checked
+    against its online catalogue at launch, so the loader reads the rest without them."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "sky"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    install = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "skypilot"], capture_output=True,
+                             text=True)
+    if install.returncode != 0:
+        pytest.skip(f"SkyPilot cannot be installed here: {install.stderr.strip().splitlines()[-1:]}")
+    assert main(["run", "finance", "--preset", "smoke"]) == 0
+    advise(capsys, "finance", "--launch", str(tmp_path / "out"))
+    task = tmp_path / "out" / "sky-task.yaml"
+    check = subprocess.run([str(venv / "bin" / "python"), "-c", SKYPILOT_CHECK, str(task)], capture_output=True,
+                           text=True, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert "loaded .venv/bin/usecases run finance --preset smoke --resume-if-interrupted" in check.stdout
+    assert "MLFLOW_TRACKING_URI" in check.stdout

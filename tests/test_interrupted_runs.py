@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import mlflow
 import pytest
 
+from common.errors import UserError
 from tests.cli_helpers import runs, usecases
 
 pytestmark = pytest.mark.starts_first(6)  # the default suite's longest files first (tests/conftest.py)
@@ -52,11 +54,25 @@ def test_kill_9_then_a_fresh_run_leaves_no_running_run_and_the_killed_one_resume
     statuses = {run.info.run_id: run.info.status for run in runs("finance")}
     assert statuses.pop(run_id) == "KILLED" and list(statuses.values()) == ["FINISHED"]
 
-    resumed = usecases("run", "finance", "--preset", "smoke", *LONG_FINANCE, "--resume")
+    # what a spot instance's recovery runs (`usecases advise --launch`): it finds the interrupted run and continues it
+    resumed = usecases("run", "finance", "--preset", "smoke", *LONG_FINANCE, "--resume-if-interrupted")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from the checkpoint after epoch" in resumed.stderr
     assert {run.info.run_id: run.info.status for run in runs("finance")}[run_id] == "FINISHED"
     assert not any((Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke").iterdir())
+
+
+def test_resume_if_interrupted_starts_afresh_where_nothing_was_interrupted_but_never_beside_a_live_run(tmp_path):
+    from common.tracking.lifecycle import resumable_run
+    from common.tracking.runs import ensure_experiment
+
+    experiment = ensure_experiment("finance", "")
+    assert resumable_run(experiment, tmp_path, "smoke", {}, {}, required=False) is None
+    with pytest.raises(UserError, match="no interrupted run of preset 'smoke'"):
+        resumable_run(experiment, tmp_path, "smoke", {}, {})
+    live = mlflow.MlflowClient().create_run(experiment, tags={"preset": "smoke"})
+    with pytest.raises(UserError, match=f"run {live.info.run_id} of preset 'smoke' is still running"):
+        resumable_run(experiment, tmp_path, "smoke", {}, {}, required=False)
 
 
 def test_a_failed_run_keeps_no_checkpoint_and_is_not_resumed(monkeypatch, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import traceback
@@ -20,6 +21,20 @@ from common.runtime.interrupt import Terminated, stop_on_signals
 EXIT_OK, EXIT_FAILURE, EXIT_USER_ERROR = 0, 1, 2
 SLIDES_PRESET = "slides-smoke"  # what `bench --slides` runs unless a preset is given
 log = logging.getLogger("usecases")
+
+
+def _positive(option: str):
+    """A number above zero, or a one-line usage error naming the option."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not value > 0 or math.isinf(value):
+            raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'")
+        return value
+    parse.__name__ = option
+    return parse
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,7 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("name", help="use case (see `usecases list`)")
     _add_run_options(run)
     _add_config_options(run)
-    run.add_argument("--resume", action="store_true", help="continue the last interrupted run of this preset")
+    resume = run.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="continue the last interrupted run of this preset")
+    resume.add_argument("--resume-if-interrupted", action="store_true",
+                        help="continue the last interrupted run of this preset if there is one, else start one (what "
+                             "a spot instance's recovery or a restarted Kubernetes Job runs)")
 
     bench = commands.add_parser("bench", help="measure a use case's pipeline against a plain baseline loop",
                                 description="Run a use case's benchmark: our pipeline and a plain loop on the "
@@ -125,7 +144,23 @@ def _parser() -> argparse.ArgumentParser:
     advise.add_argument("--format", default="table", choices=["table", "markdown", "json"], dest="output_format")
     advise.add_argument("--workload", type=Path, metavar="FILE.json",
                         help="a model of your own: task, flops_per_sample, bytes_per_sample, precision, batch_size, "
-                             "optionally measured: {gpu, samples_per_s}")
+                             "optionally measured: {gpu, samples_per_s}, weight_bytes, data_gb, checkpoint_every")
+    advise.add_argument("--budget", type=_positive("--budget"), metavar="USD",
+                        help="only training runs expected to cost at most this (on demand or spot)")
+    advise.add_argument("--deadline", type=_positive("--deadline"), metavar="HOURS",
+                        help="only training runs expected to finish within this, interruptions included")
+    advise.add_argument("--data-gb", type=_positive("--data-gb"), metavar="GB",
+                        help="the data set you will train on, stored as the run's (default: the run's own): epochs "
+                             "grow with it, and where it should sit on each instance is said")
+    advise.add_argument("--requests-per-s", type=_positive("--requests-per-s"), default=100.0, metavar="RATE",
+                        help="the serving load a month's cost is stated at (default: 100)")
+    advise.add_argument("--spot-interruptions-per-hour", type=_positive("--spot-interruptions-per-hour"),
+                        default=0.05, metavar="RATE", help="the spot interruption rate to plan with (default: 0.05)")
+    advise.add_argument("--launch", type=Path, metavar="DIR",
+                        help="write a SkyPilot task and a Kubernetes Job for the recommended training instance")
+    advise.add_argument("--tracking-uri", metavar="URI",
+                        help="with --launch: the MLflow server the launched run logs to (default: "
+                             "$MLFLOW_TRACKING_URI when it is a server)")
 
     doctor = commands.add_parser("doctor", help="check that this machine can run every use case, and say why not",
                                  description="One line per check (Python, torch and its CUDA build, the driver, "
@@ -398,7 +433,11 @@ def _advise(args) -> int:
         raise UserError("advise needs a use case name (see `usecases list`) or --workload FILE.json")
     if args.name is not None:
         _usecase(args.name)
-    print(advise_command(args.name, args.run_id, args.task, args.catalog, args.output_format, args.workload))
+    from common.advisor.advise import Options
+
+    options = Options(args.budget, args.deadline, args.requests_per_s, args.spot_interruptions_per_hour)
+    print(advise_command(args.name, args.run_id, args.task, args.catalog, args.output_format, args.workload, options,
+                         args.data_gb, args.launch, args.tracking_uri))
     return EXIT_OK
 
 
@@ -493,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         preset = _bench_preset(args) if args.command == "bench" else args.preset
         run_usecase(RunRequest(_usecase(args.name), preset, (*args.overrides, *_engine_overrides(args)),
                                args.device, args.frames, args.data, args.summary, getattr(args, "resume", False),
-                               bench=args.command == "bench"))
+                               getattr(args, "resume_if_interrupted", False), bench=args.command == "bench"))
         return EXIT_OK
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

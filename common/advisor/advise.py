@@ -6,120 +6,23 @@ measured and labelled so.
 
 from __future__ import annotations
 
-import json
 import math
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from common.advisor.estimate import Range, Workload, cpu_seconds, data_parallel, estimate
-from common.advisor.catalog import GPU, Instance, load_gpus, load_instances, match_gpu
-from common.errors import UserError
+from common.advisor.budget import (INTERRUPTIONS_PER_HOUR, REQUESTS_PER_S, Serving, SpotRun, serving_month, spot_run,
+                                   within)
+from common.advisor.catalog import GPU, Instance, Link, load_gpus, load_instances, load_links
+from common.advisor.estimate import Range, Workload, cpu_seconds, estimate
+from common.advisor.facts import RunFacts
+from common.advisor.lines import budget_lines, placement_lines, scaling_lines, spot_lines, _money
+from common.advisor.scaling import Scaling, data_parallel
+from common.advisor.storage import Placement, place
 
 DATA_WAIT_ACTION = 0.10  # of a training epoch spent waiting for data
 LOW_UTILISATION = 40.0  # percent of the GPU busy
 HIGH_MEMORY = 0.90  # of the GPU's memory
 CPU_SHARE_ACTION = 0.30  # of a run spent in CPU-side work
-NVLINK_GBS, PCIE_GBS = 150.0, 12.0  # effective all-reduce bandwidth between two GPUs of one machine
-
-
-@dataclass
-class RunFacts:
-    """What a run measured, as `advise` reads it from MLflow (or a user's `--workload` file)."""
-
-    run_id: str | None
-    models: dict[str, dict[str, float]]  # per torch model, its `model/<name>/` facts
-    cpu_parts: dict[str, dict[str, float]] = field(default_factory=dict)  # `workload/cpu/<part>/`
-    cores: int = 1
-    gpu: str | None = None  # the catalogue's name of the GPU it ran on, None on a CPU
-    gpu_count: int = 0
-    precision: str = "auto"
-    tf32: bool = False
-    total_seconds: float = math.nan
-    gpu_utilisation: float = math.nan  # percent, mean over the run
-    task: str = "both"
-
-
-def facts_from_run(run, usecase: str, gpus: dict[str, GPU]) -> RunFacts:
-    """The facts of an MLflow run; a run without them is one line saying what to run first."""
-    metrics, params, tags = run.data.metrics, run.data.params, run.data.tags
-    models: dict[str, dict[str, float]] = {}
-    parts: dict[str, dict[str, float]] = {}
-    for key, value in metrics.items():
-        if found := re.fullmatch(r"model/([^/]+)/(.+)", key):
-            models.setdefault(found.group(1), {})[found.group(2)] = value
-        elif found := re.fullmatch(r"workload/cpu/([^/]+)/(.+)", key):
-            parts.setdefault(found.group(1), {})[found.group(2)] = value
-    models = {name: facts for name, facts in models.items() if "train_flops_per_sample" in facts}
-    if not models:
-        raise UserError(f"run {run.info.run_id} has no workload facts (metrics model/<name>/train_flops_per_sample):"
-                        f" it was logged before `advise` existed, or trained no torch model; run `usecases run "
-                        f"{usecase} --preset smoke` first")
-    gpu_name = tags.get("gpu_name", "none")
-    gpu = None
-    if gpu_name != "none" and tags.get("device", "cpu").startswith("cuda"):
-        try:
-            gpu = match_gpu(gpu_name, gpus)
-        except UserError:
-            gpu = None  # a GPU the catalogue does not know: advised as a CPU run would be
-    for name, model in models.items():
-        model["trained_samples"] = _trained_samples(run.info.run_id, name)
-    world = int(tags.get("world_size", "1") or 1)
-    if gpu is not None:
-        for model in models.values():
-            if "train_samples_per_s" in model:
-                model["measured_train_samples_per_s"] = model["train_samples_per_s"] / world
-    utilisation = [value for key, value in metrics.items() if re.fullmatch(r"system/gpu_\d+_utilization_percentage",
-                                                                            key)]
-    return RunFacts(run.info.run_id, models, parts, int(tags.get("cpu_cores", "1") or 1), gpu,
-                    world if gpu else 0, params.get("runtime.precision", "auto"),
-                    params.get("runtime.tf32", "False") == "True", metrics.get("time/total_s", math.nan),
-                    sum(utilisation) / len(utilisation) if utilisation else math.nan)
-
-
-def _trained_samples(run_id: str, name: str) -> float:
-    """Every sample a model trained on in the run: each fit (a refit, an ensemble member) logs its samples
-    per epoch and epochs once."""
-    import mlflow
-
-    client = mlflow.MlflowClient()
-    per_epoch = client.get_metric_history(run_id, f"model/{name}/samples_per_epoch")
-    epochs = client.get_metric_history(run_id, f"model/{name}/epochs_run")
-    return float(sum(samples.value * run.value for samples, run in zip(per_epoch, epochs)))
-
-
-def facts_from_file(path: Path, gpus: dict[str, GPU]) -> RunFacts:
-    """A model that is not one of ours, as `--workload FILE.json` describes it."""
-    try:
-        spec = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: cannot be read as JSON ({exc})") from None
-    required = ("task", "flops_per_sample", "bytes_per_sample", "precision", "batch_size")
-    missing = [key for key in required if key not in spec]
-    if missing:
-        raise UserError(f"{path}: missing key '{missing[0]}' (a workload file has {', '.join(required)}, and "
-                        "optionally measured: {\"gpu\": NAME, \"samples_per_s\": X})")
-    if spec["task"] not in ("train", "serve") or spec["precision"] not in ("fp32", "tf32", "fp16", "bf16", "amp"):
-        raise UserError(f"{path}: expected task train or serve and precision fp32, tf32, fp16, bf16 or amp (got "
-                        f"{spec['task']!r}, {spec['precision']!r})")
-    try:
-        facts = {"flops": float(spec["flops_per_sample"]), "bytes": float(spec["bytes_per_sample"]),
-                 "batch_size": float(spec["batch_size"])}
-    except (TypeError, ValueError):
-        raise UserError(f"{path}: flops_per_sample, bytes_per_sample and batch_size must be numbers") from None
-    prefix = "train" if spec["task"] == "train" else "infer"
-    model = {f"{prefix}_flops_per_sample": facts["flops"], f"{prefix}_bytes_per_sample": facts["bytes"],
-             "batch_size": facts["batch_size"], "samples_per_epoch": 1e6, "epochs_run": 1.0}  # times per 1M samples
-    measured = spec.get("measured") or {}
-    gpu = match_gpu(str(measured["gpu"]), gpus) if "gpu" in measured else None
-    if gpu is not None:
-        try:
-            model[f"measured_{spec['task']}_samples_per_s"] = float(measured["samples_per_s"])
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"{path}: measured needs samples_per_s, a number, beside gpu") from None
-    precision = "auto" if spec["precision"] == "amp" else spec["precision"]
-    return RunFacts(None, {"workload": model}, gpu=gpu, gpu_count=1 if gpu else 0, precision=precision,
-                    tf32=spec["precision"] == "tf32", task=spec["task"])
 
 
 def _workload(facts: RunFacts, model: dict[str, float], task: str) -> Workload:
@@ -140,55 +43,101 @@ class Row:
     """One instance's estimates (every figure a Range, or NaN where the price is unknown)."""
 
     instance: Instance
-    train_seconds: Range | None = None
+    train_seconds: Range | None = None  # on demand, the data's copy included
     epoch_seconds: Range | None = None
     train_cost: Range | None = None
     train_bound: str = ""
-    train_per_s: Range | None = None  # of the model that takes the most time
+    train_per_s: Range | None = None  # of the model that takes the most time, on all the instance's GPUs
     serve_per_s: Range | None = None
     latency_ms: Range | None = None
     serve_cost_per_million: Range | None = None
     memory_share: float = math.nan
     fits: bool = True
+    scaling: Scaling | None = None  # the instance's GPUs against one, for that model
+    placement: Placement | None = None
+    spot: SpotRun | None = None
+    serving: Serving | None = None
 
 
-def advise(facts: RunFacts, instances: list[Instance], gpus: dict[str, GPU], task: str) -> list[Row]:
+@dataclass(frozen=True)
+class Options:
+    """What the user states: the money and time they have, the serving load, the spot interruption rate."""
+
+    budget_usd: float | None = None
+    deadline_h: float | None = None
+    requests_per_s: float = REQUESTS_PER_S
+    interruptions_per_hour: float = INTERRUPTIONS_PER_HOUR
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A recommended instance and how it is paid for."""
+
+    row: Row
+    spot: bool
+    seconds: Range
+    cost: Range
+
+    @property
+    def pricing(self) -> str:
+        return "spot" if self.spot else "on demand"
+
+
+def advise(facts: RunFacts, instances: list[Instance], gpus: dict[str, GPU], task: str,
+           options: Options | None = None) -> list[Row]:
+    options, links = options or Options(), load_links()
     rows = []
     for instance in instances:
         row = Row(instance)
         if task in ("train", "both"):
-            _train(row, facts, gpus)
+            _train(row, facts, gpus, links, options)
         if task in ("serve", "both"):
-            _serve(row, facts, gpus)
+            _serve(row, facts, gpus, options)
         rows.append(row)
     return rows
 
 
-def _train(row: Row, facts: RunFacts, gpus: dict[str, GPU]) -> None:
+def _train(row: Row, facts: RunFacts, gpus: dict[str, GPU], links: dict[str, Link], options: Options) -> None:
     instance = row.instance
-    epoch, run, bounds, shares = Range(0, 0, 0), Range(0, 0, 0), [], []
-    for model in facts.models.values():
+    fitted = []  # (model, its rate on all the instance's GPUs, bound, scaling, memory share, fits)
+    for name, model in facts.models.items():
         if "train_flops_per_sample" not in model:
             continue
-        found = estimate(_workload(facts, model, "train"), instance.gpu, gpus, instance.vcpus, facts.tf32)
-        rate = data_parallel(found.samples_per_s, instance.gpu_count)
+        workload = _workload(facts, model, "train")
+        found = estimate(workload, instance.gpu, gpus, instance.vcpus, facts.tf32)
+        scaling = data_parallel(workload.batch_size / found.samples_per_s.expected, model.get("weight_bytes", 0.0),
+                                instance.gpu_count, links.get(instance.interconnect))
+        fitted.append((name, model, found.samples_per_s.times(scaling.speedup), found.bound, scaling,
+                       found.memory_share, found.fits))
+    if fitted and facts.bytes_per_sample > 0:
+        fastest = max(rate.expected for _, _, rate, *_ in fitted)
+        row.placement = place(facts.data_bytes / 1e9, fastest, facts.bytes_per_sample, instance)
+    epoch, run, longest = Range(0, 0, 0), Range(0, 0, 0), None
+    for name, model, rate, bound, scaling, _, _ in fitted:
+        if row.placement is not None and row.placement.bounds:
+            rate, bound = rate.capped_by(row.placement.read_gbs.scaled(1e9 / facts.bytes_per_sample)), "data storage"
         samples = model.get("samples_per_epoch", model.get("batch_size", 1))
         epoch = epoch.plus(rate.inverse().scaled(samples))
         run = run.plus(rate.inverse().scaled(model.get("trained_samples") or samples * model.get("epochs_run", 1)))
-        bounds.append((samples / rate.expected, found.bound, rate))
-        shares.append((found.memory_share, found.fits))
+        if longest is None or samples / rate.expected > longest[0]:
+            longest = (samples / rate.expected, name, rate, bound, scaling)
     cpu = Range(0, 0, 0)
     for part in facts.cpu_parts.values():
         cpu = cpu.plus(cpu_seconds(part.get("seconds", 0.0), bool(part.get("parallel")), facts.cores,
                                    instance.vcpus))
-    row.epoch_seconds, row.train_seconds = epoch, run.plus(cpu)
-    if bounds:
-        _, bound, row.train_per_s = max(bounds, key=lambda entry: entry[0])
+    copy = row.placement.copy_s if row.placement is not None and row.placement.where in ("memory", "local NVMe") \
+        else Range(0, 0, 0)
+    copy = Range(0, 0, 0) if math.isnan(copy.expected) else copy
+    row.epoch_seconds, row.train_seconds = epoch, run.plus(cpu).plus(copy)
+    if longest is not None:
+        _, name, row.train_per_s, bound, row.scaling = longest
         row.train_bound = "CPU-side work" if cpu.expected > run.expected else bound
+        row.spot = spot_run(row.train_seconds, epoch, facts.checkpoint_every.get(name), instance.spot_price_per_hour,
+                            copy, options.interruptions_per_hour)
     row.train_cost = row.train_seconds.scaled(instance.price_per_hour / 3600)
-    if shares:
-        row.memory_share = max(share for share, _ in shares)
-        row.fits = all(fits for _, fits in shares)
+    if fitted:
+        row.memory_share = max(share for *_, share, _ in fitted)
+        row.fits = all(fits for *_, fits in fitted)
 
 
 def served_model(facts: RunFacts) -> dict[str, float] | None:
@@ -198,7 +147,7 @@ def served_model(facts: RunFacts) -> dict[str, float] | None:
     return max(served, key=lambda model: model["infer_flops_per_sample"]) if served else None
 
 
-def _serve(row: Row, facts: RunFacts, gpus: dict[str, GPU]) -> None:
+def _serve(row: Row, facts: RunFacts, gpus: dict[str, GPU], options: Options) -> None:
     model = served_model(facts)
     if model is None:
         return
@@ -209,31 +158,42 @@ def _serve(row: Row, facts: RunFacts, gpus: dict[str, GPU]) -> None:
     row.serve_per_s = found.samples_per_s.scaled(instance.gpu_count)  # one replica per GPU
     row.latency_ms = single.samples_per_s.inverse().scaled(1000)
     row.serve_cost_per_million = row.serve_per_s.inverse().scaled(1e6 * instance.price_per_hour / 3600)
+    row.serving = serving_month(row.serve_per_s, options.requests_per_s, instance.price_per_hour)
     if math.isnan(row.memory_share):
         row.memory_share, row.fits = found.memory_share, found.fits
     if not row.train_bound:
         row.train_bound = found.bound
 
 
-def recommend(rows: list[Row]) -> dict[str, Row | None]:
-    """Training: the cheapest run that fits, and the fastest within 1.5x of its cost; serving: the cheapest per
-    million predictions that fits. Instances without a known price are not recommended."""
+def recommend(rows: list[Row], options: Options | None = None) -> dict[str, Choice | None]:
+    """Training: the cheapest run that fits, on demand or on spot (where it finishes even at its range's slow end),
+    within the budget and the deadline (expected figures), and the fastest within 1.5x of its cost; serving: the
+    cheapest month at the stated request rate.
+    Instances without a known price are not recommended."""
+    options = options or Options()
     priced = [row for row in rows if row.fits and not math.isnan(row.instance.price_per_hour)]
-    picks: dict[str, Row | None] = {"train_cheapest": None, "train_fastest": None, "serve_cheapest": None}
-    trained = [row for row in priced if row.train_cost is not None]
-    if trained:
-        cheapest = min(trained, key=lambda row: row.train_cost.expected)
-        within = [row for row in trained if row.train_cost.expected <= 1.5 * cheapest.train_cost.expected]
+    picks: dict[str, Choice | None] = {"train_cheapest": None, "train_fastest": None, "serve_cheapest": None}
+    choices = [Choice(row, False, row.train_seconds, row.train_cost) for row in priced if row.train_cost is not None]
+    choices += [Choice(row, True, row.spot.seconds, row.spot.cost) for row in priced  # it finishes even when slow
+                if row.spot is not None and math.isfinite(row.spot.seconds.high)]
+    allowed = [choice for choice in choices if within(choice.seconds.expected, choice.cost.expected,
+                                                      options.budget_usd, options.deadline_h)]
+    if allowed:
+        cheapest = min(allowed, key=lambda choice: (choice.cost.expected, choice.seconds.expected))
+        near = [choice for choice in allowed if choice.cost.expected <= 1.5 * cheapest.cost.expected]
         picks["train_cheapest"] = cheapest
-        picks["train_fastest"] = min(within, key=lambda row: row.train_seconds.expected)
-    served = [row for row in priced if row.serve_cost_per_million is not None]
+        picks["train_fastest"] = min(near, key=lambda choice: choice.seconds.expected)
+    served = [row for row in priced if row.serving is not None]
     if served:
-        picks["serve_cheapest"] = min(served, key=lambda row: row.serve_cost_per_million.expected)
+        row = min(served, key=lambda row: (row.serving.month_usd.expected, row.serve_cost_per_million.expected))
+        picks["serve_cheapest"] = Choice(row, False, Range(0, 0, 0), row.serving.month_usd)
     return picks
 
 
-def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Row | None], gpus: dict[str, GPU]) -> list[str]:
+def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Choice | None], gpus: dict[str, GPU],
+            options: Options | None = None) -> list[str]:
     """What the measurements call for, each with its number."""
+    options = options or Options()
     lines = []
     for name, model in facts.models.items():
         wait = model.get("data_wait_share", 0.0)
@@ -247,8 +207,10 @@ def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Row | None], gpus
                      (f": {cheaper.instance.gpu.name} ({cheaper.instance.name}) gives about the same time at "
                       f"{cheaper.instance.price_per_hour / here[0].instance.price_per_hour:.0%} of the price "
                       "(estimated)" if cheaper else ": a smaller GPU would do"))
-    pick = picks.get("train_cheapest")
-    if pick is not None:
+    lines += budget_lines(rows, picks, options)
+    choice = picks.get("train_cheapest")
+    if choice is not None:
+        pick = choice.row
         if pick.memory_share > HIGH_MEMORY:
             lines.append(f"peak memory {100 * pick.memory_share:.0f} % of the {pick.instance.gpu.name}'s (estimated):"
                          " the next larger GPU or a smaller batch")
@@ -260,7 +222,14 @@ def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Row | None], gpus
             lines.append(f"CPU-side work ({', '.join(facts.cpu_parts)}: {_seconds(facts)} s on {facts.cores} cores, "
                          f"measured) is {100 * share:.0f} % of the run on {pick.instance.name} (estimated): "
                          f"{advice}")
-        lines.append(_data_parallel_line(facts, pick.instance.gpu, gpus))
+        lines += placement_lines(pick) + spot_lines(pick, facts, options)
+        lines += scaling_lines(facts, rows, pick, gpus)
+    serve = picks.get("serve_cheapest")
+    if serve is not None:
+        serving = serve.row.serving
+        lines.append(f"serving {serving.requests_per_s:g} requests/s: {serving.replicas.expected:g} x "
+                     f"{serve.row.instance.name}, {_money(serving.month_usd.expected)} a month on demand "
+                     f"({_money(serving.month_usd.low)}-{_money(serving.month_usd.high)}; estimated)")
     return [line for line in lines if line]
 
 
@@ -287,26 +256,6 @@ def _vcpus_to_match(facts: RunFacts, row: Row) -> int:
     gpu_seconds = row.train_seconds.expected * (1 - _cpu_share(facts, row))
     parallel = sum(part.get("seconds", 0.0) for part in facts.cpu_parts.values() if part.get("parallel"))
     return max(1, math.ceil(parallel * facts.cores / max(gpu_seconds, 1e-9)))
-
-
-def _data_parallel_line(facts: RunFacts, gpu: GPU, gpus: dict[str, GPU]) -> str:
-    """The speed-up of 2 GPUs of this kind with DDP: the step's time against the gradients' all-reduce."""
-    model = max(facts.models.values(), key=lambda model: model.get("samples_per_epoch", 0) *
-                model.get("train_flops_per_sample", 0))
-    workload = _workload(facts, model, "train")
-    step = workload.batch_size / estimate(workload, gpu, gpus, tf32=facts.tf32).samples_per_s.expected
-    link = NVLINK_GBS if "SXM" in gpu.name else PCIE_GBS
-    all_reduce = workload.weight_bytes / (link * 1e9)  # a ring all-reduce of 2 GPUs sends the gradients once
-    speedup = 2 * step / (step + all_reduce)
-    return (f"2 GPUs ({gpu.name}): expected speed-up {speedup:.1f}x with DDP at this step time "
-            f"({1000 * step:.1f} ms a step, {1000 * all_reduce:.1f} ms to all-reduce the gradients; estimated)")
-
-
-def calibrated(facts: RunFacts, gpu_run: RunFacts) -> RunFacts:
-    """A CPU run's facts with the training rates another run of the same models measured on a GPU."""
-    models = {name: {**model, **{key: value for key, value in gpu_run.models.get(name, {}).items()
-                                 if key.startswith("measured_")}} for name, model in facts.models.items()}
-    return replace(facts, models=models, gpu=gpu_run.gpu, gpu_count=gpu_run.gpu_count)
 
 
 def load_catalogue(catalog: Path | None) -> tuple[dict[str, GPU], list[Instance]]:

@@ -1,8 +1,10 @@
 """The GPU and instance catalogue that `usecases advise` prices runs with: data files beside this module
-(`catalog/gpus.csv`: datasheet peaks, memory, bandwidth and power per GPU; `catalog/instances.csv`: cloud instances
-with their GPUs, vCPUs, memory and on-demand price), each row with its source and as-of date. A user's own prices
-(discounts, spot, another cloud) come in a file of the instances' columns (`--catalog FILE`). An empty price stays
-unknown: it is never filled in.
+(`catalog/gpus.csv`: datasheet peaks, memory, bandwidth, power and compute capability per GPU;
+`catalog/instances.csv`: cloud instances with their GPUs, vCPUs, memory, on-demand and spot price, network
+bandwidth, local NVMe, the default network disk's throughput and the GPUs' interconnect;
+`catalog/interconnects.csv`: each link's bandwidth per GPU), each row with its sources and as-of date. A user's own
+prices (discounts, another cloud) come in a file of the instances' columns (`--catalog FILE`), where the columns
+after `region` may be left out. An empty cell stays unknown: it is never filled in.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from common.errors import UserError
 
 FOLDER = Path(__file__).with_name("catalog")
 GPU_COLUMNS = ("gpu", "aliases", "memory_gb", "bandwidth_gbs", "fp32_tflops", "tf32_tflops", "fp16_tflops",
-               "bf16_tflops", "tdp_w", "source", "as_of")
+               "bf16_tflops", "tdp_w", "compute_capability", "source", "as_of")
+LINK_COLUMNS = ("interconnect", "gbs_per_gpu", "source")
 INSTANCE_COLUMNS = ("provider", "instance", "gpu", "gpu_count", "vcpus", "ram_gb", "price_per_hour_usd", "region",
                     "source", "as_of")
+# What the renting question needs beyond compute; a user's catalogue may leave them out (unknown).
+HARDWARE_COLUMNS = ("spot_price_per_hour_usd", "network_gbps", "local_nvme_count", "local_nvme_gb", "disk_gbs",
+                    "interconnect", "hardware_source", "hardware_as_of")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 NOISE = {"nvidia", "tesla", "geforce", "gpu", "sxm", "sxm2", "sxm4", "sxm5", "hbm3", "hbm2e", "hbm3e", "nvl"}
 
@@ -34,6 +40,13 @@ class GPU:
     tdp_w: float
     source: str
     aliases: tuple[str, ...] = ()  # as nvidia-smi prints the name
+    compute_capability: float = math.nan  # CUDA's: which CUDA majors' builds run on it
+
+    @property
+    def cuda_major(self) -> int:
+        """The newest CUDA major whose torch and RAPIDS builds run on this GPU: CUDA 13 needs Turing (7.5) or
+        newer (https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/ , 13.0: Maxwell, Pascal and Volta dropped)."""
+        return 12 if self.compute_capability < 7.5 else 13
 
     def has(self, precision: str) -> bool:
         return not math.isnan(self.tflops.get(precision, math.nan))
@@ -51,6 +64,26 @@ class Instance:
     region: str
     source: str
     as_of: str
+    spot_price_per_hour: float = math.nan
+    network_gbps: float = math.nan
+    nvme_count: float = math.nan  # local NVMe drives; 0: none
+    nvme_gb: float = math.nan  # each
+    disk_gbs: float = math.nan  # the default network disk's throughput, GB/s
+    interconnect: str = ""  # between its GPUs (or the one GPU's link): pcie3..5, nvlink2..4
+    hardware_source: str = ""
+
+    @property
+    def nvme_total_gb(self) -> float:
+        return self.nvme_count * self.nvme_gb if self.nvme_count else (0.0 if self.nvme_count == 0 else math.nan)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A GPU interconnect: its bandwidth per GPU in one direction, what a ring all-reduce is paced by."""
+
+    name: str
+    gbs_per_gpu: float
+    source: str
 
 
 def _read(path: Path, columns: tuple[str, ...], what: str) -> pd.DataFrame:
@@ -80,14 +113,15 @@ def load_gpus(path: Path | None = None) -> dict[str, GPU]:
     path = path or FOLDER / "gpus.csv"
     table = _read(path, GPU_COLUMNS, "GPU catalogue")
     numbers = {column: _number(table, column, path, column in ("memory_gb", "bandwidth_gbs"))
-               for column in GPU_COLUMNS if column.endswith(("_gb", "_gbs", "_tflops", "_w"))}
+               for column in GPU_COLUMNS if column.endswith(("_gb", "_gbs", "_tflops", "_w", "_capability"))}
     gpus = {}
     for row in range(len(table)):
         gpus[table["gpu"].iloc[row]] = GPU(
             table["gpu"].iloc[row], numbers["memory_gb"].iloc[row], numbers["bandwidth_gbs"].iloc[row],
             {precision: float(numbers[f"{precision}_tflops"].iloc[row]) for precision in PRECISIONS},
             float(numbers["tdp_w"].iloc[row]), table["source"].iloc[row],
-            tuple(alias.strip() for alias in table["aliases"].iloc[row].split("|") if alias.strip()))
+            tuple(alias.strip() for alias in table["aliases"].iloc[row].split("|") if alias.strip()),
+            float(numbers["compute_capability"].iloc[row]))
     return gpus
 
 
@@ -95,10 +129,20 @@ def load_instances(gpus: dict[str, GPU], path: Path | None = None) -> list[Insta
     """The shipped instances, or a user's file of the same columns; a GPU is named as `match_gpu` reads it."""
     path = path or FOLDER / "instances.csv"
     table = _read(path, INSTANCE_COLUMNS, "instance catalogue")
+    for column in HARDWARE_COLUMNS:
+        if column not in table.columns:
+            table[column] = ""
     counts = _number(table, "gpu_count", path, True)
     vcpus = _number(table, "vcpus", path, True)
     ram = _number(table, "ram_gb", path, False)
     prices = _number(table, "price_per_hour_usd", path, False)
+    hardware = {column: _number(table, column, path, False) for column in HARDWARE_COLUMNS[:5]}
+    links = load_links()
+    unknown = ~table["interconnect"].str.strip().isin(["", *links])
+    if unknown.any():
+        row = int(unknown.to_numpy().nonzero()[0][0])
+        raise UserError(f"{path}: column 'interconnect', row {row + 1}: expected one of {', '.join(links)} or empty, "
+                        f"got '{table['interconnect'].iloc[row]}'")
     instances = []
     for row in range(len(table)):
         try:
@@ -108,8 +152,18 @@ def load_instances(gpus: dict[str, GPU], path: Path | None = None) -> list[Insta
         instances.append(Instance(table["provider"].iloc[row], table["instance"].iloc[row], gpu,
                                   int(counts.iloc[row]), int(vcpus.iloc[row]), float(ram.iloc[row]),
                                   float(prices.iloc[row]), table["region"].iloc[row], table["source"].iloc[row],
-                                  table["as_of"].iloc[row]))
+                                  table["as_of"].iloc[row], *(float(hardware[column].iloc[row])
+                                                              for column in HARDWARE_COLUMNS[:5]),
+                                  table["interconnect"].iloc[row].strip(), table["hardware_source"].iloc[row]))
     return instances
+
+
+def load_links(path: Path | None = None) -> dict[str, Link]:
+    path = path or FOLDER / "interconnects.csv"
+    table = _read(path, LINK_COLUMNS, "interconnect catalogue")
+    bandwidth = _number(table, "gbs_per_gpu", path, True)
+    return {table["interconnect"].iloc[row]: Link(table["interconnect"].iloc[row], float(bandwidth.iloc[row]),
+                                                  table["source"].iloc[row]) for row in range(len(table))}
 
 
 def _normal(name: str) -> str:

@@ -61,8 +61,8 @@ POWER_EXPONENT = CALIBRATION.power_exponent
 # Not calibrated: no published figure here is bound by memory bandwidth or by launches.
 MEMORY_EFFICIENCY = (0.45, 0.65, 0.85)
 LAUNCH_SECONDS = (15e-6, 8e-6, 4e-6)  # per operator, eager PyTorch: slow host, typical, fast host
-DDP_EFFICIENCY = (0.75, 0.9, 0.95)  # per GPU, data parallel on one machine
-BOUNDS = ("compute", "memory bandwidth", "launch overhead", "input pipeline", "CPU-side work")  # what `advise` names
+# What `advise` names as a run's bound.
+BOUNDS = ("compute", "memory bandwidth", "launch overhead", "input pipeline", "data storage", "CPU-side work")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,14 @@ class Range:
 
     def capped(self, ceiling: float) -> Range:
         return Range(min(self.low, ceiling), min(self.expected, ceiling), min(self.high, ceiling))
+
+    def capped_by(self, ceiling: Range) -> Range:
+        """Each bound at most the ceiling's same bound."""
+        return Range(min(self.low, ceiling.low), min(self.expected, ceiling.expected), min(self.high, ceiling.high))
+
+    def times(self, other: Range) -> Range:
+        """Bound by bound: low with low, high with high (a rate times a speed-up)."""
+        return Range(self.low * other.low, self.expected * other.expected, self.high * other.high)
 
     def inverse(self) -> Range:
         """1/x of each bound, the order kept (a rate's range as a time's)."""
@@ -205,14 +213,6 @@ def estimate(workload: Workload, gpu: GPU, gpus: dict[str, GPU] | None = None, v
         rate = rate.capped(ceiling)
     share = workload.peak_memory_gb / gpu.memory_gb if not math.isnan(workload.peak_memory_gb) else math.nan
     return Estimate(rate, bound, precision, not share > 0.95, share)
-
-
-def data_parallel(rate: Range, gpus: int) -> Range:
-    """The rate of `gpus` GPUs training data-parallel on one machine."""
-    if gpus <= 1:
-        return rate
-    return Range(*(value * gpus * efficiency for value, efficiency in zip((rate.low, rate.expected, rate.high),
-                                                                           DDP_EFFICIENCY)))
 
 
 def cpu_seconds(seconds: float, parallel: bool, measured_cores: int, vcpus: int) -> Range:

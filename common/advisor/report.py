@@ -6,19 +6,24 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from common.advisor.advise import (RunFacts, Row, actions, advise, calibrated, facts_from_file, facts_from_run, load_catalogue,
-                           recommend)
+from common.advisor.advise import Choice, Options, Row, actions, advise, load_catalogue, recommend
 from common.advisor.estimate import Range
+from common.advisor.facts import RunFacts, calibrated, facts_from_file, facts_from_run
+from common.advisor.lines import SPOT_MATTERS, _money, duration as _duration
 from common.errors import UserError
 
 ESTIMATED = "estimated: low-high (expected)"
 
 
 def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: Path | None, output: str,
-                   workload: Path | None) -> str:
-    """The report as printed; a run's is logged to it as `advise/advice.{md,json}` and `advise/cost_vs_time.png`."""
+                   workload: Path | None, options: Options | None = None, data_gb: float | None = None,
+                   launch: Path | None = None, tracking: str | None = None) -> str:
+    """The report as printed; a run's is logged to it as `advise/advice.{md,json}` and `advise/cost_vs_time.png`;
+    with `launch`, the recommended training instance's launch files are written there."""
+    options = options or Options()
     gpus, instances = load_catalogue(catalog)
     if workload is not None:
         facts = facts_from_file(workload, gpus)
@@ -34,17 +39,41 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
             if reference is not None:
                 facts = calibrated(facts, facts_from_run(reference, usecase, gpus))
                 source += f", its GPU rates from run {reference.info.run_id} on {facts.gpu}"
-    rows = advise(facts, instances, gpus, task)
-    picks = recommend(rows)
-    todo = actions(facts, rows, picks, gpus) if workload is None else []
+    if data_gb is not None:
+        facts = facts.scaled_to(data_gb)
+        source += f", scaled to a {data_gb:g} GB data set"
+    rows = advise(facts, instances, gpus, task, options)
+    picks = recommend(rows, options)
+    todo = actions(facts, rows, picks, gpus, options)
     report = {"source": source, "task": task, "estimated": True, "rows": [_as_dict(row, task) for row in rows],
-              "recommendations": {key: (row.instance.name if row else None) for key, row in picks.items()},
+              "recommendations": {key: (choice.row.instance.name if choice else None) for key, choice in
+                                  picks.items()},
+              "pricing": {key: choice.pricing for key, choice in picks.items() if choice is not None},
+              "stated": {"budget_usd": options.budget_usd, "deadline_h": options.deadline_h,
+                         "requests_per_s": options.requests_per_s,
+                         "spot_interruptions_per_hour": options.interruptions_per_hour},
               "actions": todo, "measured": _measured(facts)}
+    if launch is not None:
+        report["launch"] = _launch(launch, facts, picks, tracking)
     text = (json.dumps(report, indent=2) if output == "json" else
             _render(report, rows, picks, todo, markdown=output == "markdown"))
+    if launch is not None and output != "json":
+        text += "\n\nLaunch files:\n" + "\n".join(f"- {line}" for line in report["launch"]["lines"])
     if facts.run_id is not None:
         _log_to_run(facts.run_id, report, rows, picks, todo)
     return text
+
+
+def _launch(folder: Path, facts: RunFacts, picks: dict[str, Choice | None], tracking: str | None) -> dict:
+    from common.advisor.launch import write_launch_files
+
+    choice = picks.get("train_cheapest")
+    if choice is None:
+        raise UserError("--launch: no instance is recommended for training (see the lines above: a budget, a "
+                        "deadline, or no priced instance that fits), so there is nothing to launch")
+    if facts.usecase is None:
+        raise UserError("--launch needs a use case's run, not --workload: the launch files run `usecases run`")
+    return write_launch_files(folder, facts, choice, tracking)
 
 
 def _find_run(usecase: str | None, run_id: str | None):
@@ -90,16 +119,31 @@ def _as_dict(row: Row, task: str) -> dict:
         return None if value is None else {key: _clean(number) for key, number in value.as_dict().items()}
 
     return {"provider": instance.provider, "instance": instance.name, "gpu": instance.gpu.name,
-            "gpu_count": instance.gpu_count, "vcpus": instance.vcpus, "region": instance.region,
-            "price_per_hour_usd": _clean(instance.price_per_hour), "price_source": instance.source,
-            "price_as_of": instance.as_of, "epoch_seconds": rng(row.epoch_seconds),
+            "gpu_count": instance.gpu_count, "vcpus": instance.vcpus, "ram_gb": _clean(instance.ram_gb),
+            "region": instance.region, "price_per_hour_usd": _clean(instance.price_per_hour),
+            "spot_price_per_hour_usd": _clean(instance.spot_price_per_hour), "price_source": instance.source,
+            "price_as_of": instance.as_of, "network_gbps": _clean(instance.network_gbps),
+            "local_nvme": {"count": _clean(instance.nvme_count), "gb_each": _clean(instance.nvme_gb)},
+            "disk_gbs": _clean(instance.disk_gbs), "interconnect": instance.interconnect or None,
+            "hardware_source": instance.hardware_source, "epoch_seconds": rng(row.epoch_seconds),
             "train_seconds": rng(row.train_seconds), "train_cost_usd": rng(row.train_cost),
             "bottleneck": row.train_bound, "train_samples_per_s": rng(row.train_per_s),
             "serve_samples_per_s": rng(row.serve_per_s),
             "samples_per_s": rng(row.train_per_s if task == "train" else row.serve_per_s),
             "latency_ms": rng(row.latency_ms),
             "serve_cost_per_million_usd": rng(row.serve_cost_per_million),
-            "memory_share": _clean(row.memory_share), "fits": row.fits}
+            "memory_share": _clean(row.memory_share), "fits": row.fits,
+            "scaling": row.scaling.as_dict() if row.scaling else None,
+            "data": row.placement.as_dict() if row.placement else None,
+            "spot": _json_safe(row.spot.as_dict(row.train_cost)) if row.spot else None,
+            "serving_month": row.serving.as_dict() if row.serving else None}
+
+
+def _json_safe(value):
+    """Infinity (a spot run that never finishes) as null: JSON has no infinity."""
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _clean(value: float):
@@ -110,23 +154,12 @@ def _measured(facts: RunFacts) -> dict:
     """This run's own figures, which are measurements, not estimates."""
     return {"models": {name: {key: value for key, value in model.items() if key in (
         "train_samples_per_s", "data_wait_share", "loader_samples_per_s", "peak_memory_gb", "samples_per_epoch",
-        "epochs_run", "train_flops_per_sample", "infer_flops_per_sample", "params")} for name, model in
-        facts.models.items()},
+        "epochs_run", "train_flops_per_sample", "infer_flops_per_sample", "params", "weight_bytes")} for name, model
+        in facts.models.items()},
         "cpu_parts_seconds": {name: part.get("seconds") for name, part in facts.cpu_parts.items()},
-        "total_seconds": _clean(facts.total_seconds), "cores": facts.cores, "gpu": facts.gpu}
-
-
-def _duration(seconds: float) -> str:
-    if math.isnan(seconds):
-        return "?"
-    for unit, size in (("h", 3600), ("min", 60), ("s", 1)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds * 1000:.3g} ms"
-
-
-def _money(value: float) -> str:
-    return "price unknown" if math.isnan(value) else f"${value:.3g}" if value < 100 else f"${value:,.0f}"
+        "total_seconds": _clean(facts.total_seconds), "cores": facts.cores, "gpu": facts.gpu,
+        "data_bytes": _clean(facts.data_bytes), "data_samples": _clean(facts.data_samples),
+        "checkpoint_every": facts.checkpoint_every}
 
 
 def _span(value: Range | None, show) -> str:
@@ -135,42 +168,71 @@ def _span(value: Range | None, show) -> str:
     return f"{show(value.expected)} ({show(value.low)}-{show(value.high)})"
 
 
-def _cells(row: Row) -> list[str]:
-    instance = row.instance
-    memory = "?" if math.isnan(row.memory_share) else f"{100 * row.memory_share:.0f} %"
-    return [instance.name, instance.provider, f"{instance.gpu_count} x {instance.gpu.name}", str(instance.vcpus),
-            _money(instance.price_per_hour), _span(row.epoch_seconds, _duration), _span(row.train_seconds, _duration),
-            _span(row.train_cost, _money), row.train_bound or "-",
-            _span(row.serve_per_s, lambda value: f"{value:,.0f}/s"), _span(row.latency_ms, lambda value: f"{value:.2g}"),
-            _span(row.serve_cost_per_million, _money), memory + ("" if row.fits else " (does not fit)")]
-
-
 HEADER = ["instance", "cloud", "GPUs", "vCPUs", "$/h", "epoch", "training run", "cost per run", "bound",
           "serving", "latency ms (batch 1)", "$ per 1M predictions", "GPU memory"]
 
 
-def _render(report: dict, rows: list[Row], picks: dict, todo: list[str], markdown: bool) -> str:
-    cells = [_cells(row) for row in sorted(rows, key=_order)]
-    lines = [f"Advice for {report['source']}. Every figure below is {ESTIMATED}, on-demand prices as each row's "
-             "source dates them; the measured figures are in --format json under 'measured'."]
+def _optional_columns(rows: list[Row]) -> dict[str, Callable[[Row], str]]:
+    """The renting columns, only where they matter: spot where it saves over 20 % on some instance, the data's
+    place where the default disk would bound training or the data must be copied, the GPUs' scaling where an
+    instance has several."""
+    columns = {}
+    if any(row.spot is not None and row.train_cost is not None and row.spot.saving(row.train_cost) > SPOT_MATTERS
+           for row in rows):
+        columns["spot cost per run"] = lambda row: _span(row.spot.cost, _money) if row.spot else "-"
+    if any(row.placement is not None and row.placement.matters for row in rows):
+        columns["data from"] = lambda row: (
+            "-" if row.placement is None else
+            f"{row.placement.where}{' (bound)' if row.placement.bounds else ''}" +
+            (f", copy {_duration(row.placement.copy_s.expected)}" if row.placement.where in ("memory", "local NVMe")
+             and math.isfinite(row.placement.copy_s.expected) else ""))
+    if any(row.scaling is not None and row.scaling.gpus > 1 for row in rows):
+        columns["DDP speed-up"] = lambda row: (
+            f"{row.scaling.speedup.expected:.2g}x ({row.scaling.speedup.low:.2g}-{row.scaling.speedup.high:.2g})"
+            if row.scaling is not None and row.scaling.gpus > 1 else "-")
+    return columns
+
+
+def _cells(row: Row, extra: dict) -> list[str]:
+    instance = row.instance
+    memory = "?" if math.isnan(row.memory_share) else f"{100 * row.memory_share:.0f} %"
+    return [instance.name, instance.provider, f"{instance.gpu_count} x {instance.gpu.name}", str(instance.vcpus),
+            _money(instance.price_per_hour), _span(row.epoch_seconds, _duration), _span(row.train_seconds, _duration),
+            _span(row.train_cost, _money), row.train_bound or "-", *(show(row) for show in extra.values()),
+            _span(row.serve_per_s, lambda value: f"{value:,.0f}/s"),
+            _span(row.latency_ms, lambda value: f"{value:.2g}"),
+            _span(row.serve_cost_per_million, _money), memory + ("" if row.fits else " (does not fit)")]
+
+
+def _render(report: dict, rows: list[Row], picks: dict[str, Choice | None], todo: list[str], markdown: bool) -> str:
+    extra = _optional_columns(rows)
+    header = HEADER[:9] + list(extra) + HEADER[9:]
+    cells = [_cells(row, extra) for row in sorted(rows, key=_order)]
+    lines = [f"Advice for {report['source']}. Every figure below is {ESTIMATED}, on-demand prices (spot where "
+             "marked) as each row's source dates them; the measured figures are in --format json under 'measured'."]
     if markdown:
-        lines += ["", "| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
+        lines += ["", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in cells]
     else:
-        widths = [max(len(row[column]) for row in [HEADER, *cells]) for column in range(len(HEADER))]
-        lines += ["", "  ".join(name.ljust(width) for name, width in zip(HEADER, widths))]
+        widths = [max(len(row[column]) for row in [header, *cells]) for column in range(len(header))]
+        lines += ["", "  ".join(name.ljust(width) for name, width in zip(header, widths))]
         lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in cells]
     lines += ["", "Recommendations (estimated):"]
+    requests = report["stated"]["requests_per_s"]
     names = {"train_cheapest": "train, cheapest run that fits", "train_fastest": "train, fastest within 1.5x of that "
-             "cost", "serve_cheapest": "serve, cheapest per 1M predictions"}
+             "cost", "serve_cheapest": f"serve {requests:g} requests/s, cheapest a month"}
     for key, label in names.items():
-        row = picks.get(key)
-        if row is None:
+        choice = picks.get(key)
+        if choice is None:
             continue
+        row = choice.row
         if key.startswith("train"):
-            detail = f"{_duration(row.train_seconds.expected)}, {_money(row.train_cost.expected)} a run"
+            detail = (f"{_duration(choice.seconds.expected)}, {_money(choice.cost.expected)} a run "
+                      f"({choice.pricing})")
         else:
-            detail = f"{row.serve_per_s.expected:,.0f} predictions/s, {_money(row.serve_cost_per_million.expected)} per 1M"
+            detail = (f"{row.serving.replicas.expected:g} instance(s), {_money(row.serving.month_usd.expected)} a "
+                      f"month; {row.serve_per_s.expected:,.0f} predictions/s each, "
+                      f"{_money(row.serve_cost_per_million.expected)} per 1M")
         lines.append(f"- {label}: {row.instance.name} ({row.instance.gpu_count} x {row.instance.gpu.name}, "
                      f"{row.instance.provider} {row.instance.region}): {detail}")
     if todo:
@@ -207,20 +269,27 @@ def _plot(rows: list[Row], path: Path) -> None:
 
     points = [(row.train_seconds.expected / 60, row.train_cost.expected, row) for row in rows
               if row.train_cost is not None and not math.isnan(row.train_cost.expected) and row.fits]
+    spot = [(row.spot.seconds.expected / 60, row.spot.cost.expected, row) for row in rows
+            if row.spot is not None and row.fits and math.isfinite(row.spot.seconds.expected)]
     figure, axis = plt.subplots(figsize=(8, 5))
-    front = [point for point in points if not any(other[0] <= point[0] and other[1] <= point[1] and other != point
-                                                  for other in points)]
-    axis.scatter([point[0] for point in points], [point[1] for point in points], color="0.6", label="instance")
+    both = points + spot
+    front = [point for point in both if not any(other[0] <= point[0] and other[1] <= point[1] and other != point
+                                                for other in both)]
+    axis.scatter([point[0] for point in points], [point[1] for point in points], color="0.6",
+                 label="instance, on demand")
+    axis.scatter([point[0] for point in spot], [point[1] for point in spot], color="tab:blue", marker="v",
+                 label="instance, spot (with interruptions)")
     front.sort(key=lambda point: point[0])
     axis.plot([point[0] for point in front], [point[1] for point in front], "o-", color="tab:red",
               label="Pareto front")
     for minutes, cost, row in front:
-        axis.annotate(row.instance.name, (minutes, cost), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        label = row.instance.name + (" (spot)" if (minutes, cost, row) in spot else "")
+        axis.annotate(label, (minutes, cost), fontsize=7, xytext=(4, 4), textcoords="offset points")
     if points:
         axis.set_xscale("log")
         axis.set_yscale("log")
     axis.set_xlabel("training run, minutes (estimated)")
-    axis.set_ylabel("cost per run, USD (estimated, on-demand)")
+    axis.set_ylabel("cost per run, USD (estimated)")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
     figure.tight_layout()

@@ -142,8 +142,10 @@ def prune_checkpoints(root: Path, keep: str | None = None) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, data_tags: dict) -> str:
-    """The newest KILLED run of this preset that left a checkpoint, checked to run on the same config and data."""
+def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, data_tags: dict,
+                  required: bool = True) -> str | None:
+    """The newest KILLED run of this preset that left a checkpoint, checked to run on the same config and data;
+    where there is none, None unless `required` (a run still alive is refused either way: two would share it)."""
     runs = _runs_of(experiment_id, preset)
     for run in runs:
         state_file = root / run.info.run_id / STATE_FILE
@@ -151,6 +153,8 @@ def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, dat
             check_same_job(json.loads(state_file.read_text()), params, data_tags)
             return run.info.run_id
     newest = runs[0] if runs else None
+    if not required and (newest is None or newest.info.status != "RUNNING"):
+        return None
     if newest is not None and newest.info.status == "FAILED":
         raise UserError(f"--resume: the last run of preset '{preset}' ({newest.info.run_id}) FAILED, and only an "
                         f"interrupted (KILLED) run can be resumed: start it afresh without --resume")

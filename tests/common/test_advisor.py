@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from common.advisor.estimate import (CALIBRATION, COMPUTE_EFFICIENCY, EFFICIENCY_SPREAD, MEASURED_SPREAD, Published, Range,
-                             Workload, calibrate, cpu_seconds, data_parallel, estimate, gpu_precision,
+from common.advisor.estimate import (CALIBRATION, COMPUTE_EFFICIENCY, EFFICIENCY_SPREAD, MEASURED_SPREAD, Published,
+                             Workload, calibrate, cpu_seconds, estimate, gpu_precision,
                              leave_one_model_out)
 from common.advisor.catalog import FOLDER, INSTANCE_COLUMNS, load_gpus, load_instances, match_gpu
 from common.errors import UserError
@@ -91,7 +91,6 @@ def test_the_memory_gate_and_the_parallel_cpu_work():
     assert estimate(Workload("train", 1e9, 1e6, "amp", 64, peak_memory_gb=30), GPUS["A100-40GB-SXM"]).fits
     assert cpu_seconds(100, True, 2, 8).expected == pytest.approx(25)
     assert cpu_seconds(100, False, 2, 8).expected == pytest.approx(100)
-    assert data_parallel(Range(1, 1, 1), 8).expected == pytest.approx(7.2)
 
 
 def resnet50_facts() -> dict[str, dict[str, float]]:

@@ -1,11 +1,12 @@
-"""`building`: a cache folder is built out of sight and published whole, once, whoever finishes first."""
+"""`building`: a cache folder is built out of sight and published whole, once, whoever finishes first;
+`stored_bytes`: the size on disk that data_bytes reports."""
 
 import os
 import time
 
 import pytest
 
-from common.paths import building
+from common.paths import building, stored_bytes
 
 
 def test_a_folder_is_published_whole_once(tmp_path):
@@ -40,3 +41,14 @@ def test_a_failed_build_leaves_nothing_and_day_old_leftovers_are_removed(tmp_pat
         raise ValueError("killed halfway")
     assert not folder.exists() and not old.exists() and recent.exists()
     assert sorted(path.name for path in tmp_path.iterdir()) == [recent.name]
+
+
+def test_stored_bytes_counts_files_and_every_file_under_a_folder(tmp_path):
+    (tmp_path / "set" / "nested").mkdir(parents=True)
+    (tmp_path / "set" / "a.png").write_bytes(b"x" * 10)
+    (tmp_path / "set" / "nested" / "b.png").write_bytes(b"x" * 25)
+    (tmp_path / "labels.csv").write_bytes(b"x" * 7)
+    assert stored_bytes(tmp_path / "labels.csv") == 7
+    assert stored_bytes(tmp_path / "set") == 35
+    assert stored_bytes(tmp_path / "labels.csv", tmp_path / "set" / "a.png") == 17
+    assert stored_bytes() == 0

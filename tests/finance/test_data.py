@@ -1,16 +1,21 @@
-"""Loading the three data sources; every bad file fails with one line naming the file, column and row."""
+"""Loading the three data sources, and their data_bytes and data_samples tags; every bad file fails with one line
+naming the file, column and row."""
 
 import gzip
 import io
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from common.config import load_config
 from common.errors import UserError
+from usecases import finance
 from usecases.finance.config import Data, Synthetic
 from usecases.finance.data import attach_exogenous, load_arch, load_file, load_panel, synthetic_panel
 from usecases.finance.features import add_features
+from usecases.finance.pipeline import load_data
 
 GOOD = """date,ticker,open,high,low,close,volume
 2020-01-02,AAA,10,11,9,10.5,100
@@ -274,3 +279,26 @@ def test_the_synthetic_panel_is_drawn_with_numpy_even_where_cupy_has_a_gpu(monke
     panel = synthetic_panel(config)
     assert panel.sha256 == expected.sha256
     pd.testing.assert_frame_equal(panel.frame, expected.frame)
+
+
+def finance_config(preset: str):
+    return load_config(finance.Config, finance.USECASE.presets_dir, preset, [])
+
+
+def test_data_bytes_of_the_arch_series_are_the_files_arch_ships_and_samples_the_feature_rows():
+    from arch.data import nasdaq, sp500
+
+    prepared, tags = load_data(finance_config("default"), None)
+    shipped = [path for module in (sp500, nasdaq) for path in Path(module.__file__).parent.glob("*.csv*")]
+    assert tags["data_bytes"] == sum(path.stat().st_size for path in shipped) > 0
+    assert tags["data_samples"] == len(prepared.frame) > 2 * 4000  # two series of 1999-2018 trading days
+
+
+def test_data_bytes_of_a_user_file_is_its_size_and_of_the_synthetic_panel_its_frame(tmp_path):
+    prepared, tags = load_data(finance_config("smoke"), None)
+    assert tags["data_bytes"] == prepared.panel.frame.memory_usage(deep=True).sum()
+    assert tags["data_samples"] == len(prepared.frame) == 3 * (1200 - 1)  # each ticker's first day has no return
+    path = tmp_path / "prices.csv"
+    prepared.panel.frame.drop(columns="true_variance").to_csv(path, index=False)
+    prepared, tags = load_data(finance_config("smoke"), path)
+    assert tags["data_bytes"] == path.stat().st_size and tags["data_samples"] == len(prepared.frame)

@@ -1,14 +1,19 @@
-"""MedMNIST files of every shape the official sets come in, the cache and mirror lookups, and the synthetic set."""
+"""MedMNIST files of every shape the official sets come in, the cache and mirror lookups, the synthetic set, and the
+data_bytes and data_samples tags of each source."""
 
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
+from common.config import load_config
 from common.errors import DataUnavailable, UserError
+from usecases.medical import USECASE
 from usecases.medical.config import Data, MedMNIST, Synthetic
 from usecases.medical.data import load_images, load_medmnist_file, medmnist_path, synthetic_images
+from usecases.medical.pipeline import load_data
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "medmnist" / "breastmnist.npz"
 
@@ -135,3 +140,49 @@ def test_real_breastmnist_copy():
     data = load_medmnist_file(SHARED)
     assert {split: len(labels) for split, labels in data.labels.items()} == {"train": 546, "val": 78, "test": 156}
     assert data.counts("train").tolist() == [147, 399]
+
+
+def smoke_config():
+    return load_config(USECASE.config, USECASE.presets_dir, "smoke", [])
+
+
+def class_folders(root: Path) -> list[Path]:
+    """Twelve PNGs of each of two classes under `root`; the images written."""
+    images = []
+    for value, name in ((60, "benign"), (200, "malignant")):
+        (root / name).mkdir(parents=True)
+        for number in range(12):
+            Image.new("L", (10, 10), value).save(root / name / f"{number}.png")
+            images.append(root / name / f"{number}.png")
+    return images
+
+
+def test_data_bytes_of_an_npz_is_its_size_and_data_samples_its_images(tmp_path):
+    path = write_npz(tmp_path / "breastmnist.npz", count=14)
+    _, tags = load_data(smoke_config(), path)
+    assert tags["data_bytes"] == path.stat().st_size and tags["data_samples"] == 3 * 14
+
+
+def test_data_bytes_of_class_folders_counts_the_images_read_not_other_files(tmp_path):
+    images = class_folders(tmp_path / "scans")
+    (tmp_path / "scans" / "benign" / "notes.txt").write_bytes(b"x" * 5000)  # skipped by the reader
+    _, tags = load_data(smoke_config(), tmp_path / "scans")
+    assert tags["data_bytes"] == sum(image.stat().st_size for image in images) and tags["data_samples"] == 24
+
+
+def test_data_bytes_of_the_synthetic_set_in_memory_is_its_arrays_uncompressed():
+    data, tags = load_data(smoke_config(), None)
+    assert tags["data_samples"] == 256 + 128 + 256
+    images = 640 * 28 * 28  # uint8, one channel
+    assert tags["data_bytes"] == images + 640 * 8 == sum(data.images[s].nbytes + data.labels[s].nbytes
+                                                         for s in ("train", "val", "test"))
+
+
+def test_data_bytes_of_a_manifest_counts_it_and_the_images_it_names(tmp_path):
+    images = class_folders(tmp_path / "scans")
+    manifest = tmp_path / "scans" / "manifest.csv"
+    manifest.write_text("path,label\n" + "".join(f"{image.parent.name}/{image.name},{image.parent.name}\n"
+                                                 for image in images[1:]))
+    _, tags = load_data(smoke_config(), manifest)
+    assert tags["data_bytes"] == sum(path.stat().st_size for path in [manifest, *images[1:]])
+    assert tags["data_samples"] == 23

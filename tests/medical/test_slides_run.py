@@ -97,6 +97,20 @@ def rejected(capsys, folder: Path, *names: str) -> str:
                            names=names)
 
 
+def test_data_bytes_count_the_slides_and_labels_read_and_data_samples_the_slides(slide_folder, tmp_path):
+    from common.config import load_config
+    from usecases.medical import USECASE
+    from usecases.medical.pipeline import load_data
+
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)],
+                         {"notes.txt": lambda path: path.write_bytes(b"x" * 5000)})
+    config = load_config(USECASE.config, USECASE.presets_dir, "slides-smoke",
+                         [f"data.slides.cache_dir={tmp_path / 'cache'}", "data.slides.mpp=0.5"])
+    _, tags = load_data(config, folder)
+    read = [folder / "labels.csv", *(folder / f"s{index}.tif" for index in range(8))]
+    assert tags["data_bytes"] == sum(path.stat().st_size for path in read) and tags["data_samples"] == 8
+
+
 def test_a_broken_slide_is_named_in_one_line(capsys, slide_folder, tmp_path):
     broken = (lambda path: path.write_bytes(b"II*\x00" + bytes(1000)))
     folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(7)] + ["broken.svs,1,p9"],

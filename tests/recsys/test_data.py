@@ -22,6 +22,7 @@ from usecases.recsys.config import Config, Data, Synthetic
 from usecases.recsys.data import UNKNOWN, load_interactions
 from usecases.recsys.logs import read_log
 from usecases.recsys.movielens import read_movielens
+from usecases.recsys.pipeline import INTERACTION_BYTES, load_data
 from usecases.recsys.preprocess import encode, filter_interactions, k_core
 from usecases.recsys.splits import drop_unrankable, split_leave_last_out, split_random, split_sizes, split_temporal
 from usecases.recsys.synthetic import synthetic_log
@@ -375,3 +376,31 @@ def test_synthetic_split_is_learnable():
     random_items = np.random.default_rng(0).integers(1, data.n_items, len(items))
     at_random = (profile[users] * similarity[random_items]).sum(axis=1)
     assert held_out.mean() > 1.5 * at_random.mean(), "a user's test items resemble its training items"
+
+
+def test_data_bytes_of_a_movielens_folder_count_the_files_read_and_samples_every_split(tmp_path):
+    folder = tmp_path / "ml-test"
+    folder.mkdir()
+    ratings = "".join(f"{user},{(user + k) % 24 + 1},4.0,{user * 100 + k}\n" for user in range(15) for k in range(12))
+    (folder / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + ratings)
+    titles = "".join(f"{item},Film {item},Drama\n" for item in range(1, 25))
+    (folder / "movies.csv").write_text("movieId,title,genres\n" + titles)
+    (folder / "README.txt").write_bytes(b"x" * 5000)  # not read
+    _, tags = load_data(make_config(split="random"), folder)
+    assert tags["data_bytes"] == (folder / "ratings.csv").stat().st_size + (folder / "movies.csv").stat().st_size
+    splits = sum(tags[f"data_{split}_interactions"] for split in ("train", "val", "test"))
+    assert tags["data_samples"] == splits and 15 * 12 * 0.8 < splits <= 15 * 12
+
+
+def test_data_bytes_of_a_log_file_is_its_size_and_of_a_synthetic_log_its_frames(tmp_path):
+    config = make_config(split="random", data={"source": "synthetic",
+                                               "synthetic": {"users": 50, "items": 40, "interactions_per_user": 10}})
+    data, tags = load_data(config, None)
+    frames = [data.train, data.val, data.test]
+    assert tags["data_samples"] == sum(map(len, frames)) > 400
+    assert tags["data_bytes"] == tags["data_samples"] * INTERACTION_BYTES == sum(
+        frame.memory_usage(deep=True, index=False).sum() for frame in frames)
+    path = tmp_path / "log.csv"
+    pd.concat(frames).to_csv(path, index=False, header=["user_id", "item_id", "rating", "timestamp"])
+    _, tags = load_data(make_config(split="random"), path)
+    assert tags["data_bytes"] == path.stat().st_size

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from common.errors import UserError
-from common.paths import file_sha256
+from common.paths import file_sha256, stored_bytes
 from .config import Data, Synthetic
 from .files import PANEL_COLUMNS, read_prices
 
@@ -29,6 +29,7 @@ class Panel:
     frame: pd.DataFrame
     source: str
     sha256: str
+    stored_size: int  # bytes of the files read; a generated panel's frame in memory (data_bytes)
     filled_rows: int = 0
 
     @property
@@ -85,13 +86,13 @@ def load_arch(series: list[str]) -> Panel:
         frames.append(frame)
         files.extend(sorted(Path(module.__file__).parent.glob("*.csv*")))
     panel = pd.concat(frames, ignore_index=True)[PANEL_COLUMNS].astype({"volume": float})
-    return Panel(panel, f"arch:{'+'.join(series)}", file_sha256(*files))
+    return Panel(panel, f"arch:{'+'.join(series)}", file_sha256(*files), stored_bytes(*files))
 
 
 def load_file(path: Path, config: Data) -> Panel:
     """A user's CSV or Parquet file, checked row by row in `files.read_prices`."""
     frame, filled = read_prices(path, config)
-    return Panel(frame, f"file:{path.name}", file_sha256(path), filled)
+    return Panel(frame, f"file:{path.name}", file_sha256(path), stored_bytes(path), filled)
 
 
 def synthetic_panel(config: Synthetic) -> Panel:
@@ -144,4 +145,5 @@ def synthetic_panel(config: Synthetic) -> Panel:
     })
     digest = hashlib.sha256(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes()).hexdigest()
     frame["true_variance"] = variances.T.ravel()
-    return Panel(frame, f"synthetic:seed={config.seed},tickers={tickers},days={days},overnight={gap:g}", digest)
+    return Panel(frame, f"synthetic:seed={config.seed},tickers={tickers},days={days},overnight={gap:g}", digest,
+                 int(frame.memory_usage(deep=True).sum()))

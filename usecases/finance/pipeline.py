@@ -63,6 +63,7 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[Prepared,
     validation = validation_window(frame, test, config)
     return Prepared(panel, frame, test), {
         "data_source": panel.source, "data_sha256": panel.sha256, "data_filled_rows": panel.filled_rows,
+        "data_bytes": panel.stored_size, "data_samples": len(frame),
         **({"data_path": str(path)} if path else {}), "data_schema": DATA_SCHEMA,
         "test_window": _span(frame, test), "tails_validation": _span(frame, validation)}
 

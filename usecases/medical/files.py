@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 from sklearn.model_selection import StratifiedGroupKFold
 
 from common.errors import UserError
@@ -90,6 +89,7 @@ def load_files(path: Path, config: Files, seed: int, client=None) -> ImageSet:
         sha256=sha256,
         patients={split: patients[members] for split, members in rows.items()},
         notices=listing.notices,
+        files=([listing.manifest] if listing.manifest else []) + listing.files,
     )
     check_classes(data, where=str(path))
     return data

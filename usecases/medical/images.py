@@ -6,6 +6,7 @@ A leaf module: it imports no other module of the use case, so the sources can im
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -29,6 +30,7 @@ class ImageSet:
     sha256: str
     patients: dict[str, np.ndarray] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)  # warnings, logged once the data passed every check
+    files: list[Path] = field(default_factory=list)  # what it was read from, for data_bytes; none when generated
 
     @property
     def channels(self) -> int:

@@ -33,7 +33,7 @@ def load_medmnist_file(path: Path) -> ImageSet:
     raw = {split: whole_numbers(path, split, arrays[f"{split}_labels"], len(images[split])) for split in SPLITS}
     task, classes = medmnist_task(path, raw)
     labels = {split: class_labels(path, f"{split}_labels", raw[split], task, classes) for split in SPLITS}
-    data = ImageSet(images, labels, task, classes, f"medmnist:{path.name}", file_sha256(path))
+    data = ImageSet(images, labels, task, classes, f"medmnist:{path.name}", file_sha256(path), files=[path])
     check_classes(data, str(path))
     return data
 

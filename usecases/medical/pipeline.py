@@ -13,6 +13,7 @@ import torch
 
 from common.errors import UserError
 from common.job import Job
+from common.paths import stored_bytes
 from common.runtime.sharding import shared_predictions
 from common.training.workload import cpu_part
 from common.usecase import RunResult
@@ -60,7 +61,16 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet 
     schema = "image:binary,label:long" + (",patient_id:string" if data.patients else "")  # uint8 H x W x C images
     return data, {"data_source": data.source, "data_sha256": data.sha256, "task": data.task,
                   **{f"data_{split}_images": count for split, count in sizes.items()},
+                  "data_bytes": image_bytes(data), "data_samples": sum(sizes.values()),
                   **({"data_path": str(path)} if path else {}), "data_schema": schema, "positive_class": positive}
+
+
+def image_bytes(data: ImageSet) -> int:
+    """What a run reads from storage: the files the images were read from; for a set generated in memory, its
+    arrays as they would be stored uncompressed."""
+    if data.files:
+        return stored_bytes(*data.files)
+    return sum(array.nbytes for arrays in (data.images, data.labels) for array in arrays.values())
 
 
 AUTO_DASK_IMAGES = 50_000  # runtime.engine=auto decodes image files on Dask above this many
@@ -85,6 +95,7 @@ def _load_slides(config: Config, path: Path | None, client=None) -> tuple[SlideS
         log.warning(notice)
     return data, {"data_source": data.source, "data_sha256": data.sha256, "task": "binary",
                   **{f"data_{split}_slides": count for split, count in counts.items()},
+                  "data_bytes": data.stored_size, "data_samples": len(data.paths),
                   **({"data_path": str(path)} if path else {}), "positive_class": data.classes[1]}
 
 

@@ -166,9 +166,13 @@ def read_titles(folder: Path, kind: str) -> pd.Series | None:
     return _read_titles(titles_file, kind) if titles_file.is_file() else None
 
 
+def movielens_files(folder: Path, kind: str) -> list[Path]:
+    """The ratings file and, where there is one, the titles file: what is read, hashed and counted in data_bytes."""
+    return [path for path in (folder / kind, folder / LAYOUTS[kind].titles) if path.is_file()]
+
+
 def movielens_sha256(folder: Path, kind: str) -> str:
-    files = [folder / kind, folder / LAYOUTS[kind].titles]
-    return file_sha256(*[path for path in files if path.is_file()])
+    return file_sha256(*movielens_files(folder, kind))
 
 
 def _read_csv_ratings(path: Path) -> tuple[pd.DataFrame, Rows]:

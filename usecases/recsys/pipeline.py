@@ -22,6 +22,7 @@ import torch
 
 from common.errors import UserError
 from common.job import Job
+from common.paths import stored_bytes
 from common.training.workload import cpu_part
 from common.usecase import RunResult
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
@@ -30,6 +31,7 @@ from .data import Interactions, expected_interactions, load_interactions
 from .evaluate import full_ranking, sample_users
 from .foldin import FoldIn
 from .models import LightGCN, PairwiseRanker
+from .movielens import movielens_files, movielens_folder, movielens_format
 from .replay import replay
 from .sasrec import SequenceScorer, fit_sasrec, sequences_by_user, served_sequence_form
 from .serving import Recommender, log_recommender
@@ -48,10 +50,27 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[Interacti
         raise UserError(f"{path or data.source}: evaluation.ks asks for the top {max(config.evaluation.ks)} of a "
                         f"catalogue of {data.n_items - 1} items (set evaluation.ks to K values up to that)")
     sizes = {split: data.size(split) for split in ("train", "val", "test")}
+    samples = sum(sizes.values())
     return data, {"data_source": data.source, "data_sha256": data.sha256, "data_users": data.n_users - 1,
                   "data_items": data.n_items - 1, **{f"data_{split}_interactions": n for split, n in sizes.items()},
+                  "data_bytes": log_bytes(config, path, samples), "data_samples": samples,
                   **({"data_path": str(path)} if path else {}),
                   "data_schema": "user_id:string,item_id:string,rating:double,timestamp:long"}
+
+
+INTERACTION_BYTES = 32  # a row of the split frames: user, item and timestamp as int64, rating as float64
+
+
+def log_bytes(config: Config, path: Path | None, samples: int) -> int:
+    """What a run reads from storage: the log file, or a MovieLens release's files; a synthetic log (generated in
+    memory, or on Dask into the cache) counts its `samples` interactions as the frames hold them, uncompressed, so
+    that both engines report one size."""
+    if path is None and config.data.source == "synthetic":
+        return samples * INTERACTION_BYTES
+    where = movielens_folder(config.data.movielens) if path is None else path
+    if where.is_dir():
+        return stored_bytes(*movielens_files(where, movielens_format(where)))
+    return stored_bytes(where)
 
 
 AUTO_DASK_INTERACTIONS = 20_000_000  # runtime.engine=auto prepares logs of more than this on Dask

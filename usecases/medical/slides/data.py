@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import UserError
-from common.paths import building, cache_dir
+from common.paths import building, cache_dir, stored_bytes
 from ..config import Config, Files
 from ..files import assert_no_patient_leak, class_names, read_manifest, split_by_patient
 from ..images import SPLITS
@@ -43,6 +43,7 @@ class SlideSet:
     sha256: str
     mpp: list[float | None]
     grids: list[TileGrid]  # each slide's tissue tiles at the configured magnification
+    stored_size: int  # bytes of the slides and the labels file, for data_bytes
     notices: list[str] = field(default_factory=list)
 
     def members(self, split: str) -> np.ndarray:
@@ -95,7 +96,7 @@ def load_slides(config: Config, path: Path | None, client=None) -> SlideSet:
         digest.update(slide_digest(slide_path).encode())
     source = f"slides:{'synthetic' if path is None else folder.name}"
     return SlideSet(list(listing.files), labels, classes, patients, split, source, digest.hexdigest(), mpp, grids,
-                    notices + listing.notices)
+                    stored_bytes(labels_file, *listing.files), notices + listing.notices)
 
 
 def tiles_of(slide_path: Path, mpp: float | None, tile_px: int, min_tissue: float,

@@ -1,0 +1,179 @@
+"""`usecases advise NAME --launch DIR`: the recommended training instance as files that start the run there, a SkyPilot
+task (`sky-task.yaml`) and a Kubernetes Job with its cache volume (`k8s-job.yaml`). Both install the project with the
+extra of the GPU's CUDA major and run the same `usecases run` command, under `torchrun` for several GPUs, with
+`--resume-if-interrupted` so that a spot recovery or a restarted pod continues from the last checkpoint.
+
+Nothing is launched here: SkyPilot (`sky jobs launch`, `sky launch`) and `kubectl apply` are the user's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from common.advisor.facts import RunFacts
+from common.errors import UserError
+from common.paths import project_root
+
+# SkyPilot's accelerator names (`sky show-gpus`) for the catalogue's GPUs.
+SKYPILOT_GPUS = {"T4": "T4", "A10": "A10", "A10G": "A10G", "L4": "L4", "L40S": "L40S", "V100-16GB-SXM2": "V100",
+                 "V100-16GB-PCIe": "V100", "V100-32GB-SXM2": "V100-32GB", "V100-32GB-PCIe": "V100-32GB",
+                 "A100-40GB-SXM": "A100", "A100-80GB-SXM": "A100-80GB", "A100-80GB-PCIe": "A100-80GB",
+                 "H100-SXM": "H100", "H100-PCIe": "H100", "H200-SXM": "H200"}
+SKYPILOT_CLOUDS = ("aws", "gcp", "azure")
+# A CUDA 12 torch for the GPUs CUDA 13 no longer runs on (the default wheels are CUDA 13 builds).
+CUDA12_TORCH = "https://download.pytorch.org/whl/cu128"
+STALE_AFTER_S = 180  # three missed heartbeats: the interrupted run is taken for dead and resumed
+CACHE = "/cache"
+TASK_FILE, JOB_FILE = "sky-task.yaml", "k8s-job.yaml"
+
+
+class _Dumper(yaml.SafeDumper):
+    """Scripts as literal blocks (`|`), as people write them in both files."""
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+REMOTE_SCHEMES = ("http://", "https://", "databricks", "postgresql", "mysql", "mssql")
+
+
+def write_launch_files(folder: Path, facts: RunFacts, choice, tracking: str | None) -> dict:
+    """Write both files for `choice` (a `Choice`: the row and whether on spot) and return what was written, with the
+    lines the report prints."""
+    row = choice.row
+    instance, gpu = row.instance, row.instance.gpu
+    tracking = tracking or os.environ.get("MLFLOW_TRACKING_URI")
+    remote = bool(tracking) and tracking.startswith(REMOTE_SCHEMES)
+    extra = f"cuda{gpu.cuda_major}"
+    command = _command(facts, instance.gpu_count)
+    folder.mkdir(parents=True, exist_ok=True)
+    task = skypilot_task(facts, choice, extra, command, tracking if remote else "sqlite:///mlflow/mlflow.db")
+    job = kubernetes_job(facts, row, extra, command, tracking if remote else f"sqlite:///{CACHE}/mlflow.db")
+    name = f"{facts.usecase} --preset {facts.preset}"
+    header = (f"# `usecases advise {facts.usecase}` wrote this for its recommended training instance: "
+              f"{instance.gpu_count} x {gpu.name} ({instance.name}, {instance.provider} {instance.region}, "
+              f"{choice.pricing}).\n")
+    (folder / TASK_FILE).write_text(
+        header + f"# From the project's root: sky {'jobs ' if choice.spot else ''}launch {folder / TASK_FILE}\n"
+        + yaml.dump(task, Dumper=_Dumper, sort_keys=False))
+    (folder / JOB_FILE).write_text(
+        header + f"# kubectl apply -f {folder / JOB_FILE}  (the Job clones PROJECT_GIT_URL at PROJECT_GIT_REF)\n"
+        + yaml.dump_all(job, Dumper=_Dumper, sort_keys=False))
+    lines = [f"{folder / TASK_FILE}: SkyPilot task, {instance.gpu_count} x {SKYPILOT_GPUS.get(gpu.name, gpu.name)} "
+             f"on {instance.name}{' (spot: sky jobs launch recovers it, and the run resumes)' if choice.spot else ''}"
+             f", `usecases run {name}`",
+             f"{folder / JOB_FILE}: Kubernetes Job and its cache volume ({instance.gpu_count} GPU(s), the extra "
+             f"{extra})"]
+    if not remote:
+        lines.append("MLflow: no tracking server given (--tracking-uri or MLFLOW_TRACKING_URI http://...), so the "
+                     "runs stay on the instance (on the Job's cache volume)" +
+                     ("; a spot recovery starts a new instance and cannot resume without one" if choice.spot else ""))
+    if not _git_url():
+        lines.append("this checkout has no git remote: set PROJECT_GIT_URL in the Job to the project's git URL")
+    return {"skypilot_task": str(folder / TASK_FILE), "kubernetes_job": str(folder / JOB_FILE), "extra": extra,
+            "command": command, "tracking_uri": tracking if remote else None, "lines": lines}
+
+
+def _command(facts: RunFacts, gpus: int) -> list[str]:
+    """The run as `usecases run` takes it: continue an interrupted run of the preset, else start one."""
+    run = ["run", facts.usecase, "--preset", facts.preset or "default", "--resume-if-interrupted"]
+    if gpus > 1:
+        return ["torchrun", "--standalone", "--nproc_per_node", str(gpus), "-m", "usecases", *run]
+    return ["usecases", *run]
+
+
+def _setup(extra: str, venv: str) -> str:
+    torch = (f"{venv}/bin/pip install torch torchvision --index-url {CUDA12_TORCH}\n" if extra == "cuda12" else "")
+    return (f"python3 -m venv {venv}\n{venv}/bin/pip install --upgrade pip\n{torch}"
+            f"{venv}/bin/pip install -e '.[{extra}]'\n")
+
+
+def skypilot_task(facts: RunFacts, choice, extra: str, command: list[str], tracking: str) -> dict:
+    instance = choice.row.instance
+    resources = {"accelerators": f"{SKYPILOT_GPUS.get(instance.gpu.name, instance.gpu.name)}:{instance.gpu_count}"}
+    if instance.provider in SKYPILOT_CLOUDS:
+        resources = {"infra": f"{instance.provider}/{instance.region}", "instance_type": instance.name, **resources}
+    resources["disk_size"] = _disk_gb(facts)
+    envs = {"MLFLOW_TRACKING_URI": tracking}
+    task = {"name": _name(facts), "resources": resources, "num_nodes": 1, "workdir": "."}
+    if choice.spot:
+        resources["use_spot"] = True
+        resources["job_recovery"] = {"strategy": "FAILOVER", "max_restarts_on_errors": 1}
+        envs |= {"USECASES_CHECKPOINT_DIR": "/checkpoints", "USECASES_STALE_AFTER_S": str(STALE_AFTER_S)}
+        task["file_mounts"] = {"/checkpoints": {"name": f"{_name(facts)}-checkpoints", "mode": "MOUNT"}}
+    task["envs"] = envs
+    task["setup"] = _setup(extra, ".venv")
+    task["run"] = " ".join([f".venv/bin/{command[0]}", *command[1:]]) + "\n"
+    return task
+
+
+def kubernetes_job(facts: RunFacts, row, extra: str, command: list[str], tracking: str) -> list[dict]:
+    """The Job and the PersistentVolumeClaim it keeps the project, its venv, the data caches, the checkpoints and
+    (without a tracking server) the MLflow store on, so that a restarted pod resumes."""
+    instance, name = row.instance, _name(facts)
+    labels = {"app.kubernetes.io/name": "gpu-usecases", "app.kubernetes.io/instance": name}
+    project = f"{CACHE}/project"
+    script = (f"set -e\n: \"${{PROJECT_GIT_URL:?set PROJECT_GIT_URL to the project's git URL}}\"\n"
+              f"[ -d {project}/.git ] || git clone \"$PROJECT_GIT_URL\" {project}\n"
+              f"cd {project}\ngit fetch origin && git checkout \"$PROJECT_GIT_REF\"\n"
+              f"[ -x {CACHE}/venv/bin/usecases ] || {{\n{_setup(extra, f'{CACHE}/venv')}}}\n"
+              f"exec {CACHE}/venv/bin/{command[0]} {' '.join(command[1:])}\n")
+    gpus = str(instance.gpu_count)
+    resources = {"requests": {"nvidia.com/gpu": gpus, "cpu": str(max(1, int(instance.vcpus * 0.9))),
+                              "memory": f"{max(1, int(instance.ram_gb * 0.85))}Gi"},
+                 "limits": {"nvidia.com/gpu": gpus}}
+    env = {"PROJECT_GIT_URL": _git_url(), "PROJECT_GIT_REF": _git_ref(), "MLFLOW_TRACKING_URI": tracking,
+           "USECASES_CHECKPOINT_DIR": f"{CACHE}/checkpoints", "USECASES_STALE_AFTER_S": str(STALE_AFTER_S),
+           "XDG_CACHE_HOME": f"{CACHE}/xdg", "PIP_CACHE_DIR": f"{CACHE}/pip"}
+    pod = {"restartPolicy": "OnFailure",
+           "containers": [{"name": "train", "image": "python:3.11", "command": ["bash", "-c", script],
+                           "env": [{"name": key, "value": value} for key, value in env.items()],
+                           "resources": resources,
+                           "volumeMounts": [{"name": "cache", "mountPath": CACHE},
+                                            {"name": "shm", "mountPath": "/dev/shm"}]}],
+           "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": f"{name}-cache"}},
+                       {"name": "shm", "emptyDir": {"medium": "Memory"}}]}
+    if instance.gpu.aliases:  # NVIDIA GPU Feature Discovery's node label: the name nvidia-smi prints, dashed
+        pod["nodeSelector"] = {"nvidia.com/gpu.product": re.sub(r"\s+", "-", instance.gpu.aliases[0])}
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
+           "spec": {"backoffLimit": 4, "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": f"{name}-cache",
+                                                                                "labels": dict(labels)},
+             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": f"{_disk_gb(facts)}Gi"}}}}
+    return [claim, job]
+
+
+def _name(facts: RunFacts) -> str:
+    """A name SkyPilot and Kubernetes both take (DNS-1123: lower case, digits and dashes)."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"gpu-usecases-{facts.usecase}-{facts.preset or 'default'}".lower()).strip("-")
+
+
+def _disk_gb(facts: RunFacts) -> int:
+    """Room for the environment (about 30 GB with CUDA's libraries), the data twice (download and cache) and the
+    checkpoints."""
+    data_gb = facts.data_bytes / 1e9 if facts.data_bytes > 0 else 0.0
+    return int(max(100, 50 + 2 * data_gb))
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _git_url() -> str:
+    return _git("remote", "get-url", "origin")
+
+
+def _git_ref() -> str:
+    """The commit this checkout is at: the Job runs the code that was advised on."""
+    ref = _git("rev-parse", "HEAD")
+    if not ref:
+        raise UserError(f"--launch: {project_root()} is not a git checkout, and the Kubernetes Job clones the project")
+    return ref
