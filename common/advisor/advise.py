@@ -15,7 +15,7 @@ from common.advisor.budget import (INTERRUPTIONS_PER_HOUR, REQUESTS_PER_S, Servi
 from common.advisor.catalog import GPU, Instance, Link, load_gpus, load_instances, load_links
 from common.advisor.estimate import Range, Workload, cpu_seconds, estimate
 from common.advisor.facts import RunFacts
-from common.advisor.lines import budget_lines, placement_lines, scaling_lines, spot_lines, _money
+from common.advisor.lines import budget_lines, money, placement_lines, scaling_lines, spot_lines
 from common.advisor.scaling import Scaling, data_parallel
 from common.advisor.storage import Placement, place
 
@@ -190,7 +190,7 @@ def recommend(rows: list[Row], options: Options | None = None) -> dict[str, Choi
     return picks
 
 
-def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Choice | None], gpus: dict[str, GPU],
+def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Choice | None],
             options: Options | None = None) -> list[str]:
     """What the measurements call for, each with its number."""
     options = options or Options()
@@ -222,14 +222,13 @@ def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Choice | None], g
             lines.append(f"CPU-side work ({', '.join(facts.cpu_parts)}: {_seconds(facts)} s on {facts.cores} cores, "
                          f"measured) is {100 * share:.0f} % of the run on {pick.instance.name} (estimated): "
                          f"{advice}")
-        lines += placement_lines(pick) + spot_lines(pick, facts, options)
-        lines += scaling_lines(facts, rows, pick, gpus)
+        lines += placement_lines(pick) + spot_lines(pick, options) + scaling_lines(rows, pick)
     serve = picks.get("serve_cheapest")
     if serve is not None:
         serving = serve.row.serving
         lines.append(f"serving {serving.requests_per_s:g} requests/s: {serving.replicas.expected:g} x "
-                     f"{serve.row.instance.name}, {_money(serving.month_usd.expected)} a month on demand "
-                     f"({_money(serving.month_usd.low)}-{_money(serving.month_usd.high)}; estimated)")
+                     f"{serve.row.instance.name}, {money(serving.month_usd.expected)} a month on demand "
+                     f"({money(serving.month_usd.low)}-{money(serving.month_usd.high)}; estimated)")
     return [line for line in lines if line]
 
 

@@ -28,6 +28,7 @@ class SpotRun:
     cost: Range
     interruptions: float  # expected
     lost_s: float  # work lost per interruption, expected
+    checkpoint_every: int | None  # epochs, of the model that takes the most time
 
     def saving(self, on_demand: Range) -> float:
         """The expected saving over on demand, a share (negative: spot costs more)."""
@@ -36,6 +37,7 @@ class SpotRun:
     def as_dict(self, on_demand: Range | None = None) -> dict:
         return {"seconds": self.seconds.as_dict(), "cost_usd": self.cost.as_dict(),
                 "interruptions": self.interruptions, "lost_per_interruption_s": self.lost_s,
+                "checkpoint_every_epochs": self.checkpoint_every,
                 **({"saving": self.saving(on_demand)} if on_demand is not None else {})}
 
 
@@ -54,7 +56,8 @@ def spot_run(work: Range, epoch: Range, checkpoint_every: int | None, spot_price
         per_interruption = lost + restart + (0.0 if math.isnan(copy) else copy)
         levels.append((seconds / (1 - rate * per_interruption) if rate * per_interruption < 1 else math.inf, lost))
     seconds = Range(*(total for total, _ in levels))
-    return SpotRun(seconds, seconds.scaled(spot_price / 3600), rate * seconds.expected, levels[1][1])
+    return SpotRun(seconds, seconds.scaled(spot_price / 3600), rate * seconds.expected, levels[1][1],
+                   checkpoint_every)
 
 
 @dataclass(frozen=True)

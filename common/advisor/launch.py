@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import yaml
 
 from common.advisor.facts import RunFacts
-from common.errors import UserError
-from common.paths import project_root
+from common.paths import git, project_root
 
 # SkyPilot's accelerator names (`sky show-gpus`) for the catalogue's GPUs.
 SKYPILOT_GPUS = {"T4": "T4", "A10": "A10", "A10G": "A10G", "L4": "L4", "L40S": "L40S", "V100-16GB-SXM2": "V100",
@@ -73,7 +71,8 @@ def write_launch_files(folder: Path, facts: RunFacts, choice, tracking: str | No
                      "runs stay on the instance (on the Job's cache volume)" +
                      ("; a spot recovery starts a new instance and cannot resume without one" if choice.spot else ""))
     if not _git_url():
-        lines.append("this checkout has no git remote: set PROJECT_GIT_URL in the Job to the project's git URL")
+        lines.append("this project has no git remote 'origin': set PROJECT_GIT_URL (and PROJECT_GIT_REF, a commit) "
+                     "in the Job")
     return {"skypilot_task": str(folder / TASK_FILE), "kubernetes_job": str(folder / JOB_FILE), "extra": extra,
             "command": command, "tracking_uri": tracking if remote else None, "lines": lines}
 
@@ -119,14 +118,16 @@ def kubernetes_job(facts: RunFacts, row, extra: str, command: list[str], trackin
     project = f"{CACHE}/project"
     script = (f"set -e\n: \"${{PROJECT_GIT_URL:?set PROJECT_GIT_URL to the project's git URL}}\"\n"
               f"[ -d {project}/.git ] || git clone \"$PROJECT_GIT_URL\" {project}\n"
-              f"cd {project}\ngit fetch origin && git checkout \"$PROJECT_GIT_REF\"\n"
+              f"cd {project}\ngit fetch origin\n[ -z \"$PROJECT_GIT_REF\" ] || git checkout \"$PROJECT_GIT_REF\"\n"
               f"[ -x {CACHE}/venv/bin/usecases ] || {{\n{_setup(extra, f'{CACHE}/venv')}}}\n"
               f"exec {CACHE}/venv/bin/{command[0]} {' '.join(command[1:])}\n")
     gpus = str(instance.gpu_count)
-    resources = {"requests": {"nvidia.com/gpu": gpus, "cpu": str(max(1, int(instance.vcpus * 0.9))),
-                              "memory": f"{max(1, int(instance.ram_gb * 0.85))}Gi"},
-                 "limits": {"nvidia.com/gpu": gpus}}
-    env = {"PROJECT_GIT_URL": _git_url(), "PROJECT_GIT_REF": _git_ref(), "MLFLOW_TRACKING_URI": tracking,
+    requests = {"nvidia.com/gpu": gpus, "cpu": str(max(1, int(instance.vcpus * 0.9)))}
+    if instance.ram_gb > 0:  # a node like the instance: most of its cores and memory, the rest for the node's own
+        requests["memory"] = f"{max(1, int(instance.ram_gb * 0.85))}Gi"
+    resources = {"requests": requests, "limits": {"nvidia.com/gpu": gpus}}
+    env = {"PROJECT_GIT_URL": _git_url(), "PROJECT_GIT_REF": git(project_root(), "rev-parse", "HEAD"),
+           "MLFLOW_TRACKING_URI": tracking,
            "USECASES_CHECKPOINT_DIR": f"{CACHE}/checkpoints", "USECASES_STALE_AFTER_S": str(STALE_AFTER_S),
            "XDG_CACHE_HOME": f"{CACHE}/xdg", "PIP_CACHE_DIR": f"{CACHE}/pip"}
     pod = {"restartPolicy": "OnFailure",
@@ -159,21 +160,5 @@ def _disk_gb(facts: RunFacts) -> int:
     return int(max(100, 50 + 2 * data_gb))
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def _git_url() -> str:
-    return _git("remote", "get-url", "origin")
-
-
-def _git_ref() -> str:
-    """The commit this checkout is at: the Job runs the code that was advised on."""
-    ref = _git("rev-parse", "HEAD")
-    if not ref:
-        raise UserError(f"--launch: {project_root()} is not a git checkout, and the Kubernetes Job clones the project")
-    return ref
+    return git(project_root(), "remote", "get-url", "origin")

@@ -13,13 +13,11 @@ from common.advisor.scaling import data_parallel
 
 if TYPE_CHECKING:
     from common.advisor.advise import Choice, Options, Row
-    from common.advisor.catalog import GPU
-    from common.advisor.facts import RunFacts
 
 SPOT_MATTERS = 0.20  # a saving worth a column
 
 
-def _money(value: float) -> str:
+def money(value: float) -> str:
     if math.isnan(value):
         return "price unknown"
     if math.isinf(value):
@@ -38,7 +36,10 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1000:.3g} ms"
 
 
-def span(value: Range, show) -> str:
+def span(value: Range | None, show) -> str:
+    """Expected (low-high), each bound shown by `show`; "-" where there is no figure."""
+    if value is None:
+        return "-"
     return f"{show(value.expected)} ({show(value.low)}-{show(value.high)})"
 
 
@@ -53,7 +54,7 @@ def placement_lines(pick: Row) -> list[str]:
     return [f"data on {pick.instance.name}: {placement.line(pick.instance)} (estimated)"]
 
 
-def spot_lines(pick: Row, facts: RunFacts, options: Options) -> list[str]:
+def spot_lines(pick: Row, options: Options) -> list[str]:
     """Spot against on demand for the pick: the saving, and what the interruptions cost at the stated rate."""
     spot, name = pick.spot, pick.instance.name
     if spot is None:
@@ -62,15 +63,15 @@ def spot_lines(pick: Row, facts: RunFacts, options: Options) -> list[str]:
         return [f"spot on {name}: at {options.interruptions_per_hour:g} interruptions an hour a restart and the "
                 "work since the last checkpoint take longer than the time between interruptions: it would never "
                 "finish; checkpoint more often (train.checkpoint_every) or run on demand"]
-    every = max(facts.checkpoint_every.values(), default=0)
-    checkpoints = f"checkpoints every {every} epochs" if every else "no checkpoints"
-    return [f"spot on {name}: {span(spot.cost, _money)} a run against {_money(pick.train_cost.expected)} on "
+    every = spot.checkpoint_every
+    checkpoints = f"checkpoints every {every} epoch{'s' if every > 1 else ''}" if every else "no checkpoints"
+    return [f"spot on {name}: {span(spot.cost, money)} a run against {money(pick.train_cost.expected)} on "
             f"demand ({100 * spot.saving(pick.train_cost):.0f} % less), with {spot.interruptions:.2g} expected "
             f"interruptions at {options.interruptions_per_hour:g} an hour, each losing {duration(spot.lost_s)} of "
             f"work ({checkpoints}) and a {RESTART_S[0] / 60:.0f}-{RESTART_S[2] / 60:.0f} min restart (estimated)"]
 
 
-def scaling_lines(facts: RunFacts, rows: list[Row], pick: Row, gpus: dict[str, GPU]) -> list[str]:
+def scaling_lines(rows: list[Row], pick: Row) -> list[str]:
     """The pick's GPUs together (or two of its GPU), two of its machines, and one bigger GPU against several."""
     lines = []
     scaling, gpu = pick.scaling, pick.instance.gpu
@@ -80,12 +81,12 @@ def scaling_lines(facts: RunFacts, rows: list[Row], pick: Row, gpus: dict[str, G
                      f"the gradients over {scaling.paced_by}; estimated)")
     elif scaling is not None:
         link = _link_of_several(rows, gpu.name) or pick.instance.interconnect
-        two = data_parallel(scaling.step_s, _gradient_bytes(facts), 2, load_links().get(link))
+        two = data_parallel(scaling.step_s, scaling.gradient_bytes, 2, load_links().get(link))
         lines.append(f"2 GPUs ({gpu.name}, {two.paced_by}): {speedup(two.speedup)} with DDP at this step time "
                      f"({_ms(scaling.step_s)} a step, {_ms(two.all_reduce_s.expected)} to all-reduce the gradients; "
                      "estimated)")
     if scaling is not None and pick.instance.network_gbps > 0:
-        nodes = data_parallel(scaling.step_s, _gradient_bytes(facts), pick.instance.gpu_count,
+        nodes = data_parallel(scaling.step_s, scaling.gradient_bytes, pick.instance.gpu_count,
                               load_links().get(pick.instance.interconnect), 2, pick.instance.network_gbps)
         slower = " (slower than one)" if nodes.speedup.expected < 1 else ""
         lines.append(f"2 machines ({2 * pick.instance.gpu_count} x {gpu.name}): {speedup(nodes.speedup)} over one "
@@ -118,17 +119,13 @@ def _bigger_or_several(rows: list[Row]) -> list[str]:
 
 def _what(row: Row) -> str:
     return (f"{row.instance.gpu_count} x {row.instance.gpu.name} ({row.instance.name}) trains in "
-            f"{duration(row.train_seconds.expected)} for {_money(row.train_cost.expected)}")
+            f"{duration(row.train_seconds.expected)} for {money(row.train_cost.expected)}")
 
 
 def _link_of_several(rows: list[Row], gpu: str) -> str:
     """How the catalogue's multi-GPU instances of this GPU link their GPUs."""
     return next((row.instance.interconnect for row in rows if row.instance.gpu.name == gpu and
                  row.instance.gpu_count > 1 and row.instance.interconnect), "")
-
-
-def _gradient_bytes(facts: RunFacts) -> float:
-    return max((model.get("weight_bytes", 0.0) for model in facts.models.values()), default=0.0)
 
 
 def _ms(seconds: float) -> str:
@@ -153,6 +150,6 @@ def budget_lines(rows: list[Row], picks: dict[str, Choice | None], options: Opti
     cheap = min(trained, key=lambda row: row.train_cost.expected)
     fast = min(trained, key=lambda row: row.train_seconds.expected)
     return [f"no instance trains within {limits}: the cheapest run is {cheap.instance.name} "
-            f"({_money(cheap.train_cost.expected)}, {duration(cheap.train_seconds.expected)}), the fastest "
-            f"{fast.instance.name} ({duration(fast.train_seconds.expected)}, {_money(fast.train_cost.expected)}) "
+            f"({money(cheap.train_cost.expected)}, {duration(cheap.train_seconds.expected)}), the fastest "
+            f"{fast.instance.name} ({duration(fast.train_seconds.expected)}, {money(fast.train_cost.expected)}) "
             "(estimated)"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from common.advisor.advise import Choice, Options, Row, actions, advise, load_catalogue, recommend
 from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts, calibrated, facts_from_file, facts_from_run
-from common.advisor.lines import SPOT_MATTERS, _money, duration as _duration
+from common.advisor.lines import SPOT_MATTERS, duration, money, span
 from common.errors import UserError
 
 ESTIMATED = "estimated: low-high (expected)"
@@ -44,7 +44,7 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
         source += f", scaled to a {data_gb:g} GB data set"
     rows = advise(facts, instances, gpus, task, options)
     picks = recommend(rows, options)
-    todo = actions(facts, rows, picks, gpus, options)
+    todo = actions(facts, rows, picks, options)
     report = {"source": source, "task": task, "estimated": True, "rows": [_as_dict(row, task) for row in rows],
               "recommendations": {key: (choice.row.instance.name if choice else None) for key, choice in
                                   picks.items()},
@@ -162,30 +162,28 @@ def _measured(facts: RunFacts) -> dict:
         "checkpoint_every": facts.checkpoint_every}
 
 
-def _span(value: Range | None, show) -> str:
-    if value is None:
-        return "-"
-    return f"{show(value.expected)} ({show(value.low)}-{show(value.high)})"
-
-
 HEADER = ["instance", "cloud", "GPUs", "vCPUs", "$/h", "epoch", "training run", "cost per run", "bound",
           "serving", "latency ms (batch 1)", "$ per 1M predictions", "GPU memory"]
 
 
 def _optional_columns(rows: list[Row]) -> dict[str, Callable[[Row], str]]:
     """The renting columns, only where they matter: spot where it saves over 20 % on some instance, the data's
-    place where the default disk would bound training or the data must be copied, the GPUs' scaling where an
-    instance has several."""
+    place where the default disk would bound training or the data must be copied, the network where the data comes
+    over it, the GPUs' scaling where an instance has several."""
     columns = {}
     if any(row.spot is not None and row.train_cost is not None and row.spot.saving(row.train_cost) > SPOT_MATTERS
            for row in rows):
-        columns["spot cost per run"] = lambda row: _span(row.spot.cost, _money) if row.spot else "-"
+        columns["spot cost per run"] = lambda row: span(row.spot.cost, money) if row.spot else "-"
     if any(row.placement is not None and row.placement.matters for row in rows):
         columns["data from"] = lambda row: (
             "-" if row.placement is None else
             f"{row.placement.where}{' (bound)' if row.placement.bounds else ''}" +
-            (f", copy {_duration(row.placement.copy_s.expected)}" if row.placement.where in ("memory", "local NVMe")
+            (f", copy {duration(row.placement.copy_s.expected)}" if row.placement.where in ("memory", "local NVMe")
              and math.isfinite(row.placement.copy_s.expected) else ""))
+    if any(row.placement is not None and row.placement.matters and row.placement.where != "network disk"
+           for row in rows):  # the data comes over the network: a copy, or read from object storage
+        columns["network"] = lambda row: ("?" if math.isnan(row.instance.network_gbps) else
+                                          f"{row.instance.network_gbps:g} Gbit/s")
     if any(row.scaling is not None and row.scaling.gpus > 1 for row in rows):
         columns["DDP speed-up"] = lambda row: (
             f"{row.scaling.speedup.expected:.2g}x ({row.scaling.speedup.low:.2g}-{row.scaling.speedup.high:.2g})"
@@ -197,11 +195,11 @@ def _cells(row: Row, extra: dict) -> list[str]:
     instance = row.instance
     memory = "?" if math.isnan(row.memory_share) else f"{100 * row.memory_share:.0f} %"
     return [instance.name, instance.provider, f"{instance.gpu_count} x {instance.gpu.name}", str(instance.vcpus),
-            _money(instance.price_per_hour), _span(row.epoch_seconds, _duration), _span(row.train_seconds, _duration),
-            _span(row.train_cost, _money), row.train_bound or "-", *(show(row) for show in extra.values()),
-            _span(row.serve_per_s, lambda value: f"{value:,.0f}/s"),
-            _span(row.latency_ms, lambda value: f"{value:.2g}"),
-            _span(row.serve_cost_per_million, _money), memory + ("" if row.fits else " (does not fit)")]
+            money(instance.price_per_hour), span(row.epoch_seconds, duration), span(row.train_seconds, duration),
+            span(row.train_cost, money), row.train_bound or "-", *(show(row) for show in extra.values()),
+            span(row.serve_per_s, lambda value: f"{value:,.0f}/s"),
+            span(row.latency_ms, lambda value: f"{value:.2g}"),
+            span(row.serve_cost_per_million, money), memory + ("" if row.fits else " (does not fit)")]
 
 
 def _render(report: dict, rows: list[Row], picks: dict[str, Choice | None], todo: list[str], markdown: bool) -> str:
@@ -227,12 +225,12 @@ def _render(report: dict, rows: list[Row], picks: dict[str, Choice | None], todo
             continue
         row = choice.row
         if key.startswith("train"):
-            detail = (f"{_duration(choice.seconds.expected)}, {_money(choice.cost.expected)} a run "
+            detail = (f"{duration(choice.seconds.expected)}, {money(choice.cost.expected)} a run "
                       f"({choice.pricing})")
         else:
-            detail = (f"{row.serving.replicas.expected:g} instance(s), {_money(row.serving.month_usd.expected)} a "
+            detail = (f"{row.serving.replicas.expected:g} instance(s), {money(row.serving.month_usd.expected)} a "
                       f"month; {row.serve_per_s.expected:,.0f} predictions/s each, "
-                      f"{_money(row.serve_cost_per_million.expected)} per 1M")
+                      f"{money(row.serve_cost_per_million.expected)} per 1M")
         lines.append(f"- {label}: {row.instance.name} ({row.instance.gpu_count} x {row.instance.gpu.name}, "
                      f"{row.instance.provider} {row.instance.region}): {detail}")
     if todo:

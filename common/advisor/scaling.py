@@ -45,10 +45,12 @@ class Scaling:
     all_reduce_s: Range  # the gradients' transfer per step, before any overlap
     step_s: float
     paced_by: str  # the link the all-reduce waits on
+    gradient_bytes: float
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "nodes": self.nodes, "speedup": self.speedup.as_dict(),
                 "all_reduce_ms": self.all_reduce_s.scaled(1000).as_dict(), "step_ms": 1000 * self.step_s,
+                "gradient_bytes": self.gradient_bytes,
                 "paced_by": self.paced_by}
 
 
@@ -62,7 +64,7 @@ def data_parallel(step_s: float, gradient_bytes: float, gpus_per_node: int, link
     """The scaling of `gpus_per_node` x `nodes` GPUs; None for several machines whose network is unknown."""
     gpus = gpus_per_node * nodes
     if gpus <= 1:
-        return Scaling(gpus, nodes, Range(1.0, 1.0, 1.0), Range(0.0, 0.0, 0.0), step_s, "")
+        return Scaling(gpus, nodes, Range(1.0, 1.0, 1.0), Range(0.0, 0.0, 0.0), step_s, "", gradient_bytes)
     if nodes > 1 and not network_gbps > 0:
         return None
     gbs = link.gbs_per_gpu if link is not None else None
@@ -79,7 +81,7 @@ def data_parallel(step_s: float, gradient_bytes: float, gpus_per_node: int, link
         speedups.append(min(gpus, gpus * step_s / step * efficiency[level]))
         transfers.append(transfer)
     return Scaling(gpus, nodes, Range(*speedups), Range(min(transfers), transfers[1], max(transfers)), step_s,
-                   paced_by)
+                   paced_by, gradient_bytes)
 
 
 def scaling_efficiency(figures: list[tuple[float, int, int, float, float, Link]]) -> tuple[float, float, float]:

@@ -73,7 +73,7 @@ def test_the_ddp_efficiency_is_the_fit_on_the_published_8_gpu_figures_and_holds_
 
 
 def test_fast_small_steps_scale_worse_than_long_ones_and_a_slow_network_makes_two_machines_slower():
-    quick = data_parallel(0.6e-3, 4e5, 2, LINKS["pcie3"])  # the finance smoke model: 0.6 ms a step
+    quick = data_parallel(0.6e-3, 4e5, 2, LINKS["pcie3"])  # a small model: 0.6 ms a step
     assert quick.speedup.low < 1 < quick.speedup.expected < 1.6, quick  # the old advice printed 2.0x here
     long = data_parallel(0.1, RESNET50_GRADIENT_BYTES, 2, LINKS["pcie3"])
     assert long.speedup.expected > 1.75 and long.speedup.high <= 2
@@ -157,7 +157,7 @@ def test_a_multi_gpu_instance_is_estimated_with_its_link_and_a_data_set_too_big_
     assert p4d.placement.where == "local NVMe" and rows["g5.xlarge"].placement.where == "object storage"
 
 
-def launch(tmp_path, instance: str, spot: bool, usecase: str = "medical") -> tuple[dict, list[dict], dict]:
+def launch(tmp_path, instance: str, spot: bool, usecase: str = "derm") -> tuple[dict, list[dict], dict]:
     facts = RunFacts("0" * 32, {}, usecase=usecase, preset="default", data_bytes=41e9)
     row = next(row for row in advise(facts, [INSTANCES[instance]], GPUS, "train"))
     written = write_launch_files(tmp_path, facts, Choice(row, spot, Range(1, 1, 1), Range(1, 1, 1)), None)
@@ -185,7 +185,7 @@ def test_the_launch_files_for_one_gpu_on_spot_resume_and_load_in_the_kubernetes_
     assert task["resources"] | {} == {"infra": "aws/us-east-1", "instance_type": "g4dn.xlarge", "accelerators": "T4:1",
                                       "disk_size": 132, "use_spot": True,
                                       "job_recovery": {"strategy": "FAILOVER", "max_restarts_on_errors": 1}}
-    assert task["run"].strip() == ".venv/bin/usecases run medical --preset default --resume-if-interrupted"
+    assert task["run"].strip() == ".venv/bin/usecases run derm --preset default --resume-if-interrupted"
     assert ".venv/bin/pip install -e '.[cuda13]'" in task["setup"]
     assert task["envs"]["USECASES_CHECKPOINT_DIR"] == "/checkpoints" and "/checkpoints" in task["file_mounts"]
     assert task["envs"]["MLFLOW_TRACKING_URI"] and any("cannot resume without one" in line for line in written["lines"])
@@ -193,16 +193,16 @@ def test_the_launch_files_for_one_gpu_on_spot_resume_and_load_in_the_kubernetes_
     container = batch.spec.template.spec.containers[0]
     assert container.resources.limits == {"nvidia.com/gpu": "1"}
     assert batch.spec.template.spec.restart_policy == "OnFailure"
-    assert "usecases run medical --preset default --resume-if-interrupted" in container.command[-1]
+    assert "usecases run derm --preset default --resume-if-interrupted" in container.command[-1]
     assert {mount.mount_path for mount in container.volume_mounts} == {"/cache", "/dev/shm"}
     assert batch.spec.template.spec.volumes[0].persistent_volume_claim.claim_name == claim.metadata.name
     assert {item.name: item.value for item in container.env}["USECASES_CHECKPOINT_DIR"] == "/cache/checkpoints"
 
 
 def test_several_gpus_run_under_torchrun_and_a_v100_gets_the_cuda_12_build(tmp_path):
-    task, job, written = launch(tmp_path, "p3.8xlarge", spot=False, usecase="recsys")
+    task, job, written = launch(tmp_path, "p3.8xlarge", spot=False, usecase="scans")
     assert task["resources"]["accelerators"] == "V100:4" and "use_spot" not in task["resources"]
-    assert task["run"].startswith(".venv/bin/torchrun --standalone --nproc_per_node 4 -m usecases run recsys")
+    assert task["run"].startswith(".venv/bin/torchrun --standalone --nproc_per_node 4 -m usecases run scans")
     assert "--index-url https://download.pytorch.org/whl/cu128" in task["setup"] and "'.[cuda12]'" in task["setup"]
     assert "file_mounts" not in task and written["extra"] == "cuda12"
     _, batch = kubernetes_objects(job)
