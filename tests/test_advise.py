@@ -13,7 +13,7 @@ import yaml
 
 from common.advisor.estimate import BOUNDS, MEASURED_SPREAD
 from common.advisor.catalog import FOLDER
-from tests.cli_helpers import assert_rejected, runs
+from tests.cli_helpers import assert_rejected, runs, user_error
 from tests.common.test_renting import kubernetes_objects
 from usecases.cli import main
 
@@ -84,6 +84,13 @@ def assert_the_renting_answer(name, report, capsys, tmp_path):
              big_pick["train_seconds"]["expected"]) / 3600
     rushed = json.loads(advise(capsys, name, "--data-gb", "2000", "--deadline", f"{hours / 3}", "--format", "json"))
     assert rushed["recommendations"]["train_cheapest"] not in (None, big["recommendations"]["train_cheapest"])
+    assert "spot cost per run" in advise(capsys, name)  # spot saves over 20 % somewhere: its column is shown
+    table = pd.read_csv(FOLDER / "instances.csv", dtype=str, keep_default_na=False)
+    table.iloc[:, :10].to_csv(tmp_path / "on-demand.csv", index=False)  # a catalogue of on-demand prices only
+    assert "spot cost per run" not in advise(capsys, name, "--catalog", str(tmp_path / "on-demand.csv"))
+    (tmp_path / "a-file").write_text("")
+    assert f"--launch {tmp_path / 'a-file'}: cannot be made a folder" in user_error(
+        capsys, "advise", name, "--launch", str(tmp_path / "a-file"))
     out = tmp_path / "launch"
     printed = advise(capsys, name, "--launch", str(out))
     assert f"{out / 'sky-task.yaml'}: SkyPilot task" in printed
@@ -144,6 +151,16 @@ def test_no_run_a_bad_catalogue_or_a_bad_workload_is_one_line(capsys, tmp_path):
                                                  "measured": {"gpu": "RTX 9090", "samples_per_s": 10}}))
     assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "g.json"),
                     names=("unknown GPU 'RTX 9090'", "known: T4"))
+    (tmp_path / "t.json").write_text(json.dumps({"task": "train", "flops_per_sample": 1e9, "bytes_per_sample": 1e6,
+                                                 "precision": "amp", "batch_size": 8, "checkpoint_every": -2}))
+    assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "t.json"),
+                    names=("t.json", "checkpoint_every must be a positive number (got -2)"))
+    (tmp_path / "t.json").write_text(json.dumps({"task": "train", "flops_per_sample": 1e9, "bytes_per_sample": 1e6,
+                                                 "precision": "amp", "batch_size": 8}))
+    assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "t.json"), "--data-gb", "40",
+                    names=("--data-gb", "the workload file gives no data_gb"))
+    assert_rejected(capsys, "medical", "advise", "medical", "--budget", "lots", names=("--budget", "'lots'"))
+    assert_rejected(capsys, "medical", "advise", "medical", "--deadline", "0", names=("--deadline", "positive"))
 
 
 SKYPILOT_CHECK = """

@@ -43,6 +43,8 @@ class RunFacts:
         """The same run on a data set of `data_gb` GB stored alike: each epoch's samples and the run's samples
         grow with it, the per-sample facts stay (a one-line error where the run did not log its data's size)."""
         if not self.data_bytes > 0:
+            if self.run_id is None:
+                raise UserError("--data-gb: the workload file gives no data_gb (the data set's size it describes)")
             raise UserError(f"--data-gb: run {self.run_id} logged no data size (tag data_bytes): run it again with "
                             "this version of the project")
         factor = data_gb * 1e9 / self.data_bytes

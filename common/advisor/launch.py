@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from common.advisor.facts import RunFacts
+from common.errors import UserError
 from common.paths import git, project_root
 
 # SkyPilot's accelerator names (`sky show-gpus`) for the catalogue's GPUs.
@@ -48,7 +49,10 @@ def write_launch_files(folder: Path, facts: RunFacts, choice, tracking: str | No
     remote = bool(tracking) and tracking.startswith(REMOTE_SCHEMES)
     extra = f"cuda{gpu.cuda_major}"
     command = _command(facts, instance.gpu_count)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--launch {folder}: cannot be made a folder ({exc.strerror})") from None
     task = skypilot_task(facts, choice, extra, command, tracking if remote else "sqlite:///mlflow/mlflow.db")
     job = kubernetes_job(facts, row, extra, command, tracking if remote else f"sqlite:///{CACHE}/mlflow.db")
     name = f"{facts.usecase} --preset {facts.preset}"
