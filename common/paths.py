@@ -62,10 +62,14 @@ def stored_bytes(*paths: Path) -> int:
 
 
 def write_json_atomic(data: dict, path: Path) -> None:
+    write_text_atomic(json.dumps(data, indent=2, allow_nan=True), path)
+
+
+def write_text_atomic(text: str, path: Path) -> None:
     """Write beside the target, then rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        json.dump(data, handle, indent=2, allow_nan=True)
+        handle.write(text)
     os.replace(handle.name, path)
 
 

@@ -177,16 +177,18 @@ def _prepare(request: RunRequest, experiment: str, description: str, root: Path,
              data_tags: dict) -> str | None:
     """Before the run starts: end the runs of this preset whose process died, pick the run to resume, and drop the
     checkpoints no run can resume any more."""
-    from common.tracking.lifecycle import mark_dead_runs, prune_checkpoints, resumable_run
+    from common.tracking.lifecycle import interrupted_run, mark_dead_runs, prune_checkpoints, resumable_run
     from common.tracking.runs import check_project_run, ensure_experiment
 
     name, preset = request.usecase.name, request.preset
     experiment_id = ensure_experiment(experiment, description)
-    resuming = request.resume or request.resume_if_interrupted
-    check_project_run(experiment, experiment_id, resuming=resuming)  # here, where every rank hears of its refusal
-    mark_dead_runs(experiment_id, name if experiment == name else None, preset)
-    run_id = resumable_run(experiment_id, root, preset, params, data_tags, required=request.resume) if resuming \
-        else None
+    check_project_run(experiment, experiment_id, resuming=request.resume or request.resume_if_interrupted)
+    name = name if experiment == name else None  # benchmarks do not resume
+    if request.resume_if_interrupted:
+        run_id = interrupted_run(experiment_id, name, root, preset, params, data_tags)
+    else:
+        mark_dead_runs(experiment_id, name, preset)
+        run_id = resumable_run(experiment_id, root, preset, params, data_tags) if request.resume else None
     prune_checkpoints(root, keep=run_id)
     return run_id
 

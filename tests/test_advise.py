@@ -18,6 +18,13 @@ from tests.common.test_renting import kubernetes_objects
 from usecases.cli import main
 
 
+def strict_json(text: str):
+    """JSON as other tools read it: NaN and Infinity are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} in --format json")
+    return json.loads(text, parse_constant=refuse)
+
+
 def advise(capsys, *args: str) -> str:
     capsys.readouterr()
     assert main(["advise", *args]) == 0
@@ -31,7 +38,7 @@ def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name,
     table = advise(capsys, name)
     assert "Every figure below is estimated" in table and "Recommendations (estimated):" in table
     assert "- train, cheapest run that fits:" in table and "- serve 100 requests/s, cheapest a month:" in table
-    report = json.loads(advise(capsys, name, "--format", "json"))
+    report = strict_json(advise(capsys, name, "--format", "json"))
     rows = report["rows"]
     assert len(rows) >= 10 and report["estimated"] is True
     priced = [row for row in rows if row["price_per_hour_usd"] is not None]
@@ -61,13 +68,13 @@ def assert_the_renting_answer(name, report, capsys, tmp_path):
     rows = {row["instance"]: row for row in report["rows"]}
     pick = rows[report["recommendations"]["train_cheapest"]]
     assert report["measured"]["data_bytes"] > 0
-    assert pick["spot"]["cost_usd"]["expected"] > 0 and pick["spot"]["interruptions"] >= 0
+    assert 0 < pick["spot"]["cost_usd"]["expected"] < pick["train_cost_usd"]["expected"]
     assert any(line.startswith("spot on ") and "interruptions at 0.05 an hour" in line for line in report["actions"])
     assert any(("2 GPUs (" in line or " x " in line) and "with DDP" in line and "x (expected" in line
                for line in report["actions"]), report["actions"]
     assert rows["p4d.24xlarge"]["scaling"]["gpus"] == 8 and rows["p4d.24xlarge"]["scaling"]["paced_by"] == "nvlink3"
     assert any(line.startswith("serving 100 requests/s: ") and "a month" in line for line in report["actions"])
-    big = json.loads(advise(capsys, name, "--data-gb", "2000", "--format", "json"))
+    big = strict_json(advise(capsys, name, "--data-gb", "2000", "--format", "json"))
     big_pick = next(row for row in big["rows"] if row["instance"] == big["recommendations"]["train_cheapest"])
     assert big_pick["data"]["data_gb"] == pytest.approx(2000) and big_pick["data"]["where"]
     data_line = next(line for line in big["actions"] if line.startswith(f"data on {big_pick['instance']}: "))
@@ -77,12 +84,12 @@ def assert_the_renting_answer(name, report, capsys, tmp_path):
         row["data"]["matters"] for row in big["rows"] if row["data"])
     cheapest = big_pick["spot"]["cost_usd"]["expected"] if big["pricing"]["train_cheapest"] == "spot" else \
         big_pick["train_cost_usd"]["expected"]
-    budget = json.loads(advise(capsys, name, "--data-gb", "2000", "--budget", f"{cheapest / 2}", "--format", "json"))
+    budget = strict_json(advise(capsys, name, "--data-gb", "2000", "--budget", f"{cheapest / 2}", "--format", "json"))
     assert budget["recommendations"]["train_cheapest"] is None
     assert any(line.startswith("no instance trains within $") for line in budget["actions"])
     hours = (big_pick["spot"]["seconds"]["expected"] if big["pricing"]["train_cheapest"] == "spot" else
              big_pick["train_seconds"]["expected"]) / 3600
-    rushed = json.loads(advise(capsys, name, "--data-gb", "2000", "--deadline", f"{hours / 3}", "--format", "json"))
+    rushed = strict_json(advise(capsys, name, "--data-gb", "2000", "--deadline", f"{hours / 3}", "--format", "json"))
     assert rushed["recommendations"]["train_cheapest"] not in (None, big["recommendations"]["train_cheapest"])
     assert "spot cost per run" in advise(capsys, name)  # spot saves over 20 % somewhere: its column is shown
     table = pd.read_csv(FOLDER / "instances.csv", dtype=str, keep_default_na=False)
@@ -113,7 +120,7 @@ def assert_a_gpu_run_of_the_preset_calibrates_the_cpu_run(cpu_run, capsys):
     for key, value in {**facts, f"model/{name}/train_samples_per_s": 20_000.0}.items():
         client.log_metric(gpu_run.info.run_id, key, value)
     client.set_terminated(gpu_run.info.run_id)
-    report = json.loads(advise(capsys, "medical", "--run", cpu_run.info.run_id, "--format", "json"))
+    report = strict_json(advise(capsys, "medical", "--run", cpu_run.info.run_id, "--format", "json"))
     assert f"its GPU rates from run {gpu_run.info.run_id} on A100-80GB-SXM" in report["source"]
     a100 = next(row for row in report["rows"] if row["instance"] == "a2-ultragpu-1g")
     epoch = facts[f"model/{name}/samples_per_epoch"] / 20_000
@@ -128,7 +135,7 @@ def test_a_workload_file_measured_on_a_v100_gives_a_range_that_holds_the_publish
     workload.write_text(json.dumps({"task": "train", "flops_per_sample": 24.3e9, "bytes_per_sample": 3.3e8,
                                     "precision": "amp", "batch_size": 256,
                                     "measured": {"gpu": "Tesla V100-SXM2-16GB", "samples_per_s": 1200}}))
-    report = json.loads(advise(capsys, "--workload", str(workload), "--format", "json"))
+    report = strict_json(advise(capsys, "--workload", str(workload), "--format", "json"))
     one_a100 = next(row for row in report["rows"] if row["instance"] == "a2-ultragpu-1g")
     assert one_a100["gpu"] == "A100-80GB-SXM" and one_a100["gpu_count"] == 1
     assert one_a100["samples_per_s"]["low"] <= 2470 <= one_a100["samples_per_s"]["high"]
@@ -154,7 +161,7 @@ def test_no_run_a_bad_catalogue_or_a_bad_workload_is_one_line(capsys, tmp_path):
     (tmp_path / "t.json").write_text(json.dumps({"task": "train", "flops_per_sample": 1e9, "bytes_per_sample": 1e6,
                                                  "precision": "amp", "batch_size": 8, "checkpoint_every": -2}))
     assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "t.json"),
-                    names=("t.json", "checkpoint_every must be a positive number (got -2)"))
+                    names=("t.json", "checkpoint_every must be a whole number of epochs, at least 1 (got -2)"))
     (tmp_path / "t.json").write_text(json.dumps({"task": "train", "flops_per_sample": 1e9, "bytes_per_sample": 1e6,
                                                  "precision": "amp", "batch_size": 8}))
     assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "t.json"), "--data-gb", "40",

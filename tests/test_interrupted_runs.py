@@ -54,25 +54,31 @@ def test_kill_9_then_a_fresh_run_leaves_no_running_run_and_the_killed_one_resume
     statuses = {run.info.run_id: run.info.status for run in runs("finance")}
     assert statuses.pop(run_id) == "KILLED" and list(statuses.values()) == ["FINISHED"]
 
-    # what a spot instance's recovery runs (`usecases advise --launch`): it finds the interrupted run and continues it
-    resumed = usecases("run", "finance", "--preset", "smoke", *LONG_FINANCE, "--resume-if-interrupted")
+    resumed = usecases("run", "finance", "--preset", "smoke", *LONG_FINANCE, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from the checkpoint after epoch" in resumed.stderr
     assert {run.info.run_id: run.info.status for run in runs("finance")}[run_id] == "FINISHED"
     assert not any((Path(os.environ["USECASES_CHECKPOINT_DIR"]) / "finance" / "smoke").iterdir())
 
 
-def test_resume_if_interrupted_starts_afresh_where_nothing_was_interrupted_but_never_beside_a_live_run(tmp_path):
-    from common.tracking.lifecycle import resumable_run
+def test_resume_if_interrupted_waits_out_a_dead_runs_heartbeat_but_never_joins_a_live_run(tmp_path, monkeypatch):
+    """A restarted pod or a recovered spot instance starts before its old run is known dead: it waits for the
+    heartbeat to go stale, then starts afresh (no checkpoint here); a run whose heartbeat stays fresh is refused."""
+    from common.tracking.lifecycle import heartbeat, interrupted_run
     from common.tracking.runs import ensure_experiment
 
+    monkeypatch.setenv("USECASES_STALE_AFTER_S", "1")
     experiment = ensure_experiment("finance", "")
-    assert resumable_run(experiment, tmp_path, "smoke", {}, {}, required=False) is None
-    with pytest.raises(UserError, match="no interrupted run of preset 'smoke'"):
-        resumable_run(experiment, tmp_path, "smoke", {}, {})
-    live = mlflow.MlflowClient().create_run(experiment, tags={"preset": "smoke"})
-    with pytest.raises(UserError, match=f"run {live.info.run_id} of preset 'smoke' is still running"):
-        resumable_run(experiment, tmp_path, "smoke", {}, {}, required=False)
+    assert interrupted_run(experiment, "finance", tmp_path, "smoke", {}, {}) is None  # nothing ran yet
+    client = mlflow.MlflowClient()
+    stalled = client.create_run(experiment, tags={"preset": "smoke", "host": "gone-pod", "heartbeat": f"{time.time():.0f}"})
+    started = time.time()
+    assert interrupted_run(experiment, "finance", tmp_path, "smoke", {}, {}) is None
+    assert time.time() - started >= 0.9 and client.get_run(stalled.info.run_id).info.status == "KILLED"
+    live = client.create_run(experiment, tags={"preset": "smoke", "host": "other-pod"})
+    with heartbeat(live.info.run_id, every_s=0.2), pytest.raises(
+            UserError, match=f"run {live.info.run_id} of preset 'smoke' is still running .* stop it first"):
+        interrupted_run(experiment, "finance", tmp_path, "smoke", {}, {})
 
 
 def test_a_failed_run_keeps_no_checkpoint_and_is_not_resumed(monkeypatch, capsys):

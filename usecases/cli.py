@@ -152,10 +152,11 @@ def _parser() -> argparse.ArgumentParser:
     advise.add_argument("--data-gb", type=_positive("--data-gb"), metavar="GB",
                         help="the data set you will train on, stored as the run's (default: the run's own): epochs "
                              "grow with it, and where it should sit on each instance is said")
-    advise.add_argument("--requests-per-s", type=_positive("--requests-per-s"), default=100.0, metavar="RATE",
-                        help="the serving load a month's cost is stated at (default: 100)")
+    advise.add_argument("--requests-per-s", type=_positive("--requests-per-s"), metavar="RATE",
+                        help="the serving load a month's cost is stated at (default: 100, as the report says)")
     advise.add_argument("--spot-interruptions-per-hour", type=_positive("--spot-interruptions-per-hour"),
-                        default=0.05, metavar="RATE", help="the spot interruption rate to plan with (default: 0.05)")
+                        metavar="RATE", help="the spot interruption rate to plan with (default: 0.05, as the report "
+                                             "says)")
     advise.add_argument("--launch", type=Path, metavar="DIR",
                         help="write a SkyPilot task and a Kubernetes Job for the recommended training instance")
     advise.add_argument("--tracking-uri", metavar="URI",
@@ -431,11 +432,16 @@ def _advise(args) -> int:
 
     if args.workload is None and args.name is None:
         raise UserError("advise needs a use case name (see `usecases list`) or --workload FILE.json")
+    if args.tracking_uri and args.launch is None:
+        raise UserError("--tracking-uri is for the launch files: give --launch DIR with it")
+    if args.launch is not None and args.task == "serve":
+        raise UserError("--launch writes the training instance's files: leave out --task serve")
     if args.name is not None:
         _usecase(args.name)
     from common.advisor.advise import Options
 
-    options = Options(args.budget, args.deadline, args.requests_per_s, args.spot_interruptions_per_hour)
+    stated = {"requests_per_s": args.requests_per_s, "interruptions_per_hour": args.spot_interruptions_per_hour}
+    options = Options(args.budget, args.deadline, **{key: value for key, value in stated.items() if value})
     print(advise_command(args.name, args.run_id, args.task, args.catalog, args.output_format, args.workload, options,
                          args.data_gb, args.launch, args.tracking_uri))
     return EXIT_OK

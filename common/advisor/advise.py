@@ -171,13 +171,10 @@ def recommend(rows: list[Row], options: Options | None = None) -> dict[str, Choi
     cheapest month at the stated request rate.
     Instances without a known price are not recommended."""
     options = options or Options()
-    priced = [row for row in rows if row.fits and not math.isnan(row.instance.price_per_hour)]
+    priced = _priced(rows)
     picks: dict[str, Choice | None] = {"train_cheapest": None, "train_fastest": None, "serve_cheapest": None}
-    choices = [Choice(row, False, row.train_seconds, row.train_cost) for row in priced if row.train_cost is not None]
-    choices += [Choice(row, True, row.spot.seconds, row.spot.cost) for row in priced  # it finishes even when slow
-                if row.spot is not None and math.isfinite(row.spot.seconds.high)]
-    allowed = [choice for choice in choices if within(choice.seconds.expected, choice.cost.expected,
-                                                      options.budget_usd, options.deadline_h)]
+    allowed = [choice for choice in choices(rows) if within(choice.seconds.expected, choice.cost.expected,
+                                                            options.budget_usd, options.deadline_h)]
     if allowed:
         cheapest = min(allowed, key=lambda choice: (choice.cost.expected, choice.seconds.expected))
         near = [choice for choice in allowed if choice.cost.expected <= 1.5 * cheapest.cost.expected]
@@ -188,6 +185,19 @@ def recommend(rows: list[Row], options: Options | None = None) -> dict[str, Choi
         row = min(served, key=lambda row: (row.serving.month_usd.expected, row.serve_cost_per_million.expected))
         picks["serve_cheapest"] = Choice(row, False, Range(0, 0, 0), row.serving.month_usd)
     return picks
+
+
+def _priced(rows: list[Row]) -> list[Row]:
+    return [row for row in rows if row.fits and not math.isnan(row.instance.price_per_hour)]
+
+
+def choices(rows: list[Row]) -> list[Choice]:
+    """Every way to pay for a training run that fits: on demand, and on spot where it finishes even at the slow end
+    of its range."""
+    priced = _priced(rows)
+    return ([Choice(row, False, row.train_seconds, row.train_cost) for row in priced if row.train_cost is not None] +
+            [Choice(row, True, row.spot.seconds, row.spot.cost) for row in priced
+             if row.spot is not None and math.isfinite(row.spot.seconds.high)])
 
 
 def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Choice | None],

@@ -4,7 +4,7 @@
 bandwidth, local NVMe, the default network disk's throughput and the GPUs' interconnect;
 `catalog/interconnects.csv`: each link's bandwidth per GPU), each row with its sources and as-of date. A user's own
 prices (discounts, another cloud) come in a file of the instances' columns (`--catalog FILE`), where the columns
-after `region` may be left out. An empty cell stays unknown: it is never filled in.
+after `as_of` may be left out. An empty cell stays unknown: it is never filled in.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ class RunFacts:
     data_bytes: float = math.nan  # the data set as stored (the `data_bytes` tag)
     data_samples: float = math.nan  # the samples it holds (`data_samples`)
     checkpoint_every: dict[str, int] = field(default_factory=dict)  # epochs between checkpoints, per model
+    scaled: bool = False  # to another data set's size than the run's (--data-gb)
 
     @property
     def bytes_per_sample(self) -> float:
@@ -50,7 +51,8 @@ class RunFacts:
         factor = data_gb * 1e9 / self.data_bytes
         models = {name: {**model, **{key: model[key] * factor for key in ("samples_per_epoch", "trained_samples")
                                      if key in model}} for name, model in self.models.items()}
-        return replace(self, models=models, data_bytes=data_gb * 1e9, data_samples=self.data_samples * factor)
+        return replace(self, models=models, data_bytes=data_gb * 1e9, data_samples=self.data_samples * factor,
+                       scaled=True)
 
 
 def facts_from_run(run, usecase: str, gpus: dict[str, GPU]) -> RunFacts:
@@ -141,15 +143,20 @@ def facts_from_file(path: Path, gpus: dict[str, GPU]) -> RunFacts:
             model[f"measured_{spec['task']}_samples_per_s"] = float(measured["samples_per_s"])
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{path}: measured needs samples_per_s, a number, beside gpu") from None
-    for key in ("data_gb", "checkpoint_every", "weight_bytes"):
+    for key in ("data_gb", "samples", "weight_bytes"):
         if key in spec and not (isinstance(spec[key], (int, float)) and spec[key] > 0):
             raise UserError(f"{path}: {key} must be a positive number (got {spec[key]!r})")
+    if "checkpoint_every" in spec and not (isinstance(spec["checkpoint_every"], int) and spec["checkpoint_every"] >= 1):
+        raise UserError(f"{path}: checkpoint_every must be a whole number of epochs, at least 1 (got "
+                        f"{spec['checkpoint_every']!r})")
+    if ("data_gb" in spec) != ("samples" in spec):
+        raise UserError(f"{path}: data_gb and samples go together (the data set's size and the samples it holds)")
     model["weight_bytes"] = float(spec.get("weight_bytes", 0.0))  # the gradients DDP all-reduces
     precision = "auto" if spec["precision"] == "amp" else spec["precision"]
     return RunFacts(None, {"workload": model}, gpu=gpu, gpu_count=1 if gpu else 0, precision=precision,
                     tf32=spec["precision"] == "tf32", task=spec["task"],
                     data_bytes=float(spec.get("data_gb", math.nan)) * 1e9,
-                    data_samples=model["samples_per_epoch"] if "data_gb" in spec else math.nan,
+                    data_samples=float(spec.get("samples", math.nan)),
                     checkpoint_every={"workload": int(spec.get("checkpoint_every", 0))})
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from common.advisor.facts import RunFacts
 from common.errors import UserError
-from common.paths import git, project_root
+from common.paths import git, project_root, write_text_atomic
 
 # SkyPilot's accelerator names (`sky show-gpus`) for the catalogue's GPUs.
 SKYPILOT_GPUS = {"T4": "T4", "A10": "A10", "A10G": "A10G", "L4": "L4", "L40S": "L40S", "V100-16GB-SXM2": "V100",
@@ -59,12 +59,15 @@ def write_launch_files(folder: Path, facts: RunFacts, choice, tracking: str | No
     header = (f"# `usecases advise {facts.usecase}` wrote this for its recommended training instance: "
               f"{instance.gpu_count} x {gpu.name} ({instance.name}, {instance.provider} {instance.region}, "
               f"{choice.pricing}).\n")
-    (folder / TASK_FILE).write_text(
-        header + f"# From the project's root: sky {'jobs ' if choice.spot else ''}launch {folder / TASK_FILE}\n"
-        + yaml.dump(task, Dumper=_Dumper, sort_keys=False))
-    (folder / JOB_FILE).write_text(
-        header + f"# kubectl apply -f {folder / JOB_FILE}  (the Job clones PROJECT_GIT_URL at PROJECT_GIT_REF)\n"
-        + yaml.dump_all(job, Dumper=_Dumper, sort_keys=False))
+    texts = {TASK_FILE: header + f"# From the project's root: sky {'jobs ' if choice.spot else ''}launch "
+                                 f"{folder / TASK_FILE}\n" + yaml.dump(task, Dumper=_Dumper, sort_keys=False),
+             JOB_FILE: header + f"# kubectl apply -f {folder / JOB_FILE}  (the Job clones PROJECT_GIT_URL at "
+                                "PROJECT_GIT_REF)\n" + yaml.dump_all(job, Dumper=_Dumper, sort_keys=False)}
+    for file, text in texts.items():
+        try:
+            write_text_atomic(text, folder / file)
+        except OSError as exc:
+            raise UserError(f"--launch {folder}: {file} cannot be written ({exc.strerror})") from None
     lines = [f"{folder / TASK_FILE}: SkyPilot task, {instance.gpu_count} x {SKYPILOT_GPUS.get(gpu.name, gpu.name)} "
              f"on {instance.name}{' (spot: sky jobs launch recovers it, and the run resumes)' if choice.spot else ''}"
              f", `usecases run {name}`",
@@ -74,9 +77,10 @@ def write_launch_files(folder: Path, facts: RunFacts, choice, tracking: str | No
         lines.append("MLflow: no tracking server given (--tracking-uri or MLFLOW_TRACKING_URI http://...), so the "
                      "runs stay on the instance (on the Job's cache volume)" +
                      ("; a spot recovery starts a new instance and cannot resume without one" if choice.spot else ""))
-    if not _git_url():
-        lines.append("this project has no git remote 'origin': set PROJECT_GIT_URL (and PROJECT_GIT_REF, a commit) "
-                     "in the Job")
+    if facts.preset == "smoke" or facts.scaled:
+        lines.append(f"both files run preset '{facts.preset}' on its own data, as the run advised on did: for the run "
+                     "priced here, change --preset (and add --data PATH) in their command")
+    lines += _git_lines()
     return {"skypilot_task": str(folder / TASK_FILE), "kubernetes_job": str(folder / JOB_FILE), "extra": extra,
             "command": command, "tracking_uri": tracking if remote else None, "lines": lines}
 
@@ -98,8 +102,9 @@ def _setup(extra: str, venv: str) -> str:
 def skypilot_task(facts: RunFacts, choice, extra: str, command: list[str], tracking: str) -> dict:
     instance = choice.row.instance
     resources = {"accelerators": f"{SKYPILOT_GPUS.get(instance.gpu.name, instance.gpu.name)}:{instance.gpu_count}"}
-    if instance.provider in SKYPILOT_CLOUDS:
-        resources = {"infra": f"{instance.provider}/{instance.region}", "instance_type": instance.name, **resources}
+    if instance.provider in SKYPILOT_CLOUDS:  # GCP's N1 takes its GPUs as accelerators: "n1-standard-8 + 1x ..."
+        resources = {"infra": f"{instance.provider}/{instance.region}",
+                     "instance_type": instance.name.split(" + ")[0], **resources}
     resources["disk_size"] = _disk_gb(facts)
     envs = {"MLFLOW_TRACKING_URI": tracking}
     task = {"name": _name(facts), "resources": resources, "num_nodes": 1, "workdir": "."}
@@ -107,7 +112,7 @@ def skypilot_task(facts: RunFacts, choice, extra: str, command: list[str], track
         resources["use_spot"] = True
         resources["job_recovery"] = {"strategy": "FAILOVER", "max_restarts_on_errors": 1}
         envs |= {"USECASES_CHECKPOINT_DIR": "/checkpoints", "USECASES_STALE_AFTER_S": str(STALE_AFTER_S)}
-        task["file_mounts"] = {"/checkpoints": {"name": f"{_name(facts)}-checkpoints", "mode": "MOUNT"}}
+        task["file_mounts"] = {"/checkpoints": {"name": _bucket(facts), "mode": "MOUNT_CACHED"}}
     task["envs"] = envs
     task["setup"] = _setup(extra, ".venv")
     task["run"] = " ".join([f".venv/bin/{command[0]}", *command[1:]]) + "\n"
@@ -142,8 +147,11 @@ def kubernetes_job(facts: RunFacts, row, extra: str, command: list[str], trackin
                                             {"name": "shm", "mountPath": "/dev/shm"}]}],
            "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": f"{name}-cache"}},
                        {"name": "shm", "emptyDir": {"medium": "Memory"}}]}
-    if instance.gpu.aliases:  # NVIDIA GPU Feature Discovery's node label: the name nvidia-smi prints, dashed
-        pod["nodeSelector"] = {"nvidia.com/gpu.product": re.sub(r"\s+", "-", instance.gpu.aliases[0])}
+    if instance.gpu.aliases:  # preferred, not required: GPU Feature Discovery labels it, not every cluster runs it
+        product = re.sub(r"\s+", "-", instance.gpu.aliases[0])
+        pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100, "preference": {"matchExpressions": [
+                {"key": "nvidia.com/gpu.product", "operator": "In", "values": [product]}]}}]}}
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
            "spec": {"backoffLimit": 4, "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}
     claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": f"{name}-cache",
@@ -153,8 +161,16 @@ def kubernetes_job(facts: RunFacts, row, extra: str, command: list[str], trackin
 
 
 def _name(facts: RunFacts) -> str:
-    """A name SkyPilot and Kubernetes both take (DNS-1123: lower case, digits and dashes)."""
-    return re.sub(r"[^a-z0-9-]+", "-", f"gpu-usecases-{facts.usecase}-{facts.preset or 'default'}".lower()).strip("-")
+    """A name SkyPilot and Kubernetes both take (DNS-1123: lower case, digits and dashes, at most 63, less the
+    "-cache" of its volume claim)."""
+    name = f"gpu-usecases-{facts.usecase}-{facts.preset or 'default'}".lower()
+    return re.sub(r"[^a-z0-9-]+", "-", name)[:57].strip("-")
+
+
+def _bucket(facts: RunFacts) -> str:
+    """The checkpoints' bucket: bucket names are global on S3 and GCS, so the advised run's id makes it this
+    project's (at most 63 characters)."""
+    return f"{_name(facts)[:40].strip('-')}-ckpt-{(facts.run_id or 'workload')[:12]}"
 
 
 def _disk_gb(facts: RunFacts) -> int:
@@ -166,3 +182,16 @@ def _disk_gb(facts: RunFacts) -> int:
 
 def _git_url() -> str:
     return git(project_root(), "remote", "get-url", "origin")
+
+
+def _git_lines() -> list[str]:
+    """What keeps the Job from cloning the code advised on: no remote, a commit not pushed, uncommitted changes."""
+    root = project_root()
+    if not _git_url():
+        return ["this project has no git remote 'origin': set PROJECT_GIT_URL (and PROJECT_GIT_REF, a commit) in "
+                "the Job"]
+    if not git(root, "branch", "-r", "--contains", "HEAD"):
+        return ["this commit is on no remote branch: push it, or the Job cannot check it out"]
+    if git(root, "status", "--porcelain", "--untracked-files=no"):
+        return ["this checkout has uncommitted changes: the Job runs the commit without them"]
+    return []

@@ -10,6 +10,7 @@ from common.advisor.budget import RESTART_S
 from common.advisor.catalog import load_links
 from common.advisor.estimate import Range
 from common.advisor.scaling import data_parallel
+from common.advisor.storage import figure
 
 if TYPE_CHECKING:
     from common.advisor.advise import Choice, Options, Row
@@ -44,7 +45,7 @@ def span(value: Range | None, show) -> str:
 
 
 def speedup(value: Range) -> str:
-    return f"{value.low:.2g}-{value.high:.2g}x (expected {value.expected:.2g}x)"
+    return f"{figure(value.low)}-{figure(value.high)}x (expected {figure(value.expected)}x)"
 
 
 def placement_lines(pick: Row) -> list[str]:
@@ -64,9 +65,12 @@ def spot_lines(pick: Row, options: Options) -> list[str]:
                 "work since the last checkpoint take longer than the time between interruptions: it would never "
                 "finish; checkpoint more often (train.checkpoint_every) or run on demand"]
     every = spot.checkpoint_every
-    checkpoints = f"checkpoints every {every} epoch{'s' if every > 1 else ''}" if every else "no checkpoints"
+    checkpoints = (f"checkpoints every {every} epoch{'s' if every > 1 else ''}" if every and
+                   every * pick.epoch_seconds.expected < pick.train_seconds.expected else "no checkpoint before the end")
+    saving = spot.saving(pick.train_cost)
+    compared = f"{100 * abs(saving):.0f} % {'less' if saving >= 0 else 'more'}"
     return [f"spot on {name}: {span(spot.cost, money)} a run against {money(pick.train_cost.expected)} on "
-            f"demand ({100 * spot.saving(pick.train_cost):.0f} % less), with {spot.interruptions:.2g} expected "
+            f"demand ({compared}), with {spot.interruptions:.2g} expected "
             f"interruptions at {options.interruptions_per_hour:g} an hour, each losing {duration(spot.lost_s)} of "
             f"work ({checkpoints}) and a {RESTART_S[0] / 60:.0f}-{RESTART_S[2] / 60:.0f} min restart (estimated)"]
 
@@ -129,7 +133,7 @@ def _link_of_several(rows: list[Row], gpu: str) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{1000 * seconds:.2g} ms"
+    return f"{figure(1000 * seconds)} ms"
 
 
 def budget_lines(rows: list[Row], picks: dict[str, Choice | None], options: Options) -> list[str]:
@@ -143,13 +147,14 @@ def budget_lines(rows: list[Row], picks: dict[str, Choice | None], options: Opti
         choice = picks["train_cheapest"]
         return [f"within {limits}: {choice.row.instance.name} ({choice.pricing}) is the cheapest run that fits "
                 "(expected figures; estimated)"]
-    trained = [row for row in rows if row.fits and row.train_cost is not None and
-               not math.isnan(row.instance.price_per_hour)]
-    if not trained:
+    from common.advisor.advise import choices
+
+    every = choices(rows)
+    if not every:
         return []
-    cheap = min(trained, key=lambda row: row.train_cost.expected)
-    fast = min(trained, key=lambda row: row.train_seconds.expected)
-    return [f"no instance trains within {limits}: the cheapest run is {cheap.instance.name} "
-            f"({money(cheap.train_cost.expected)}, {duration(cheap.train_seconds.expected)}), the fastest "
-            f"{fast.instance.name} ({duration(fast.train_seconds.expected)}, {money(fast.train_cost.expected)}) "
-            "(estimated)"]
+    cheap = min(every, key=lambda choice: choice.cost.expected)
+    fast = min(every, key=lambda choice: choice.seconds.expected)
+    return [f"no instance trains within {limits}: the cheapest run is {cheap.row.instance.name} on {cheap.pricing} "
+            f"({money(cheap.cost.expected)}, {duration(cheap.seconds.expected)}), the fastest "
+            f"{fast.row.instance.name} on {fast.pricing} ({duration(fast.seconds.expected)}, "
+            f"{money(fast.cost.expected)}) (estimated)"]

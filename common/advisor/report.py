@@ -55,7 +55,7 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
               "actions": todo, "measured": _measured(facts)}
     if launch is not None:
         report["launch"] = _launch(launch, facts, picks, tracking)
-    text = (json.dumps(report, indent=2) if output == "json" else
+    text = (json.dumps(_json_safe(report), indent=2, allow_nan=False) if output == "json" else
             _render(report, rows, picks, todo, markdown=output == "markdown"))
     if launch is not None and output != "json":
         text += "\n\nLaunch files:\n" + "\n".join(f"- {line}" for line in report["launch"]["lines"])
@@ -135,14 +135,17 @@ def _as_dict(row: Row, task: str) -> dict:
             "memory_share": _clean(row.memory_share), "fits": row.fits,
             "scaling": row.scaling.as_dict() if row.scaling else None,
             "data": row.placement.as_dict() if row.placement else None,
-            "spot": _json_safe(row.spot.as_dict(row.train_cost)) if row.spot else None,
+            "spot": row.spot.as_dict(row.train_cost) if row.spot else None,
             "serving_month": row.serving.as_dict() if row.serving else None}
 
 
 def _json_safe(value):
-    """Infinity (a spot run that never finishes) as null: JSON has no infinity."""
+    """Infinity (a spot run that never finishes, data read from memory) and NaN (unknown) as null: JSON has
+    neither."""
     if isinstance(value, dict):
         return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
@@ -250,7 +253,7 @@ def _log_to_run(run_id: str, report: dict, rows: list[Row], picks: dict, todo: l
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
         (out / "advice.md").write_text(_render(report, rows, picks, todo, markdown=True) + "\n")
-        (out / "advice.json").write_text(json.dumps(report, indent=2))
+        (out / "advice.json").write_text(json.dumps(_json_safe(report), indent=2, allow_nan=False))
         _plot(rows, out / "cost_vs_time.png")
         client = mlflow.MlflowClient()
         for path in sorted(out.iterdir()):

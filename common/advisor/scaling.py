@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from common.advisor.catalog import Link
+from common.advisor.catalog import Link, load_links
 from common.advisor.estimate import Range
 
 # Fitted: the geometric mean and the envelope (rounded outwards to 0.05) of published 8-GPU speed-up / (8 x what the
@@ -67,12 +67,12 @@ def data_parallel(step_s: float, gradient_bytes: float, gpus_per_node: int, link
         return Scaling(gpus, nodes, Range(1.0, 1.0, 1.0), Range(0.0, 0.0, 0.0), step_s, "", gradient_bytes)
     if nodes > 1 and not network_gbps > 0:
         return None
-    gbs = link.gbs_per_gpu if link is not None else None
+    gbs = (link or load_links()[UNKNOWN_LINK]).gbs_per_gpu
     paced_by = f"{network_gbps:g} Gbit/s network" if nodes > 1 else (link.name if link else
                                                                         f"{UNKNOWN_LINK} (link unknown)")
     speedups, transfers = [], []
     for level in range(3):
-        transfer = _ring_seconds(gpus_per_node, gradient_bytes, gbs or 15.75, LINK_EFFICIENCY[level])
+        transfer = _ring_seconds(gpus_per_node, gradient_bytes, gbs, LINK_EFFICIENCY[level])
         if nodes > 1:
             transfer += (_ring_seconds(nodes, gradient_bytes, network_gbps / 8, LINK_EFFICIENCY[level]) +
                          2 * (nodes - 1) * NETWORK_HOP_S[level])

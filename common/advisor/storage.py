@@ -53,7 +53,8 @@ class Placement:
         need = f"training at the estimated rate reads {_rate(self.needed_gbs)} of input"
         disk = (f"this instance's network disk gives {_rate(self.default_disk_gbs)}" if self.default_disk_gbs > 0
                 else "its network disk's throughput is not in the catalogue")
-        copy = f"{_minutes(self.copy_s.expected)} ({_minutes(self.copy_s.low)}-{_minutes(self.copy_s.high)})"
+        copy = (f"{_minutes(self.copy_s.expected)} ({_minutes(self.copy_s.low)}-{_minutes(self.copy_s.high)})"
+                if math.isfinite(self.copy_s.expected) else "copy time unknown (the catalogue lacks its network)")
         if self.where == "memory":
             return (f"{need}; {disk}: load the {_gb(self.data_gb)} GB data set into memory first (it takes "
                     f"{100 * self.data_gb / instance.ram_gb:.0f} % of {instance.ram_gb:g} GB RAM), {copy}")
@@ -61,6 +62,8 @@ class Placement:
             return (f"{need}; {disk}: copy the {_gb(self.data_gb)} GB data set to local NVMe first "
                     f"({instance.nvme_count:g} x {instance.nvme_gb:g} GB, about {_rate(self.read_gbs.expected)} "
                     f"to read), {copy}")
+        if self.where == "network disk" and math.isnan(self.read_gbs.expected):
+            return f"{need}; neither its network disk's throughput nor its network's is in the catalogue"
         if self.where == "network disk" and not self.bounds:
             return f"{need}; {disk}: it keeps up, train from it as the data is (no copy)"
         bound = (f": reading caps training at {100 * self.read_gbs.expected / self.needed_gbs:.0f} % of the GPU's "
@@ -83,12 +86,17 @@ def _or_zero(value: float) -> float:
     return 0.0 if math.isnan(value) else value
 
 
+def figure(value: float) -> str:
+    """Two significant digits, without an exponent for large values (150, not 1.5e+02)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.2g}"
+
+
 def _rate(gbs: float) -> str:
-    return f"{gbs:.2g} GB/s" if gbs >= 0.1 else f"{1000 * gbs:.2g} MB/s"
+    return f"{figure(gbs)} GB/s" if gbs >= 0.1 else f"{figure(1000 * gbs)} MB/s"
 
 
 def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.2g} min" if seconds >= 60 else f"{seconds:.2g} s"
+    return f"{figure(seconds / 60)} min" if seconds >= 60 else f"{figure(seconds)} s"
 
 
 def place(data_gb: float, samples_per_s: float, bytes_per_sample: float, instance: Instance) -> Placement:

@@ -142,10 +142,8 @@ def prune_checkpoints(root: Path, keep: str | None = None) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, data_tags: dict,
-                  required: bool = True) -> str | None:
-    """The newest KILLED run of this preset that left a checkpoint, checked to run on the same config and data;
-    where there is none, None unless `required` (a run still alive is refused either way: two would share it)."""
+def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, data_tags: dict) -> str:
+    """The newest KILLED run of this preset that left a checkpoint, checked to run on the same config and data."""
     runs = _runs_of(experiment_id, preset)
     for run in runs:
         state_file = root / run.info.run_id / STATE_FILE
@@ -153,8 +151,6 @@ def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, dat
             check_same_job(json.loads(state_file.read_text()), params, data_tags)
             return run.info.run_id
     newest = runs[0] if runs else None
-    if not required and (newest is None or newest.info.status != "RUNNING"):
-        return None
     if newest is not None and newest.info.status == "FAILED":
         raise UserError(f"--resume: the last run of preset '{preset}' ({newest.info.run_id}) FAILED, and only an "
                         f"interrupted (KILLED) run can be resumed: start it afresh without --resume")
@@ -165,6 +161,37 @@ def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, dat
                         f"run without --resume")
     raise UserError(f"--resume: no interrupted run of preset '{preset}' to resume (no KILLED run with a checkpoint "
                     f"in {root})")
+
+
+def interrupted_run(experiment_id: str, name: str | None, root: Path, preset: str, params: dict,
+                    data_tags: dict) -> str | None:
+    """For `--resume-if-interrupted` (a recovered spot instance, a restarted pod): the newest run of this preset if
+    it was interrupted and left a checkpoint, else None (start afresh). A newest run still RUNNING is waited for
+    until its heartbeat goes stale, since the restart comes before the old run is known dead; after twice the
+    stale period with a fresh heartbeat it is alive, and refused: two processes would share it."""
+    waited_until = time.time() + 2 * stale_after_s()
+    while True:
+        mark_dead_runs(experiment_id, name, preset)
+        runs = _runs_of(experiment_id, preset)
+        newest = runs[0] if runs else None
+        if newest is None or newest.info.status in ("FINISHED", "FAILED"):
+            return None
+        if newest.info.status == "KILLED":
+            state_file = root / newest.info.run_id / STATE_FILE
+            if not state_file.is_file():
+                return None
+            check_same_job(json.loads(state_file.read_text()), params, data_tags)
+            return newest.info.run_id
+        tags = newest.data.tags
+        if time.time() >= waited_until:
+            raise UserError(f"--resume-if-interrupted: run {newest.info.run_id} of preset '{preset}' is still running "
+                            f"(pid {tags.get(PID_TAG, '?')} on {tags.get(HOST_TAG, '?')}, its heartbeat fresh after "
+                            f"{2 * stale_after_s():.0f} s): stop it first")
+        last_beat = float(tags.get(HEARTBEAT_TAG, newest.info.start_time / 1000))
+        pause = min(max(1.0, last_beat + stale_after_s() + 1 - time.time()), max(0.0, waited_until - time.time()))
+        log.warning("run %s of preset '%s' is RUNNING: waiting %.0f s for its heartbeat to go stale before resuming it",
+                    newest.info.run_id, preset, pause)
+        time.sleep(pause)
 
 
 def check_same_job(state: dict, params: dict, data_tags: dict) -> None:

@@ -147,7 +147,7 @@ def test_a_budget_and_a_deadline_change_the_pick(tmp_path):
 
 
 def test_a_multi_gpu_instance_is_estimated_with_its_link_and_a_data_set_too_big_to_copy_bounds_it(tmp_path):
-    facts = workload_facts(tmp_path, data_gb=5000)
+    facts = workload_facts(tmp_path, data_gb=5000, samples=1_000_000)
     rows = {row.instance.name: row for row in advise(facts, list(INSTANCES.values()), GPUS, "train")}
     p4d = rows["p4d.24xlarge"]
     assert p4d.scaling.gpus == 8 and p4d.scaling.paced_by == "nvlink3" and 6 < p4d.scaling.speedup.expected < 8
@@ -207,4 +207,15 @@ def test_several_gpus_run_under_torchrun_and_a_v100_gets_the_cuda_12_build(tmp_p
     assert "file_mounts" not in task and written["extra"] == "cuda12"
     _, batch = kubernetes_objects(job)
     assert batch.spec.template.spec.containers[0].resources.requests["nvidia.com/gpu"] == "4"
-    assert batch.spec.template.spec.node_selector == {"nvidia.com/gpu.product": "Tesla-V100-SXM2-16GB"}
+    (preferred,) = batch.spec.template.spec.affinity.node_affinity.preferred_during_scheduling_ignored_during_execution
+    (expression,) = preferred.preference.match_expressions
+    assert (expression.key, expression.values) == ("nvidia.com/gpu.product", ["Tesla-V100-SXM2-16GB"])
+
+
+def test_gcp_n1_takes_its_gpu_as_an_accelerator_and_names_fit_kubernetes_and_buckets(tmp_path):
+    task, job, _ = launch(tmp_path, "n1-standard-8 + 1x nvidia-tesla-t4", spot=True,
+                          usecase="a-use-case-with-a-rather-long-name-indeed")
+    assert task["resources"]["instance_type"] == "n1-standard-8" and task["resources"]["accelerators"] == "T4:1"
+    (bucket,) = [mount["name"] for mount in task["file_mounts"].values()]
+    assert len(bucket) <= 63 and bucket.endswith("-ckpt-000000000000")
+    assert all(len(document["metadata"]["name"]) <= 63 for document in job)

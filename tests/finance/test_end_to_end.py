@@ -147,7 +147,8 @@ def test_sigterm_then_resume_continues_from_the_checkpoint(tmp_path):
     (killed,) = runs("finance")
     assert killed.info.status == "KILLED"
 
-    second = usecases("run", "finance", "--preset", "smoke", *long_run, "--resume")
+    # what a recovered spot instance runs (`usecases advise --launch`): it continues the interrupted run
+    second = usecases("run", "finance", "--preset", "smoke", *long_run, "--resume-if-interrupted")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from the checkpoint after epoch" in second.stderr
     epoch = int(second.stderr.split("resumed from the checkpoint after epoch")[1].split()[0])
