@@ -71,7 +71,8 @@ def test_resume_if_interrupted_waits_out_a_dead_runs_heartbeat_but_never_joins_a
     experiment = ensure_experiment("finance", "")
     assert interrupted_run(experiment, "finance", tmp_path, "smoke", {}, {}) is None  # nothing ran yet
     client = mlflow.MlflowClient()
-    stalled = client.create_run(experiment, tags={"preset": "smoke", "host": "gone-pod", "heartbeat": f"{time.time():.0f}"})
+    stalled = client.create_run(experiment, tags={"preset": "smoke", "host": "gone-pod",
+                                                  "heartbeat": f"{time.time():.0f}"})
     started = time.time()
     assert interrupted_run(experiment, "finance", tmp_path, "smoke", {}, {}) is None
     assert time.time() - started >= 0.9 and client.get_run(stalled.info.run_id).info.status == "KILLED"

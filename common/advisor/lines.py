@@ -65,8 +65,9 @@ def spot_lines(pick: Row, options: Options) -> list[str]:
                 "work since the last checkpoint take longer than the time between interruptions: it would never "
                 "finish; checkpoint more often (train.checkpoint_every) or run on demand"]
     every = spot.checkpoint_every
-    checkpoints = (f"checkpoints every {every} epoch{'s' if every > 1 else ''}" if every and
-                   every * pick.epoch_seconds.expected < pick.train_seconds.expected else "no checkpoint before the end")
+    before_the_end = every and every * pick.epoch_seconds.expected < pick.train_seconds.expected
+    checkpoints = (f"checkpoints every {every} epoch{'s' if every > 1 else ''}" if before_the_end else
+                   "no checkpoint before the end")
     saving = spot.saving(pick.train_cost)
     compared = f"{100 * abs(saving):.0f} % {'less' if saving >= 0 else 'more'}"
     return [f"spot on {name}: {span(spot.cost, money)} a run against {money(pick.train_cost.expected)} on "
