@@ -9,6 +9,7 @@ after `as_of` may be left out. An empty cell stays unknown: it is never filled i
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -158,7 +159,9 @@ def load_instances(gpus: dict[str, GPU], path: Path | None = None) -> list[Insta
     return instances
 
 
+@functools.cache
 def load_links(path: Path | None = None) -> dict[str, Link]:
+    """The links' bandwidths, read once: every instance and every scaling figure looks its link up here."""
     path = path or FOLDER / "interconnects.csv"
     table = _read(path, LINK_COLUMNS, "interconnect catalogue")
     bandwidth = _number(table, "gbs_per_gpu", path, True)

@@ -10,12 +10,16 @@ from common.advisor.budget import RESTART_S
 from common.advisor.catalog import load_links
 from common.advisor.estimate import Range
 from common.advisor.scaling import data_parallel
-from common.advisor.storage import figure
 
 if TYPE_CHECKING:
     from common.advisor.advise import Choice, Options, Row
 
 SPOT_MATTERS = 0.20  # a saving worth a column
+
+
+def figure(value: float) -> str:
+    """Two significant digits, without an exponent for large values (150, not 1.5e+02)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.2g}"
 
 
 def money(value: float) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from common.advisor.catalog import Instance
 from common.advisor.estimate import Range
+from common.advisor.lines import figure
 
 MEMORY_SHARE = 0.5  # of the RAM the page cache may hold: the rest is the process's, its loader workers' and the OS's
 NVME_SHARE = 0.9  # of the local drives a copy may fill
@@ -84,11 +85,6 @@ def _gb(value: float) -> str:
 
 def _or_zero(value: float) -> float:
     return 0.0 if math.isnan(value) else value
-
-
-def figure(value: float) -> str:
-    """Two significant digits, without an exponent for large values (150, not 1.5e+02)."""
-    return f"{value:,.0f}" if value >= 100 else f"{value:.2g}"
 
 
 def _rate(gbs: float) -> str:

@@ -146,10 +146,8 @@ def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, dat
     """The newest KILLED run of this preset that left a checkpoint, checked to run on the same config and data."""
     runs = _runs_of(experiment_id, preset)
     for run in runs:
-        state_file = root / run.info.run_id / STATE_FILE
-        if run.info.status == "KILLED" and state_file.is_file():
-            check_same_job(json.loads(state_file.read_text()), params, data_tags)
-            return run.info.run_id
+        if (found := _resumable(run, root, params, data_tags)) is not None:
+            return found
     newest = runs[0] if runs else None
     if newest is not None and newest.info.status == "FAILED":
         raise UserError(f"--resume: the last run of preset '{preset}' ({newest.info.run_id}) FAILED, and only an "
@@ -177,11 +175,7 @@ def interrupted_run(experiment_id: str, name: str | None, root: Path, preset: st
         if newest is None or newest.info.status in ("FINISHED", "FAILED"):
             return None
         if newest.info.status == "KILLED":
-            state_file = root / newest.info.run_id / STATE_FILE
-            if not state_file.is_file():
-                return None
-            check_same_job(json.loads(state_file.read_text()), params, data_tags)
-            return newest.info.run_id
+            return _resumable(newest, root, params, data_tags)
         tags = newest.data.tags
         if time.time() >= waited_until:
             raise UserError(f"--resume-if-interrupted: run {newest.info.run_id} of preset '{preset}' is still running "
@@ -192,6 +186,16 @@ def interrupted_run(experiment_id: str, name: str | None, root: Path, preset: st
         log.warning("run %s of preset '%s' is RUNNING: waiting %.0f s for its heartbeat to go stale before resuming it",
                     newest.info.run_id, preset, pause)
         time.sleep(pause)
+
+
+def _resumable(run, root: Path, params: dict, data_tags: dict) -> str | None:
+    """The run's id where it was interrupted (KILLED) and left a checkpoint, checked to run on the same config and
+    data; else None."""
+    state_file = root / run.info.run_id / STATE_FILE
+    if run.info.status != "KILLED" or not state_file.is_file():
+        return None
+    check_same_job(json.loads(state_file.read_text()), params, data_tags)
+    return run.info.run_id
 
 
 def check_same_job(state: dict, params: dict, data_tags: dict) -> None:
