@@ -26,7 +26,10 @@ class RuntimeConfig(ConfigModel):
     """Reproducibility and precision, shared by every use case's schema as its `runtime` section."""
 
     seed: int = 0
-    deterministic: bool = True
+    deterministic: bool | Literal["auto"] = Field(
+        "auto", description="deterministic algorithms (bit-identical reruns and resumes); auto: on a CPU, where they "
+                            "cost nothing, and not on a GPU, where cuDNN then picks its fastest algorithms per shape "
+                            "(the run's tags say which it got)")
     precision: Literal["auto", "auto-gpu", "fp32", "bf16", "fp16"] = Field(
         "auto-gpu", description="auto: mixed precision wherever the device computes it natively (a GPU; a CPU with "
                                 "AVX512-BF16 or AMX), else fp32; auto-gpu: mixed precision on a GPU, fp32 on any CPU")
@@ -52,7 +55,11 @@ class TrainConfig(ConfigModel):
     patience: int | None = Field(None, ge=1, description="stop after this many epochs without a better validation "
                                                           "metric; null trains every epoch")
     grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm to this; null: no clipping")
-    checkpoint_every: int = Field(1, ge=1, description="epochs between checkpoints, for --resume")
+    checkpoint_every_s: float = Field(300, ge=0, description="seconds of a fit between checkpoints, for --resume (0: "
+                                      "after every epoch); a fit shorter than this writes none and is trained again "
+                                      "on a resume")
+    validate_every: int = Field(1, ge=1, description="epochs between validations (the last epoch is always "
+                                                     "validated); early stopping and the best epoch see only these")
 
 
 class TrackingConfig(ConfigModel):

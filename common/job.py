@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.paths import write_json_atomic
 from common.runtime.devices import Runtime
+from common.runtime.phases import Phases
 from common.tracking.runs import Tracker
 
 
@@ -17,3 +19,18 @@ class Job:
     checkpoint_dir: Path
     resume: bool = False
     dask: Any = None  # a distributed.Client when runtime.engine is dask
+    phases: Phases = field(default_factory=Phases)
+    summary: Path | None = None  # --summary FILE: each model's metrics are written there as soon as it is done
+    finished: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def phase(self, name: str, scales: str = "device"):
+        """Time a phase of the run (`common.runtime.phases`): `with job.phase("fit/ease", "cores"): ...`."""
+        return self.phases(name, scales)
+
+    def model_done(self, name: str, metrics: dict[str, float]) -> None:
+        """A model's metrics as soon as it is evaluated, into the --summary file (marked partial): a run stopped
+        before its end (a timeout of `gpu-check`) still leaves the numbers of the models it finished. The run's own
+        summary replaces the file at its end."""
+        self.finished[name] = dict(metrics)
+        if self.summary is not None and self.runtime.is_main:
+            write_json_atomic({"partial": True, "run_id": self.tracker.run_id, "models": self.finished}, self.summary)

@@ -84,13 +84,18 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     from common.job import Job
     from common.tracking.lifecycle import STATE_FILE, checkpoint_root
     from common.paths import write_json_atomic
-    from common.runtime.devices import hardware_info, precision_notice, seed_everything
+    from common.runtime.devices import deterministic_on, hardware_info, precision_notice, seed_everything
     from common.tracking.runs import tracked_run, write_summary
     from torch import distributed as dist
 
+    from common.runtime.phases import Phases
+
     usecase, preset, bench = request.usecase, request.preset, request.bench
-    seed_everything(config.runtime.seed, config.runtime.deterministic)
-    loaded, data_tags = _load_checked(usecase, config, request.data, client)
+    deterministic = deterministic_on(config.runtime.deterministic, runtime.device)
+    seed_everything(config.runtime.seed, deterministic)
+    phases = Phases(runtime.device)
+    with phases("data", "serial"):
+        loaded, data_tags = _load_checked(usecase, config, request.data, client)
     notice = precision_notice(runtime.device, config.runtime.precision)
     if notice and runtime.is_main:
         log.warning(notice)
@@ -101,6 +106,7 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     params = flatten(config)
     run_id = _on_main(runtime, lambda: _prepare(request, experiment, description, root, params, data_tags))
     tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
+            "deterministic": str(deterministic).lower(), "cudnn_benchmark": str(not deterministic).lower(),
             "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
             **{key: value for key, value in config.tracking.model_dump().items() if value is not None},
             **(client_tags(client) if client is not None else {"engine": "pandas"})}
@@ -112,17 +118,19 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
             if runtime.is_main:
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
                                   checkpoint_dir / STATE_FILE)
-            job = Job(runtime, tracker, checkpoint_dir, run_id is not None, client)
+            job = Job(runtime, tracker, checkpoint_dir, run_id is not None, client, phases, request.summary)
             outcome = (RunResult(usecase.benchmark(config, loaded, job)) if bench
                        else _checked_result(usecase, usecase.run(config, loaded, job)))
             summary = {}
             if runtime.is_main:
-                summary = write_summary(tracker, experiment, preset, runtime.device.type, outcome.models,
-                                        request.summary, None if bench else usecase.columns(config))
-                log_total_time_and_cost(tracker, config.tracking.price_per_hour, time.perf_counter() - started,
-                                        memory.bytes)
-                if outcome.served is not None:
-                    register(tracker, usecase, outcome, data_tags)
+                with phases("logging", "serial"):
+                    summary = write_summary(tracker, experiment, preset, runtime.device.type, outcome.models,
+                                            request.summary, None if bench else usecase.columns(config))
+                    if outcome.served is not None:
+                        register(tracker, usecase, outcome, data_tags)
+                total = time.perf_counter() - started
+                log_total_time_and_cost(tracker, config.tracking.price_per_hour, total, memory.bytes, phases)
+                print(phases.line(total), flush=True)
     except (KeyboardInterrupt, Terminated):
         raise  # KILLED: its checkpoints stay for --resume
     except BaseException:
@@ -219,10 +227,12 @@ def _on_main(runtime, compute: Callable[[], Any]) -> Any:
     return value
 
 
-def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float, peak_bytes: int) -> None:
-    """The run's wall time, its cost at the machine's price, and the peak resident memory of its process tree (this
-    process and its Dask or DataLoader workers) until then."""
-    metrics = {"time/total_s": seconds, "memory/peak_rss_gb": peak_bytes / 2**30}
+def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float, peak_bytes: int,
+                            phases) -> None:
+    """The run's wall time and where it went (its phases), its cost at the machine's price, and the peak resident
+    memory of its process tree (this process and its Dask or DataLoader workers) until then."""
+    metrics = {"time/total_s": seconds, "memory/peak_rss_gb": peak_bytes / 2**30, **phases.metrics()}
+    tracker.set_tags(phases.tags())
     if price_per_hour is not None:
         metrics["cost"] = price_per_hour * seconds / 3600
     tracker.log_metrics(metrics)

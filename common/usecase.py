@@ -98,7 +98,7 @@ class UseCase:
 
     def server(self):
         """The use case's own server module (its `server.py`, with `serve(model_uri, host, port, workers, events,
-        device=, batch_ms=)`
+        device=, batch_ms=, announce=)`
         and `default_events(tracking_uri)`), or None: `usecases serve` then runs MLflow's scoring server."""
         try:
             found = importlib.util.find_spec(f"{self.package}.server")

@@ -204,10 +204,12 @@ def test_serve_runs_a_use_cases_own_server_with_a_worker_per_core(monkeypatch, c
     monkeypatch.setattr(server, "serve", lambda *args, **options: started.append((*args, options)) or 0)
     assert cli.main(["serve", "recsys", "--port", "5009"]) == 0
     model_uri, host, port, workers, events, options = started[0]
+    announce = options.pop("announce")
     assert options == {"device": "auto", "batch_ms": None}  # the server decides: 2 ms on a GPU, off on the CPU
     assert (model_uri, host, port) == ("models:/gpu-usecases-recsys@champion", "127.0.0.1", 5009)
     assert workers == len(os.sched_getaffinity(0)) and events.endswith("recsys-events.db")
-    assert "with %d worker(s)" % workers in capsys.readouterr().out
+    assert "with %d worker(s)" % workers in announce, "said by the server once its store is checked"
+    assert "Serving" not in capsys.readouterr().out
     assert cli.main(["serve", "finance", "--workers", "2"]) == 2  # MLflow's server: one line, no traceback
     assert "--workers, --events, --device and --batch-ms need the use case's own server" in capsys.readouterr().err
 

@@ -19,11 +19,12 @@ pytestmark = pytest.mark.starts_first(6)  # the default suite's longest files fi
 
 # One baseline (not five): what is stopped and resumed is the neural model's training.
 ONE_BASELINE = ["--set", "baselines.models=[ewma]"]
+# A checkpoint after every epoch (the presets write one every 5 minutes of a fit), so the signal, sent once the first
+# exists, lands with epochs still to train however fast the machine.
+EVERY_EPOCH = ["--set", "train.checkpoint_every_s=0"]
 LONG_FINANCE = ["--set", "train.epochs=60", "--set", "train.patience=60", "--set", "train.refit_every=200",
-                *ONE_BASELINE]
-# A checkpoint after every epoch (the preset writes one every 5), so the signal, sent once the first exists, lands
-# with 5 epochs still to train however fast the machine.
-LONG_MEDICAL = ["--set", "train.epochs=6", "--set", "train.patience=6", "--set", "train.checkpoint_every=1"]
+                *EVERY_EPOCH, *ONE_BASELINE]
+LONG_MEDICAL = ["--set", "train.epochs=6", "--set", "train.patience=6", *EVERY_EPOCH]
 
 
 def start_and_stop(name: str, args: list[str], signum: int) -> subprocess.Popen:

@@ -132,10 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--format", default="table", choices=["table", "markdown", "csv"], dest="output_format")
 
     advise = commands.add_parser("advise", help="which GPU instance to rent to train and serve a use case, and its cost",
-                                 description="Estimate, from a run's measured workload, the time and cost of training "
-                                             "and serving on each GPU instance of the catalogue, with ranges and the "
-                                             "bottleneck, then recommend and say what the measurements call for. "
-                                             "The table and a cost-against-time plot are logged to the run.")
+                                 description="Estimate, from a run's measured workload and phases, the time and cost "
+                                             "of the whole run (training one part of it) and of serving on each GPU "
+                                             "instance of the catalogue, with ranges and the bottleneck, then "
+                                             "recommend and say what the measurements call for. The table and a "
+                                             "cost-against-time plot are logged to the run.")
     advise.add_argument("name", nargs="?", help="use case (see `usecases list`); not needed with --workload")
     advise.add_argument("--run", dest="run_id", metavar="RUN_ID", help="the run to advise on (default: the latest)")
     advise.add_argument("--task", default="both", choices=["train", "serve", "both"])
@@ -144,11 +145,11 @@ def _parser() -> argparse.ArgumentParser:
     advise.add_argument("--format", default="table", choices=["table", "markdown", "json"], dest="output_format")
     advise.add_argument("--workload", type=Path, metavar="FILE.json",
                         help="a model of your own: task, flops_per_sample, bytes_per_sample, precision, batch_size, "
-                             "optionally measured: {gpu, samples_per_s}, weight_bytes, data_gb, checkpoint_every")
+                             "optionally measured: {gpu, samples_per_s}, weight_bytes, data_gb, checkpoint_every_s")
     advise.add_argument("--budget", type=_positive("--budget"), metavar="USD",
-                        help="only training runs expected to cost at most this (on demand or spot)")
+                        help="only runs expected to cost at most this, the whole run (on demand or spot)")
     advise.add_argument("--deadline", type=_positive("--deadline"), metavar="HOURS",
-                        help="only training runs expected to finish within this, interruptions included")
+                        help="only runs expected to finish within this, the whole run, interruptions included")
     advise.add_argument("--data-gb", type=_positive("--data-gb"), metavar="GB",
                         help="the data set you will train on, stored as the run's (default: the run's own): epochs "
                              "grow with it, and where it should sit on each instance is said")
@@ -176,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
                                     description="Measure everything GPU-side in one command, within a time budget. "
                                                 "Without a GPU: one line, exit 2.")
     gpu_check.add_argument("--out", type=Path, default=Path("."), help="where the reports go (default: here)")
-    gpu_check.add_argument("--budget-s", type=float, default=480, help="seconds for all steps (default: 480)")
+    gpu_check.add_argument("--budget-s", type=float, default=420, help="seconds for all steps (default: 420)")
 
     new = commands.add_parser("new", help="start a use case of your own from an existing one",
                               description="Copy a use case into usecases/NAME (package, imports, presets, README, "
@@ -388,10 +389,10 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
 
         workers = options.workers or usable_cores()
         events = options.events or own.default_events(uri)
-        print(f"Serving {what} on http://{host}:{port}/invocations with {workers} worker(s), events in {events}; "
-              "Ctrl-C to stop", flush=True)
         os.environ["MLFLOW_TRACKING_URI"] = uri
-        return own.serve(model_uri, host, port, workers, events, device=options.device, batch_ms=options.batch_ms)
+        return own.serve(model_uri, host, port, workers, events, device=options.device, batch_ms=options.batch_ms,
+                         announce=f"Serving {what} on http://{host}:{port}/invocations with {workers} worker(s), "
+                                  f"events in {events}; Ctrl-C to stop")
     print(f"Serving {what} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "--host", host, "--port", str(port)],

@@ -68,6 +68,23 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: none
 
 
+@contextmanager
+def all_cores() -> Iterator[None]:
+    """torch's intra-op threads and the BLAS pools raised to the cores this process may use (shared with the other
+    ranks of this machine under torchrun), then set back: for the large matrix work of a run whose preset keeps one
+    thread for its many small operations."""
+    from threadpoolctl import threadpool_limits
+
+    threads = torch.get_num_threads()
+    cores = max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    torch.set_num_threads(cores)
+    try:
+        with threadpool_limits(cores):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def cpu_has_native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
@@ -188,7 +205,8 @@ def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
     """Undo what a run sets process-wide (torch threads, deterministic algorithms, cuDNN and TF32 flags, RNG states,
     environment variables, the levels of `loggers`), so the next run in the same process starts as this one did."""
     threads = torch.get_num_threads()
-    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                     torch.utils.deterministic.fill_uninitialized_memory)
     cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
              torch.backends.cuda.matmul.allow_tf32)
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
@@ -199,6 +217,7 @@ def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.utils.deterministic.fill_uninitialized_memory = deterministic[2]
         (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
          torch.backends.cuda.matmul.allow_tf32) = cudnn
         random.setstate(rng[0])
@@ -211,14 +230,22 @@ def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
+def deterministic_on(setting: bool | str, device: torch.device) -> bool:
+    """`runtime.deterministic` as a run on `device` takes it: `auto` is deterministic on a CPU only."""
+    return device.type != "cuda" if setting == "auto" else bool(setting)
+
+
 def seed_everything(seed: int, deterministic: bool = True) -> None:
-    """Seed every generator, and turn deterministic algorithms on or, for `deterministic=False`, off."""
+    """Seed every generator, and turn deterministic algorithms on or, for `deterministic=False`, off (cuDNN then
+    benchmarks its algorithms per shape). Determinism does not fill every new tensor with NaN (torch's debugging aid,
+    a write of each allocation): no code here reads memory it did not write."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic  # the fastest convolution algorithms, picked per shape
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 

@@ -69,11 +69,13 @@ class ServedModel(mlflow.pyfunc.PythonModel):
 
 def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, *, name: str, package: str,
                requirements: list[str], optional_inputs: tuple[str, ...] = (),
-               metadata: dict | None = None, params: dict | None = None) -> Served | None:
+               metadata: dict | None = None, params: dict | None = None, entry: str = ENTRY) -> Served | None:
     """Log `model` (loaded from `bundle`) as the run's `model`: `example` is probed through it and the signature
     inferred from its answer, the `optional_inputs` columns marked as not required, `params` (name: default) as
     MLflow inference params. `name` is the run's model this
-    is, `package` the use case's, `requirements` the distributions it needs (pinned as installed here).
+    is, `package` the use case's, `requirements` the distributions it needs (pinned as installed here), `entry` the
+    file beside the package's `__init__.py` that sets the served class (a use case serving two kinds of model has one
+    each).
 
     Returns what was logged, or None where the tracker does not write (another rank, a test)."""
     if not tracker.active:
@@ -89,7 +91,7 @@ def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, *, n
         code = _stage_package(package, Path(folder) / "code")
         info = mlflow.pyfunc.log_model(
             name="model",
-            python_model=str(Path(sys.modules[package].__file__).with_name(ENTRY)),
+            python_model=str(Path(sys.modules[package].__file__).with_name(entry)),
             artifacts={BUNDLE: str(path)},
             signature=signature,
             input_example=example,

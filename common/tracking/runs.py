@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import re
+import time
 import urllib.request
 import warnings
 from collections.abc import Iterator
@@ -125,18 +126,41 @@ def metric_name(key: str) -> str:
     return re.sub(r"[^\w\-. :/]", "_", key.replace("@", "_at_"))
 
 
+FLUSH_EVERY_S = 30  # metrics wait in memory at most this long before they are written
+MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+
 class Tracker:
-    """Logging calls that write on the main rank and do nothing elsewhere."""
+    """Logging calls that write on the main rank and do nothing elsewhere.
+
+    Metrics are kept and written in batches (`MlflowClient.log_batch`, up to MAX_BATCH a call), at most FLUSH_EVERY_S
+    after they were logged and when the run ends: one call per metric per epoch, on a database or a server across the
+    network, would cost more than a small model's epoch. `flush` writes what is waiting."""
 
     def __init__(self, active: bool, run_id: str | None = None):
         self.active = active
         self.run_id = run_id
+        self.pending: list = []
+        self.last_flush = time.monotonic()
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        finite = {metric_name(key): float(value) for key, value in metrics.items()
-                  if value is not None and math.isfinite(value)}
-        if self.active and finite:
-            mlflow.log_metrics(finite, step=step)
+        if not self.active:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.pending += [Metric(metric_name(key), float(value), now, step or 0) for key, value in metrics.items()
+                         if value is not None and math.isfinite(value)]
+        if len(self.pending) >= MAX_BATCH or time.monotonic() - self.last_flush >= FLUSH_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.active and self.pending:
+            client = mlflow.MlflowClient()
+            for first in range(0, len(self.pending), MAX_BATCH):
+                client.log_batch(self.run_id, metrics=self.pending[first:first + MAX_BATCH])
+        self.pending = []
+        self.last_flush = time.monotonic()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if self.active:
@@ -245,7 +269,10 @@ def tracked_run(
         else:
             tracker.set_tags({"resumed": "true", **tags})
         with heartbeat(tracker.run_id):
-            yield tracker
+            try:
+                yield tracker
+            finally:
+                tracker.flush()  # what a stopped or failed run measured is kept too
     except (KeyboardInterrupt, Terminated):
         mlflow.end_run("KILLED")
         raise

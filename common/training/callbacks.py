@@ -7,7 +7,8 @@ The hooks, in the order a fit calls them; every rank of a DDP job calls every ho
 |---|---|---|
 | `load_state_dict(checkpoint)` | on a resume, before `on_fit_start` | the whole checkpoint: the trainer's keys (`epoch`, `history`, `finished`...) and every callback's; a resume of a finished fit calls this hook alone |
 | `on_fit_start(trainer)` | once, before the first epoch | `trainer.resumed_from` is None on a fresh start: initialise here, not over a restored state |
-| `on_epoch_end(trainer, epoch, metrics)` | after each epoch's validation | `metrics` all-reduced over the ranks, already in `trainer.history` and logged; set `trainer.should_stop` to end the fit after this epoch (alike on every rank: decide from `metrics`) |
+| `on_train_batch_end(trainer, index, batch, loss)` | after each training step's optimizer step | `loss` is the step's loss tensor, on the device: read it (`.item()`) only where a pause of the GPU is worth it; only callbacks that define this hook are called |
+| `on_epoch_end(trainer, epoch, metrics)` | after each epoch (and its validation, on the epochs that have one: `settings.validate_every`) | `metrics` all-reduced over the ranks, already in `trainer.history` and logged; set `trainer.should_stop` to end the fit after this epoch (alike on every rank: decide from `metrics`) |
 | `on_fit_end(trainer)` | once, after the last epoch | also after a stop; not after an exception |
 | `state_dict()` | when a checkpoint is written | keys added to the checkpoint's top level, distinct from the trainer's and every other callback's; it may gather across ranks (rank 0 alone writes) |
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from common.training.loop import Trainer
 
 
@@ -27,6 +30,10 @@ class Callback:
     """A concern of the fit; every hook does nothing unless overridden."""
 
     def on_fit_start(self, trainer: Trainer) -> None:
+        pass
+
+    def on_train_batch_end(self, trainer: Trainer, index: int, batch: tuple[torch.Tensor, ...],
+                           loss: torch.Tensor) -> None:
         pass
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:

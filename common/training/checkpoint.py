@@ -9,6 +9,7 @@ to resume and sends its state to the others.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,13 +76,20 @@ class RankRandomStreams(Callback):
 
 
 class Checkpoint(Callback):
-    """Writes the trainer's and every callback's state to `path` every `every` epochs (not in the epoch the fit
-    stops in) and, marked finished, at the end of the fit; `read` finds the one to resume from."""
+    """Writes the trainer's and every callback's state to `path` once `every_s` seconds of the fit have passed since
+    its start or its last checkpoint (0: after every epoch; never in the epoch the fit stops in) and, marked finished,
+    at the end of a fit that wrote or resumed one, or lasted `every_s` at least; `read` finds the one to resume from.
 
-    def __init__(self, path: Path, every: int, runtime: Runtime):
+    By time, not by epochs: a checkpoint costs the same whatever the epoch's length (a 180 MB network written every
+    few seconds of a fast GPU's epochs is most of the run), and an interruption loses at most `every_s` of work. A fit
+    shorter than that writes nothing and is trained again on a resume."""
+
+    def __init__(self, path: Path, every_s: float, runtime: Runtime):
         self.path = path
-        self.every = every
+        self.every_s = every_s
         self.runtime = runtime
+        self.started = self.last = 0.0
+        self.holds_state = False
 
     def read(self) -> dict | None:
         """The checkpoint to resume from, as rank 0 finds it, on every rank (None where rank 0 has none); its tensors
@@ -95,13 +103,31 @@ class Checkpoint(Callback):
             state = shared[0]
         return state
 
+    def load_state_dict(self, checkpoint: dict) -> None:
+        self.holds_state = True
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.started = self.last = self._now()
+        self.holds_state = trainer.resumed_from is not None
+
     def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
-        if (epoch + 1) % self.every == 0 and not trainer.should_stop:
+        if not trainer.should_stop and self._now() - self.last >= self.every_s:
             self._write(trainer.state_dict(finished=False))
 
     def on_fit_end(self, trainer: Trainer) -> None:
-        self._write(trainer.state_dict(finished=True))
+        if self.holds_state or self._now() - self.started >= self.every_s:
+            self._write(trainer.state_dict(finished=True))
+
+    def _now(self) -> float:
+        """Rank 0's clock, on every rank: the ranks decide together whether to write (the state gathers from all)."""
+        now = time.monotonic()
+        if self.runtime.distributed:
+            shared = torch.tensor([now], dtype=torch.float64, device=self.runtime.device)
+            dist.broadcast(shared, src=0)
+            now = float(shared)
+        return now
 
     def _write(self, state: dict) -> None:
         if self.runtime.is_main:
             save_atomic(state, self.path)
+        self.last, self.holds_state = self._now(), True

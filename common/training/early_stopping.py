@@ -45,12 +45,14 @@ class EarlyStopping(Callback):
         return value < self.best if self.mode == "min" else value > self.best
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+        """Only validated epochs count; the epochs since the best one, validated or not, are what `patience` is."""
+        if self.monitor not in metrics:
+            return
         if self._improved(metrics):
-            self.best, self.best_epoch, self.bad_epochs = metrics[self.monitor], epoch, 0
+            self.best, self.best_epoch = metrics[self.monitor], epoch
             self.best_tie = metrics.get(self.tie_break, math.inf)
             self.best_state = copy.deepcopy(trainer.module.state_dict())
-        else:
-            self.bad_epochs += 1
+        self.bad_epochs = epoch - self.best_epoch
         if self.patience is not None and self.bad_epochs >= self.patience:
             trainer.should_stop = True
 

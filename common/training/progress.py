@@ -39,6 +39,9 @@ class Progress(Callback):
         self.last_line = time.perf_counter()
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+        if self.monitor not in metrics:  # an epoch without validation
+            self.bar.update()
+            return
         value, best = metrics[self.monitor], self.best.best
         self.bar.set_postfix({self.monitor: f"{value:.4f}", "best": f"{best:.4f}"})
         self.bar.update()

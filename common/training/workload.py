@@ -5,7 +5,8 @@ Per torch model, measured at the end of a fit by its `WorkloadProbe` on one batc
 
 - `params`, `weight_bytes`; `batch_size`; `samples_per_epoch`; `epochs_run`;
 - `train_ops_per_step`, `infer_ops_per_batch`: operators dispatched (on a GPU, kernel launches: the bound of small
-  models);
+  models); `host_syncs_per_step`: those of a training step that make the host wait for the device
+  (`common.training.syncs`), each a drained GPU queue;
 - `train_flops_per_sample`, `infer_flops_per_sample`: `torch.utils.flop_counter.FlopCounterMode` over one training
   step (forward and backward) and one prediction (what serving does: a forward pass, or a user's full ranking);
 - `train_bytes_per_sample`, `infer_bytes_per_sample` (estimated): memory traffic per sample. A training step reads
@@ -17,9 +18,8 @@ Per torch model, measured at the end of a fit by its `WorkloadProbe` on one batc
 - `loader_samples_per_s`: the input pipeline alone, timed over a few batches with the model removed;
 - `train_samples_per_s` and `data_wait_share`: the last epoch's, as the loop measured them.
 
-Per CPU-side part of a run (the GARCH fits, ItemKNN, EASE, ALS, the logistic regression, the bootstrap), `cpu_part`
-logs `workload/cpu/<part>/seconds` (wall), `workload/cpu/<part>/cpu_seconds` (this process's CPU time) and
-`workload/cpu/<part>/parallel` (1 when the part splits over cores or workers, so that more vCPUs shorten it).
+The rest of a run (the GARCH fits, ItemKNN, EASE, the evaluation, the replays) is timed as its phases
+(`common.runtime.phases`), each saying whether a GPU, more cores or neither would shorten it.
 
 A run logged by another tool with the same keys can be advised on as well.
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.training.callbacks import Callback
+from common.training.syncs import HostSyncs
 
 if TYPE_CHECKING:
     from common.training.loop import Trainer
@@ -124,7 +124,7 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         module.train()
-        with FlopCounterMode(display=False) as counter, OpCounter() as train_ops, \
+        with FlopCounterMode(display=False) as counter, OpCounter() as train_ops, HostSyncs() as syncs, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.autocast(**autocast):
                 loss = step(module, batch).float()
@@ -151,6 +151,7 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
         "weight_bytes": float(weights),
         "batch_size": float(size),
         "train_ops_per_step": float(train_ops.ops),
+        "host_syncs_per_step": float(syncs.count),
         "infer_ops_per_batch": float(infer_ops),
         "train_flops_per_sample": train_flops / size,
         "infer_flops_per_sample": infer_flops / size,
@@ -185,14 +186,3 @@ class WorkloadProbe(Callback):
         if trainer.runtime.is_main:
             trainer.log_metrics({f"model/{trainer.model_name}/{key}": value for key, value in facts.items()
                                  if not math.isnan(value)}, trainer.step_offset + trainer.epoch)
-
-
-@contextmanager
-def cpu_part(name: str, log_metrics: Callable[[dict[str, float]], None], parallel: bool = False) -> Iterator[None]:
-    """Time a CPU-side part of a run under `workload/cpu/<name>/`: wall seconds, this process's CPU seconds, and
-    whether more cores would shorten it."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    yield
-    log_metrics({f"workload/cpu/{name}/seconds": time.perf_counter() - wall,
-                 f"workload/cpu/{name}/cpu_seconds": time.process_time() - cpu,
-                 f"workload/cpu/{name}/parallel": float(parallel)})

@@ -28,7 +28,7 @@ def make_trainer(*, callbacks=(), checkpoint_dir=None, log_metrics=None, seed=0,
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), supervised(nn.functional.mse_loss), CPU,
-                   TrainConfig(**{"epochs": 6, "patience": 100, **settings}), monitor="val/mse",
+                   TrainConfig(**{"epochs": 6, "patience": 100, "checkpoint_every_s": 0, **settings}), monitor="val/mse",
                    checkpoint_dir=checkpoint_dir, log_metrics=log_metrics, callbacks=callbacks)
 
 
@@ -81,7 +81,7 @@ class EpochCounter(Callback):
 
 def test_a_callback_gets_the_hooks_in_order_with_the_epochs_metrics(tmp_path):
     recorder = Recorder()
-    trainer = make_trainer(callbacks=[recorder], checkpoint_dir=tmp_path, epochs=3, checkpoint_every=2)
+    trainer = make_trainer(callbacks=[recorder], checkpoint_dir=tmp_path, epochs=3)
     result = trainer.fit(batches(), val_mse)
     assert recorder.calls[0] == ("on_fit_start", trainer, None)
     epochs = [call for call in recorder.calls if call[0] == "on_epoch_end"]
@@ -89,7 +89,8 @@ def test_a_callback_gets_the_hooks_in_order_with_the_epochs_metrics(tmp_path):
     assert [{"epoch": epoch, **metrics} for _, epoch, metrics, _ in epochs] == result.history
     assert [in_history for *_, in_history in epochs] == [1, 2, 3], "the epoch is in the history when the hook runs"
     assert [call[0] for call in recorder.calls] == [
-        "on_fit_start", "on_epoch_end", "on_epoch_end", "state_dict", "on_epoch_end", "on_fit_end", "state_dict"]
+        "on_fit_start", "on_epoch_end", "state_dict", "on_epoch_end", "state_dict", "on_epoch_end", "state_dict",
+        "on_fit_end", "state_dict"]
     assert recorder.calls[-2] == ("on_fit_end", 2)
 
     again = Recorder()

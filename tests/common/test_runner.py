@@ -30,6 +30,8 @@ USECASE = UseCase.declare(__name__, description="a plug-in for the runner's test
 '''
 
 PIPELINE = '''
+import time
+
 import mlflow
 
 from common.usecase import RunResult, Served
@@ -46,6 +48,11 @@ def load_data(config, path):
 
 def run(config, data, job):
     models = {"best": {"score": 0.7, "val_score": 0.8}, "other": {"score": 0.6, "val_score": 0.5}}
+    with job.phase("fit/best", "device"):
+        time.sleep(0.1)  # long enough to be in the phase line
+        job.model_done("best", models["best"])
+        if job.summary is not None:
+            assert '"partial": true' in job.summary.read_text()  # written as soon as the model was done
     if config.returns == "dict":
         return models
     if config.returns == "unserved":
@@ -140,3 +147,17 @@ def test_the_demo_runs_each_use_case_on_its_default_preset_and_falls_back_to_syn
     assert [request.overrides for request in requests] == [(), ("data.source=synthetic",)]
     assert {(request.preset, request.device, request.frames) for request in requests} == {("default", "cpu", "pandas")}
 
+
+
+def test_a_run_says_where_its_time_went_and_how_it_took_determinism(plugin, capsys, tmp_path):
+    summary = tmp_path / "summary.json"
+    runner.run_usecase(RunRequest(plugin, "smoke", device="cpu", summary=summary))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith("time: ") and " in all — " in printed[-1] and "fit/best" in printed[-1]
+    assert printed[-1].count("%") >= 2 and printed[-1].endswith("%)")
+    (run,) = mlflow.search_runs(experiment_names=["gpu-usecases-scored"], output_format="list")
+    assert {"time/data_s", "time/fit/best_s", "time/logging_s", "time/total_s"} <= set(run.data.metrics)
+    assert run.data.tags["time_phases"] == '{"data": "serial", "fit/best": "device", "logging": "serial"}'
+    assert (run.data.tags["deterministic"], run.data.tags["cudnn_benchmark"]) == ("true", "false"), \
+        "runtime.deterministic auto is deterministic on a CPU"
+    assert '"partial"' not in summary.read_text(), "the run's own summary replaces the partial one"

@@ -40,7 +40,7 @@ def make_trainer(model, runtime=CPU, *, lr=0.1, momentum=0.0, scheduler=False, c
                  log_metrics=None, monitor="val/mse", mode="min", tie_break=None, **settings):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scheduler else None
-    settings = {"epochs": 10, "patience": 100, **settings}
+    settings = {"epochs": 10, "patience": 100, "checkpoint_every_s": 0, **settings}
     return Trainer(model, optimizer, supervised(nn.functional.mse_loss), runtime, TrainConfig(**settings),
                    monitor=monitor, mode=mode, scheduler=sched, checkpoint_dir=checkpoint_dir, log_metrics=log_metrics,
                    tie_break=tie_break)

@@ -9,7 +9,7 @@ from torch import nn
 from common.config import TrainConfig
 from common.runtime.devices import Runtime
 from common.training.loop import TensorBatches, Trainer, supervised
-from common.training.workload import WorkloadProbe, cpu_part, loader_rate, measure_model
+from common.training.workload import WorkloadProbe, loader_rate, measure_model
 
 CPU = Runtime(torch.device("cpu"), None)
 
@@ -68,18 +68,3 @@ def test_the_loop_logs_the_facts_under_the_models_name_and_the_run_goes_on_alike
     assert measured["model/tiny/samples_per_epoch"] == 64 and measured["model/tiny/epochs_run"] == 2
     assert measured["model/tiny/loader_samples_per_s"] > 0 and "model/tiny/train_samples_per_s" in measured
     assert not any(key.startswith("model/") for key in plain)
-
-
-def test_a_cpu_part_logs_its_wall_and_cpu_seconds(monkeypatch):
-    """On scripted clocks: 2 s of wall time of which 1.5 s on this process's CPUs."""
-    from types import SimpleNamespace
-
-    from common.training import workload
-
-    wall, cpu = iter([10.0, 12.0]), iter([3.0, 4.5])
-    monkeypatch.setattr(workload, "time", SimpleNamespace(perf_counter=lambda: next(wall), process_time=lambda: next(cpu)))
-    logged = {}
-    with cpu_part("garch", logged.update, parallel=True):
-        pass
-    assert logged == {"workload/cpu/garch/seconds": 2.0, "workload/cpu/garch/cpu_seconds": 1.5,
-                      "workload/cpu/garch/parallel": 1.0}
