@@ -1,6 +1,7 @@
-"""`usecases advise` as a user runs it: after a smoke run, a table of instances with time, cost and bottleneck, the
-recommendations and the actions, the same as JSON, and the table and plot logged to the run; a model of one's own
-from a workload file; one line for each mistake."""
+"""`usecases advise` as a user runs it: after a smoke run, a table of instances with the whole run's time and cost
+(training a part of it) and its bottleneck, the recommendations and the actions, the same as JSON with every phase
+and model, and the table and plot logged to the run; the run's facts kept as JSON; a model of one's own from a
+workload file; one line for each mistake."""
 
 from __future__ import annotations
 
@@ -37,16 +38,23 @@ def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name,
     assert main(["run", name, "--preset", "smoke"]) == 0
     table = advise(capsys, name)
     assert "Every figure below is estimated" in table and "Recommendations (estimated):" in table
-    assert "- train, cheapest run that fits:" in table and "- serve 100 requests/s, cheapest a month:" in table
+    assert "whole run" in table and "of it training" in table
+    assert "- run, the cheapest that fits:" in table and "- serve 100 requests/s, cheapest a month:" in table
     report = strict_json(advise(capsys, name, "--format", "json"))
     rows = report["rows"]
     assert len(rows) >= 10 and report["estimated"] is True
     priced = [row for row in rows if row["price_per_hour_usd"] is not None]
-    assert len(priced) >= 10 and all(row["train_cost_usd"]["expected"] > 0 for row in priced)
+    assert len(priced) >= 10 and all(row["run_cost_usd"]["expected"] > 0 for row in priced)
     for row in rows:
-        for key in ("train_seconds", "train_samples_per_s", "serve_samples_per_s", "latency_ms"):
+        for key in ("run_seconds", "train_seconds", "train_samples_per_s", "serve_samples_per_s", "latency_ms"):
             assert row[key]["low"] <= row[key]["expected"] <= row[key]["high"], (row["instance"], key)
+        assert row["train_seconds"]["expected"] < row["run_seconds"]["expected"]
         assert row["bottleneck"] in BOUNDS
+        whole = row["whole_run"]
+        assert set(whole["phases"]) >= set(report["measured"]["phases"]) | {"start"}, row["instance"]
+        assert whole["total_seconds"]["expected"] == pytest.approx(sum(
+            phase["seconds"]["expected"] for phase in whole["phases"].values()))
+        assert all(model["fit_seconds"]["expected"] > 0 for model in whole["models"].values())
     assert report["recommendations"]["train_cheapest"] in table
     (run,) = runs(name)
     artifacts = {item.path for item in mlflow.MlflowClient().list_artifacts(run.info.run_id, "advise")}
@@ -54,12 +62,29 @@ def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name,
     measured = report["measured"]["models"].values()
     assert all(model["samples_per_epoch"] > 0 and model["params"] > 0 for model in measured)
     assert any(model["train_flops_per_sample"] > 0 for model in measured)  # BPR's gathers count no FLOPs
-    if name in ("finance", "recsys"):  # the GARCH fits and the CPU baselines: more vCPUs shorten them
-        assert report["measured"]["cpu_parts_seconds"]
-        assert any("vCPUs" in line for line in report["actions"]), (report["actions"], report["measured"])
+    assert report["measured"]["phases"] and any(key.startswith("fit/") for key in report["measured"]["phases"])
+    assert any(line.startswith("training is ") and "of the run on" in line for line in report["actions"])
+    assert_the_facts_are_kept(run, tmp_path)
     assert_the_renting_answer(name, report, capsys, tmp_path)
     if name == "medical":
         assert_a_gpu_run_of_the_preset_calibrates_the_cpu_run(run, capsys)
+
+
+def assert_the_facts_are_kept(run, tmp_path):
+    """`python -m common.advisor.facts RUN_ID FILE` keeps the run's facts, as `advise` reads them, with their
+    source, and the metrics asked for."""
+    from common.advisor.catalog import load_gpus
+    from common.advisor.facts import facts_from_run, main as keep, read_facts
+
+    metric = next(key for key in run.data.metrics if key.startswith("time/"))
+    assert keep([run.info.run_id, str(tmp_path / "facts.json"), "--metric", metric, "--note", "a test"]) == 0
+    facts, rest = read_facts(tmp_path / "facts.json")
+    assert facts == facts_from_run(run, run.data.tags["usecase"], load_gpus())
+    assert facts.total_seconds == run.data.metrics["time/total_s"] > 0 and facts.cores == int(run.data.tags["cpu_cores"])
+    assert facts.gpu is None and facts.gpu_count == 0 and facts.tf32 is False
+    assert facts.precision == run.data.params["runtime.precision"]
+    assert rest["source"]["run_id"] == run.info.run_id and rest["source"]["note"] == "a test"
+    assert rest["source"]["commit"] and rest["metrics"] == {metric: run.data.metrics[metric]}
 
 
 def assert_the_renting_answer(name, report, capsys, tmp_path):
@@ -68,7 +93,7 @@ def assert_the_renting_answer(name, report, capsys, tmp_path):
     rows = {row["instance"]: row for row in report["rows"]}
     pick = rows[report["recommendations"]["train_cheapest"]]
     assert report["measured"]["data_bytes"] > 0
-    assert 0 < pick["spot"]["cost_usd"]["expected"] < pick["train_cost_usd"]["expected"]
+    assert 0 < pick["spot"]["cost_usd"]["expected"] < pick["run_cost_usd"]["expected"]
     assert any(line.startswith("spot on ") and "interruptions at 0.05 an hour" in line for line in report["actions"])
     assert any(("2 GPUs (" in line or " x " in line) and "with DDP" in line and "x (expected" in line
                for line in report["actions"]), report["actions"]
@@ -83,12 +108,12 @@ def assert_the_renting_answer(name, report, capsys, tmp_path):
     assert ("data from" in advise(capsys, name, "--data-gb", "2000")) == any(
         row["data"]["matters"] for row in big["rows"] if row["data"])
     cheapest = big_pick["spot"]["cost_usd"]["expected"] if big["pricing"]["train_cheapest"] == "spot" else \
-        big_pick["train_cost_usd"]["expected"]
+        big_pick["run_cost_usd"]["expected"]
     budget = strict_json(advise(capsys, name, "--data-gb", "2000", "--budget", f"{cheapest / 2}", "--format", "json"))
     assert budget["recommendations"]["train_cheapest"] is None
     assert any(line.startswith("no instance trains within $") for line in budget["actions"])
     hours = (big_pick["spot"]["seconds"]["expected"] if big["pricing"]["train_cheapest"] == "spot" else
-             big_pick["train_seconds"]["expected"]) / 3600
+             big_pick["run_seconds"]["expected"]) / 3600
     rushed = strict_json(advise(capsys, name, "--data-gb", "2000", "--deadline", f"{hours / 3}", "--format", "json"))
     assert rushed["recommendations"]["train_cheapest"] not in (None, big["recommendations"]["train_cheapest"])
     assert "spot cost per run" in advise(capsys, name)  # spot saves over 20 % somewhere: its column is shown
@@ -109,15 +134,16 @@ def assert_the_renting_answer(name, report, capsys, tmp_path):
 
 def assert_a_gpu_run_of_the_preset_calibrates_the_cpu_run(cpu_run, capsys):
     """A run of the same preset measured on an A100 (logged here by hand: no GPU on this machine) gives the CPU
-    run's estimates their GPU rate: the A100's training rate is then the measured one, within its 0.7x-1.5x range
-    (MEASURED_SPREAD, the leave-one-model-out envelope)."""
+    run's estimates their GPU rate and input pipeline: the A100's training rate is then the measured one, within its
+    0.7x-1.5x range (MEASURED_SPREAD, the leave-one-model-out envelope)."""
     client = mlflow.MlflowClient()
     facts = {key: value for key, value in cpu_run.data.metrics.items() if key.startswith("model/")}
     name = next(key.split("/")[1] for key in facts)
     gpu_run = client.create_run(cpu_run.info.experiment_id, tags={"device": "cuda", "preset": "smoke",
                                                                     "gpu_name": "NVIDIA A100-SXM4-80GB",
                                                                     "world_size": "1", "cpu_cores": "8"})
-    for key, value in {**facts, f"model/{name}/train_samples_per_s": 20_000.0}.items():
+    measured_there = {f"model/{name}/train_samples_per_s": 20_000.0, f"model/{name}/loader_samples_per_s": 1e6}
+    for key, value in {**facts, **measured_there}.items():
         client.log_metric(gpu_run.info.run_id, key, value)
     client.set_terminated(gpu_run.info.run_id)
     report = strict_json(advise(capsys, "medical", "--run", cpu_run.info.run_id, "--format", "json"))
@@ -159,9 +185,9 @@ def test_no_run_a_bad_catalogue_or_a_bad_workload_is_one_line(capsys, tmp_path):
     assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "g.json"),
                     names=("unknown GPU 'RTX 9090'", "known: T4"))
     (tmp_path / "t.json").write_text(json.dumps({"task": "train", "flops_per_sample": 1e9, "bytes_per_sample": 1e6,
-                                                 "precision": "amp", "batch_size": 8, "checkpoint_every": -2}))
+                                                 "precision": "amp", "batch_size": 8, "checkpoint_every_s": -2}))
     assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "t.json"),
-                    names=("t.json", "checkpoint_every must be a whole number of epochs, at least 1 (got -2)"))
+                    names=("t.json", "checkpoint_every_s must be a number of seconds, 0 or more (got -2)"))
     (tmp_path / "t.json").write_text(json.dumps({"task": "train", "flops_per_sample": 1e9, "bytes_per_sample": 1e6,
                                                  "precision": "amp", "batch_size": 8}))
     assert_rejected(capsys, "medical", "advise", "--workload", str(tmp_path / "t.json"), "--data-gb", "40",

@@ -1,86 +1,29 @@
-"""`usecases advise`: which GPU instance to rent to train and to serve a use case, and what it will cost, from the
-workload facts its run logged (`common.training.workload`), the catalogue (`common.advisor.catalog`) and the estimator
-(`common.advisor.estimate`). Every figure of another machine is an estimate with its range; this run's own figures are
-measured and labelled so.
+"""`usecases advise`: which GPU instance to rent to run and to serve a use case, and what it will cost, from the
+workload facts and phases its run logged (`common.advisor.facts`), the catalogue (`common.advisor.catalog`) and the
+whole-run model (`common.advisor.wholerun`). Every figure of another machine is an estimate with its range; this
+run's own figures are measured and labelled so.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-from common.advisor.budget import (INTERRUPTIONS_PER_HOUR, REQUESTS_PER_S, Serving, SpotRun, serving_month, spot_run,
-                                   within)
+from common.advisor.budget import serving_month, spot_run, within
 from common.advisor.catalog import GPU, Instance, Link, load_gpus, load_instances, load_links
-from common.advisor.estimate import Range, Workload, cpu_seconds, estimate
+from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts
-from common.advisor.lines import budget_lines, money, placement_lines, scaling_lines, spot_lines
-from common.advisor.scaling import Scaling, data_parallel
-from common.advisor.storage import Placement, place
+from common.advisor.formats import duration, money
+from common.advisor.lines import budget_lines, placement_lines, scaling_lines, spot_lines
+from common.advisor.rows import Choice, Options, Row, choices, priced
+from common.advisor.storage import place
+from common.advisor.wholerun import ModelRun, WholeRun, serving, whole_run
 
 DATA_WAIT_ACTION = 0.10  # of a training epoch spent waiting for data
 LOW_UTILISATION = 40.0  # percent of the GPU busy
 HIGH_MEMORY = 0.90  # of the GPU's memory
-CPU_SHARE_ACTION = 0.30  # of a run spent in CPU-side work
-
-
-def _workload(facts: RunFacts, model: dict[str, float], task: str) -> Workload:
-    """One model's training or serving workload; the rate measured on the run's GPU, if any, calibrates it."""
-    prefix = "train" if task == "train" else "infer"
-    measured = model.get(f"measured_{task}_samples_per_s") if facts.gpu is not None else None
-    return Workload(task, model.get(f"{prefix}_flops_per_sample", math.nan),
-                    model.get(f"{prefix}_bytes_per_sample", math.nan), facts.precision, int(model.get("batch_size", 1)),
-                    ops_per_batch=model.get("train_ops_per_step" if task == "train" else "infer_ops_per_batch", 0.0),
-                    weight_bytes=model.get("weight_bytes", 0.0), peak_memory_gb=model.get("peak_memory_gb", math.nan),
-                    loader_samples_per_s=model.get("loader_samples_per_s", math.nan),
-                    loader_cores=facts.cores,
-                    measured_gpu=facts.gpu if measured else None, measured_samples_per_s=measured or None)
-
-
-@dataclass
-class Row:
-    """One instance's estimates (every figure a Range, or NaN where the price is unknown)."""
-
-    instance: Instance
-    train_seconds: Range | None = None  # on demand, the data's copy included
-    epoch_seconds: Range | None = None
-    train_cost: Range | None = None
-    train_bound: str = ""
-    train_per_s: Range | None = None  # of the model that takes the most time, on all the instance's GPUs
-    serve_per_s: Range | None = None
-    latency_ms: Range | None = None
-    serve_cost_per_million: Range | None = None
-    memory_share: float = math.nan
-    fits: bool = True
-    scaling: Scaling | None = None  # the instance's GPUs against one, for that model
-    placement: Placement | None = None
-    spot: SpotRun | None = None
-    serving: Serving | None = None
-
-
-@dataclass(frozen=True)
-class Options:
-    """What the user states: the money and time they have, the serving load, the spot interruption rate."""
-
-    budget_usd: float | None = None
-    deadline_h: float | None = None
-    requests_per_s: float = REQUESTS_PER_S
-    interruptions_per_hour: float = INTERRUPTIONS_PER_HOUR
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A recommended instance and how it is paid for."""
-
-    row: Row
-    spot: bool
-    seconds: Range
-    cost: Range
-
-    @property
-    def pricing(self) -> str:
-        return "spot" if self.spot else "on demand"
+OTHER_SHARE_ACTION = 0.30  # of a run spent outside the torch models' fits
+SHOWN_PHASES = 3  # the longest phases an action names
 
 
 def advise(facts: RunFacts, instances: list[Instance], gpus: dict[str, GPU], task: str,
@@ -90,54 +33,50 @@ def advise(facts: RunFacts, instances: list[Instance], gpus: dict[str, GPU], tas
     for instance in instances:
         row = Row(instance)
         if task in ("train", "both"):
-            _train(row, facts, gpus, links, options)
+            _run(row, facts, gpus, links.get(instance.interconnect), options)
         if task in ("serve", "both"):
             _serve(row, facts, gpus, options)
         rows.append(row)
     return rows
 
 
-def _train(row: Row, facts: RunFacts, gpus: dict[str, GPU], links: dict[str, Link], options: Options) -> None:
+def _run(row: Row, facts: RunFacts, gpus: dict[str, GPU], link: Link | None, options: Options) -> None:
+    """The whole run on the row's instance: where its data sits (and whether reading it bounds training), every
+    phase, the training part, the cost on demand and on spot."""
     instance = row.instance
-    fitted = []  # (model, its rate on all the instance's GPUs, bound, scaling, memory share, fits)
-    for name, model in facts.models.items():
-        if "train_flops_per_sample" not in model:
-            continue
-        workload = _workload(facts, model, "train")
-        found = estimate(workload, instance.gpu, gpus, instance.vcpus, facts.tf32)
-        scaling = data_parallel(workload.batch_size / found.samples_per_s.expected, model.get("weight_bytes", 0.0),
-                                instance.gpu_count, links.get(instance.interconnect))
-        fitted.append((name, model, found.samples_per_s.times(scaling.speedup), found.bound, scaling,
-                       found.memory_share, found.fits))
-    if fitted and facts.bytes_per_sample > 0:
-        fastest = max(rate.expected for _, _, rate, *_ in fitted)
+    whole = whole_run(facts, instance, gpus, link)
+    if whole.models and facts.bytes_per_sample > 0:
+        fastest = max(model.samples_per_s.expected for model in whole.models.values())
         row.placement = place(facts.data_bytes / 1e9, fastest, facts.bytes_per_sample, instance)
-    epoch, run, longest = Range(0, 0, 0), Range(0, 0, 0), None
-    for name, model, rate, bound, scaling, _, _ in fitted:
-        if row.placement is not None and row.placement.bounds:
-            rate, bound = rate.capped_by(row.placement.read_gbs.scaled(1e9 / facts.bytes_per_sample)), "data storage"
-        samples = model.get("samples_per_epoch", model.get("batch_size", 1))
-        epoch = epoch.plus(rate.inverse().scaled(samples))
-        run = run.plus(rate.inverse().scaled(model.get("trained_samples") or samples * model.get("epochs_run", 1)))
-        if longest is None or samples / rate.expected > longest[0]:
-            longest = (samples / rate.expected, name, rate, bound, scaling)
-    cpu = Range(0, 0, 0)
-    for part in facts.cpu_parts.values():
-        cpu = cpu.plus(cpu_seconds(part.get("seconds", 0.0), bool(part.get("parallel")), facts.cores,
-                                   instance.vcpus))
+        if row.placement.bounds:
+            whole = whole_run(facts, instance, gpus, link,
+                              row.placement.read_gbs.scaled(1e9 / facts.bytes_per_sample))
     copy = row.placement.copy_s if row.placement is not None and row.placement.where in ("memory", "local NVMe") \
         else Range(0, 0, 0)
     copy = Range(0, 0, 0) if math.isnan(copy.expected) else copy
-    row.epoch_seconds, row.train_seconds = epoch, run.plus(cpu).plus(copy)
+    row.whole, row.train_seconds, row.run_seconds = whole, whole.training_s, whole.total_s.plus(copy)
+    row.run_cost = row.run_seconds.scaled(instance.price_per_hour / 3600)
+    longest = max(whole.models.values(), key=lambda model: model.fit_s.expected, default=None)
     if longest is not None:
-        _, name, row.train_per_s, bound, row.scaling = longest
-        row.train_bound = "CPU-side work" if cpu.expected > run.expected else bound
-        row.spot = spot_run(row.train_seconds, epoch, facts.checkpoint_every.get(name), instance.spot_price_per_hour,
-                            copy, options.interruptions_per_hour)
-    row.train_cost = row.train_seconds.scaled(instance.price_per_hour / 3600)
-    if fitted:
-        row.memory_share = max(share for *_, share, _ in fitted)
-        row.fits = all(fits for *_, fits in fitted)
+        row.epoch_seconds, row.train_per_s, row.scaling = longest.epoch_s, longest.samples_per_s, longest.scaling
+        row.memory_share = max(model.memory_share for model in whole.models.values())
+        row.fits = all(model.fits for model in whole.models.values())
+    outside = row.run_seconds.expected - row.train_seconds.expected
+    row.bound = "other phases" if longest is None or outside > row.train_seconds.expected else longest.bound
+    row.spot = spot_run(row.run_seconds, _between_checkpoints(facts, longest), instance.spot_price_per_hour, copy,
+                        options.interruptions_per_hour)
+
+
+def _between_checkpoints(facts: RunFacts, longest: ModelRun | None) -> Range | None:
+    """Seconds between the checkpoints of the longest fit: `checkpoint_every_s`, at most the fit's length (a fit
+    shorter writes none); 0 saves after every epoch; None where the interval is unknown."""
+    every = facts.checkpoint_every_s.get(longest.name) if longest is not None else None
+    if every is None:
+        return None
+    if every == 0:
+        return longest.epoch_s
+    fit = longest.fit_s
+    return Range(min(every, fit.low), min(every, fit.expected), min(every, fit.high))
 
 
 def served_model(facts: RunFacts) -> dict[str, float] | None:
@@ -152,26 +91,21 @@ def _serve(row: Row, facts: RunFacts, gpus: dict[str, GPU], options: Options) ->
     if model is None:
         return
     instance = row.instance
-    workload = _workload(facts, model, "serve")
-    found = estimate(workload, instance.gpu, gpus, instance.vcpus, facts.tf32)
-    single = estimate(workload.at_batch(1), instance.gpu, gpus, instance.vcpus, facts.tf32)
-    row.serve_per_s = found.samples_per_s.scaled(instance.gpu_count)  # one replica per GPU
-    row.latency_ms = single.samples_per_s.inverse().scaled(1000)
+    rate, row.latency_ms, bound = serving(facts, model, instance, gpus)
+    row.serve_per_s = rate.scaled(instance.gpu_count)  # one replica per GPU
     row.serve_cost_per_million = row.serve_per_s.inverse().scaled(1e6 * instance.price_per_hour / 3600)
     row.serving = serving_month(row.serve_per_s, options.requests_per_s, instance.price_per_hour)
     if math.isnan(row.memory_share):
-        row.memory_share, row.fits = found.memory_share, found.fits
-    if not row.train_bound:
-        row.train_bound = found.bound
+        share = model.get("peak_memory_gb", math.nan) / instance.gpu.memory_gb
+        row.memory_share, row.fits = share, not share > 0.95
+    row.bound = row.bound or bound
 
 
 def recommend(rows: list[Row], options: Options | None = None) -> dict[str, Choice | None]:
-    """Training: the cheapest run that fits, on demand or on spot (where it finishes even at its range's slow end),
-    within the budget and the deadline (expected figures), and the fastest within 1.5x of its cost; serving: the
-    cheapest month at the stated request rate.
-    Instances without a known price are not recommended."""
+    """The run: the cheapest that fits, on demand or on spot (where it finishes even at its range's slow end), within
+    the budget and the deadline (expected figures), and the fastest within 1.5x of its cost; serving: the cheapest
+    month at the stated request rate. Instances without a known price are not recommended."""
     options = options or Options()
-    priced = _priced(rows)
     picks: dict[str, Choice | None] = {"train_cheapest": None, "train_fastest": None, "serve_cheapest": None}
     allowed = [choice for choice in choices(rows) if within(choice.seconds.expected, choice.cost.expected,
                                                             options.budget_usd, options.deadline_h)]
@@ -180,24 +114,11 @@ def recommend(rows: list[Row], options: Options | None = None) -> dict[str, Choi
         near = [choice for choice in allowed if choice.cost.expected <= 1.5 * cheapest.cost.expected]
         picks["train_cheapest"] = cheapest
         picks["train_fastest"] = min(near, key=lambda choice: choice.seconds.expected)
-    served = [row for row in priced if row.serving is not None]
+    served = [row for row in priced(rows) if row.serving is not None]
     if served:
         row = min(served, key=lambda row: (row.serving.month_usd.expected, row.serve_cost_per_million.expected))
         picks["serve_cheapest"] = Choice(row, False, Range(0, 0, 0), row.serving.month_usd)
     return picks
-
-
-def _priced(rows: list[Row]) -> list[Row]:
-    return [row for row in rows if row.fits and not math.isnan(row.instance.price_per_hour)]
-
-
-def choices(rows: list[Row]) -> list[Choice]:
-    """Every way to pay for a training run that fits: on demand, and on spot where it finishes even at the slow end
-    of its range."""
-    priced = _priced(rows)
-    return ([Choice(row, False, row.train_seconds, row.train_cost) for row in priced if row.train_cost is not None] +
-            [Choice(row, True, row.spot.seconds, row.spot.cost) for row in priced
-             if row.spot is not None and math.isfinite(row.spot.seconds.high)])
 
 
 def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Choice | None],
@@ -211,7 +132,7 @@ def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Choice | None],
             lines.append(f"{name}: data-wait share {100 * wait:.0f} % (measured): add loader workers "
                          "(train.workers) or keep the data on the device (data.in_memory)")
     if facts.gpu is not None and not math.isnan(facts.gpu_utilisation) and facts.gpu_utilisation < LOW_UTILISATION:
-        here = [row for row in rows if row.instance.gpu.name == facts.gpu and row.train_seconds is not None]
+        here = [row for row in rows if row.instance.gpu.name == facts.gpu and row.run_seconds is not None]
         cheaper = _cheaper_alike(rows, here[0]) if here else None
         lines.append(f"GPU utilisation {facts.gpu_utilisation:.0f} % on {facts.gpu} (measured)" +
                      (f": {cheaper.instance.gpu.name} ({cheaper.instance.name}) gives about the same time at "
@@ -224,47 +145,45 @@ def actions(facts: RunFacts, rows: list[Row], picks: dict[str, Choice | None],
         if pick.memory_share > HIGH_MEMORY:
             lines.append(f"peak memory {100 * pick.memory_share:.0f} % of the {pick.instance.gpu.name}'s (estimated):"
                          " the next larger GPU or a smaller batch")
-        if pick.train_seconds is not None and facts.cpu_parts:
-            share, vcpus = _cpu_share(facts, pick), _vcpus_to_match(facts, pick)
-            advice = (f"an instance with at least {vcpus} vCPUs keeps it below the GPU's time"
-                      if share > CPU_SHARE_ACTION and vcpus > pick.instance.vcpus else
-                      f"its {pick.instance.vcpus} vCPUs suffice (it needs {vcpus} to stay below the GPU's time)")
-            lines.append(f"CPU-side work ({', '.join(facts.cpu_parts)}: {_seconds(facts)} s on {facts.cores} cores, "
-                         f"measured) is {100 * share:.0f} % of the run on {pick.instance.name} (estimated): "
-                         f"{advice}")
+        if pick.whole is not None:
+            lines += _phase_lines(facts, pick, pick.whole)
         lines += placement_lines(pick) + spot_lines(pick, options) + scaling_lines(rows, pick)
     serve = picks.get("serve_cheapest")
     if serve is not None:
-        serving = serve.row.serving
-        lines.append(f"serving {serving.requests_per_s:g} requests/s: {serving.replicas.expected:g} x "
-                     f"{serve.row.instance.name}, {money(serving.month_usd.expected)} a month on demand "
-                     f"({money(serving.month_usd.low)}-{money(serving.month_usd.high)}; estimated)")
+        month = serve.row.serving
+        lines.append(f"serving {month.requests_per_s:g} requests/s: {month.replicas.expected:g} x "
+                     f"{serve.row.instance.name}, {money(month.month_usd.expected)} a month on demand "
+                     f"({money(month.month_usd.low)}-{money(month.month_usd.high)}; estimated)")
     return [line for line in lines if line]
 
 
+def _phase_lines(facts: RunFacts, pick: Row, whole: WholeRun) -> list[str]:
+    """Where the pick's run goes besides training, and the vCPUs its `cores` work needs to stay below the
+    training's time."""
+    run, training = pick.run_seconds.expected, pick.train_seconds.expected
+    others = sorted((phase for phase in whole.phases if not phase.name.startswith("fit/") or phase.model is None),
+                    key=lambda phase: -phase.seconds.expected)
+    if not others or not run > 0:
+        return []
+    named = ", ".join(f"{phase.name} {duration(phase.seconds.expected)}" for phase in others[:SHOWN_PHASES])
+    lines = [f"training is {100 * training / run:.0f} % of the run on {pick.instance.name} "
+             f"({duration(training)} of {duration(run)}); the longest other phases: {named} (estimated)"]
+    cores = sum(phase.measured_s for phase in whole.phases if phase.scales == "cores")
+    if cores > 0 and (run - training) / run > OTHER_SHARE_ACTION:
+        needed = max(1, math.ceil(cores * facts.cores / max(training, 1e-9)))
+        advice = (f"an instance with at least {needed} vCPUs keeps it below the training's time"
+                  if needed > pick.instance.vcpus else
+                  f"its {pick.instance.vcpus} vCPUs suffice (it needs {needed} to stay below the training's time)")
+        lines.append(f"CPU work split over the cores ({cores:.2g} s on {facts.cores} cores, measured): {advice}")
+    return lines
+
+
 def _cheaper_alike(rows: list[Row], here: Row) -> Row | None:
-    """The cheapest instance whose expected training time is within 10 % of `here`'s."""
-    alike = [row for row in rows if row.fits and row.train_seconds is not None and row.instance.gpu_count == 1 and
-             row.train_seconds.expected <= 1.1 * here.train_seconds.expected and
+    """The cheapest instance whose expected run time is within 10 % of `here`'s."""
+    alike = [row for row in rows if row.fits and row.run_seconds is not None and row.instance.gpu_count == 1 and
+             row.run_seconds.expected <= 1.1 * here.run_seconds.expected and
              row.instance.price_per_hour < here.instance.price_per_hour]
     return min(alike, key=lambda row: row.instance.price_per_hour) if alike else None
-
-
-def _cpu_share(facts: RunFacts, row: Row) -> float:
-    cpu = sum(cpu_seconds(part.get("seconds", 0.0), bool(part.get("parallel")), facts.cores,
-                          row.instance.vcpus).expected for part in facts.cpu_parts.values())
-    return cpu / row.train_seconds.expected if row.train_seconds.expected else 0.0
-
-
-def _seconds(facts: RunFacts) -> str:
-    return f"{sum(part.get('seconds', 0.0) for part in facts.cpu_parts.values()):.2g}"
-
-
-def _vcpus_to_match(facts: RunFacts, row: Row) -> int:
-    """The vCPUs at which the parallel CPU-side parts take no longer than the GPU's share of the run."""
-    gpu_seconds = row.train_seconds.expected * (1 - _cpu_share(facts, row))
-    parallel = sum(part.get("seconds", 0.0) for part in facts.cpu_parts.values() if part.get("parallel"))
-    return max(1, math.ceil(parallel * facts.cores / max(gpu_seconds, 1e-9)))
 
 
 def load_catalogue(catalog: Path | None) -> tuple[dict[str, GPU], list[Instance]]:

@@ -3,8 +3,9 @@ and the filters a budget and a deadline put on the answer.
 
 A spot run is interrupted at a stated rate (interruptions per hour of running; providers publish buckets, such as
 AWS's Spot Instance Advisor's monthly frequencies, not a figure per hour, so the rate is the user's to state). Each
-interruption loses the work since the last checkpoint (on average half of `checkpoint_every` epochs, or half the run
-if it never checkpoints) and a restart: a new instance, the setup, the data copied again and the checkpoint loaded.
+interruption loses the work since the last checkpoint (on average half of the time between checkpoints: a fit saves
+every `checkpoint_every_s` seconds, or never if it is shorter; half the run where the interval is unknown) and a
+restart: a new instance, the setup, the data copied again and the checkpoint loaded.
 The run's time then solves `T = work + rate x T x (lost + restart)`, which has no answer (the run never finishes)
 once an interruption costs more than the mean time between them.
 """
@@ -28,7 +29,7 @@ class SpotRun:
     cost: Range
     interruptions: float  # expected
     lost_s: float  # work lost per interruption, expected
-    checkpoint_every: int | None  # epochs, of the model that takes the most time
+    between_s: float  # expected seconds between checkpoints (the whole run where none is known)
 
     def saving(self, on_demand: Range) -> float:
         """The expected saving over on demand, a share (negative: spot costs more)."""
@@ -37,27 +38,28 @@ class SpotRun:
     def as_dict(self, on_demand: Range | None = None) -> dict:
         return {"seconds": self.seconds.as_dict(), "cost_usd": self.cost.as_dict(),
                 "interruptions": self.interruptions, "lost_per_interruption_s": self.lost_s,
-                "checkpoint_every_epochs": self.checkpoint_every,
+                "between_checkpoints_s": self.between_s,
                 **({"saving": self.saving(on_demand)} if on_demand is not None else {})}
 
 
-def spot_run(work: Range, epoch: Range, checkpoint_every: int | None, spot_price: float, copy_s: Range,
+def spot_run(work: Range, between: Range | None, spot_price: float, copy_s: Range,
              per_hour: float = INTERRUPTIONS_PER_HOUR) -> SpotRun | None:
-    """`work` seconds of training on spot at `spot_price` a hour; None where there is no spot price."""
+    """`work` seconds of a run on spot at `spot_price` a hour, a checkpoint every `between` seconds (None: none
+    known, so an interruption loses half the run); None where there is no spot price."""
     if not spot_price >= 0:
         return None
     rate = per_hour / 3600
+    between = between or work
     levels = []
-    for level, (seconds, epoch_s, restart, copy) in enumerate(zip(
-            (work.low, work.expected, work.high), (epoch.low, epoch.expected, epoch.high), RESTART_S,
-            (copy_s.low, copy_s.expected, copy_s.high))):
-        between = checkpoint_every * epoch_s if checkpoint_every else seconds
-        lost = min(between, seconds) / 2
+    for seconds, every, restart, copy in zip((work.low, work.expected, work.high),
+                                             (between.low, between.expected, between.high), RESTART_S,
+                                             (copy_s.low, copy_s.expected, copy_s.high)):
+        lost = min(every, seconds) / 2
         per_interruption = lost + restart + (0.0 if math.isnan(copy) else copy)
         levels.append((seconds / (1 - rate * per_interruption) if rate * per_interruption < 1 else math.inf, lost))
     seconds = Range(*(total for total, _ in levels))
     return SpotRun(seconds, seconds.scaled(spot_price / 3600), rate * seconds.expected, levels[1][1],
-                   checkpoint_every)
+                   min(between.expected, work.expected))
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,22 @@
 """Estimated throughput of a workload on a GPU it has not run on, as a range, with the bound that sets it.
 
-The model is a roofline with efficiency ranges. Per batch, the GPU's time is the larger of the work at the
-precision's peak (`flops / (peak x compute efficiency)`) and the traffic at the memory bandwidth
-(`bytes / (bandwidth x memory efficiency)`); the host's is one launch per operator (`ops x launch time`); a step
-takes the larger of the two, since launches run ahead of the GPU. The input pipeline caps the rate at what the
-loader delivered, scaled by the instance's vCPUs; CPU-side work (`cpu_seconds`) is added to a run's time.
+A step (a training batch, or a served one) takes the device's time and the host's (`common.advisor.host`). The
+device's is a roofline with efficiency ranges: the larger of the work at the precision's peak
+(`flops / (peak x compute efficiency)`), the traffic at the memory bandwidth (`bytes / (bandwidth x memory
+efficiency)`) and a least time per kernel. The host's is every operator it dispatches, the counted ones and the
+optimizer's, at a calibrated cost each. Host and device overlap (the host queues kernels ahead), so a step takes the
+larger of the two; a step with host synchronisations drains the queue and takes their sum. The input pipeline caps
+the rate at what the loader delivered, scaled by the instance's vCPUs.
 
-Where the workload was measured on a GPU, that measurement is scaled to the other GPU by the ratio of the two
-roofline times (a measured run is always preferred). With only a CPU run, the rate comes from the calibrated
-efficiencies alone: wide ranges, and labelled so.
+Where the workload was measured on a GPU, that measurement is scaled to the other GPU by the ratio of the two step
+times (a measured run is always preferred). With only a CPU run, the rate comes from the calibrated efficiencies
+alone: wide ranges, and labelled so.
 
 The efficiencies are fitted (`calibrate`) to the published one-GPU results in `catalog/published.csv`, and both
 ranges are the out-of-sample error of that fit, leave one model family out (`leave_one_model_out`): each family's
 figures are predicted by a calibration that never saw them, and a range spans the largest such error, under and
-over (`tests/common/test_advisor.py` recomputes it and checks the constants below).
+over (`tests/common/test_advisor.py` recomputes it and checks the constants below). Those published figures are
+large batches of few operators: the host's side changes none of them.
 
     from common.advisor.estimate import Workload, estimate
     from common.advisor.catalog import load_gpus
@@ -29,6 +32,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from common.advisor.catalog import GPU
+from common.advisor.host import HOST_SECONDS_PER_OP, KERNEL_SECONDS, SYNC_SECONDS
 
 # A GPU with less power per peak TFLOPS than the V100 (T4: 70 W for 65; A100: 400 W for 312) sustains less of its
 # peak: the efficiency scales with (its watts per TFLOPS / the V100's) ** exponent, at most 1.
@@ -58,11 +62,10 @@ MEASURED_SPREAD = (0.7, 1.0, 1.5)
 COMPUTE_EFFICIENCY = {kind: (value * EFFICIENCY_SPREAD[0], value, min(1.0, value * EFFICIENCY_SPREAD[1]))
                       for kind, value in CALIBRATION.efficiency.items()}
 POWER_EXPONENT = CALIBRATION.power_exponent
-# Not calibrated: no published figure here is bound by memory bandwidth or by launches.
+# Not calibrated: no published figure here is bound by memory bandwidth.
 MEMORY_EFFICIENCY = (0.45, 0.65, 0.85)
-LAUNCH_SECONDS = (15e-6, 8e-6, 4e-6)  # per operator, eager PyTorch: slow host, typical, fast host
-# What `advise` names as a run's bound.
-BOUNDS = ("compute", "memory bandwidth", "launch overhead", "input pipeline", "data storage", "CPU-side work")
+# What `advise` names as a run's bound: of a model's steps, or the run's other phases.
+BOUNDS = ("compute", "memory bandwidth", "host overhead", "input pipeline", "data storage", "other phases")
 
 
 @dataclass(frozen=True)
@@ -94,14 +97,20 @@ class Range:
     def plus(self, other: Range) -> Range:
         return Range(self.low + other.low, self.expected + other.expected, self.high + other.high)
 
+    def floored(self, floor: Range) -> Range:
+        """Each bound at least the floor's same bound."""
+        return Range(max(self.low, floor.low), max(self.expected, floor.expected), max(self.high, floor.high))
+
     def as_dict(self) -> dict[str, float]:
         return {"low": self.low, "expected": self.expected, "high": self.high}
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What one model's training or serving does per sample; `ops_per_batch` the operators of one batch;
-    `weight_bytes` what every batch reads whatever its size (for batch-1 latency)."""
+    """What one model's training or serving does per sample; per batch, `ops_per_batch` the operators the probe
+    counted, `extra_ops` those it did not (the optimizer's and the loop's: slow, expected, fast) and
+    `syncs_per_batch` the host synchronisations; `weight_bytes` what every batch reads whatever its size (for batch-1
+    latency)."""
 
     task: str  # train or serve
     flops_per_sample: float
@@ -115,6 +124,8 @@ class Workload:
     loader_cores: int = 0  # the cores it had then
     measured_gpu: str | None = None
     measured_samples_per_s: float | None = None
+    extra_ops: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    syncs_per_batch: float = 0.0
 
     def at_batch(self, batch_size: int) -> Workload:
         """The same model at another batch size: the weights' traffic and the operators are per batch."""
@@ -166,24 +177,47 @@ def compute_efficiency(gpu: GPU, precision: str, calibration: Calibration | None
     return expected * EFFICIENCY_SPREAD[0], expected, min(1.0, expected * EFFICIENCY_SPREAD[1])  # never above peak
 
 
-def _batch_seconds(workload: Workload, gpu: GPU, precision: str, level: int,
+def device_seconds(workload: Workload, gpu: GPU, precision: str, level: int,
                    calibration: Calibration | None = None) -> tuple[float, str]:
-    """One batch's time and its bound at efficiency `level` (0 low, 1 expected, 2 high)."""
+    """The device's time for one batch and what bounds it, at `level` (0 slow, 1 expected, 2 fast): the work at the
+    peak, the traffic at the bandwidth, each at its efficiency, and a least time per kernel."""
     batch = workload.batch_size
     efficiency = compute_efficiency(gpu, precision, calibration)[level]
     compute = workload.flops_per_sample * batch / (gpu.tflops[precision] * 1e12 * efficiency)
     memory = workload.bytes_per_sample * batch / (gpu.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY[level])
-    launch = workload.ops_per_batch * LAUNCH_SECONDS[level]
-    seconds, bound = max((compute, "compute"), (memory, "memory bandwidth"), (launch, "launch overhead"))
+    kernels = workload.ops_per_batch * KERNEL_SECONDS[level]
+    seconds, bound = max((compute, "compute"), (memory, "memory bandwidth"), (kernels, "host overhead"))
     return max(seconds, 1e-12), bound
 
 
+def host_seconds(workload: Workload, level: int) -> float:
+    """The host's time for one batch at `level`: every operator it dispatches (see `common.advisor.host`)."""
+    return (workload.ops_per_batch + workload.extra_ops[level]) * HOST_SECONDS_PER_OP[level]
+
+
+def step_seconds(workload: Workload, device: float, level: int) -> tuple[float, bool]:
+    """One batch's time from the device's and the host's, and whether the host bounds it: the host queues kernels
+    ahead of the device, so the larger of the two; a synchronisation drains the queue, so with any the sum."""
+    host = host_seconds(workload, level)
+    if workload.syncs_per_batch > 0:
+        return host + device + workload.syncs_per_batch * SYNC_SECONDS[level], host > device
+    return max(host, device), host > device
+
+
+def _batch_seconds(workload: Workload, gpu: GPU, precision: str, level: int,
+                   calibration: Calibration | None = None) -> tuple[float, str]:
+    """One batch's time and its bound at `level`."""
+    device, bound = device_seconds(workload, gpu, precision, level, calibration)
+    seconds, host_bound = step_seconds(workload, device, level)
+    return seconds, "host overhead" if host_bound else bound
+
+
 def _peak_seconds(workload: Workload, gpu: GPU, precision: str) -> float:
-    """One batch's time at the datasheet's peak and bandwidth, launches on a fast host: no run is faster."""
+    """The device's time for one batch at the datasheet's peak and bandwidth: no device is faster."""
     batch = workload.batch_size
     return max(workload.flops_per_sample * batch / (gpu.tflops[precision] * 1e12),
                workload.bytes_per_sample * batch / (gpu.bandwidth_gbs * 1e9),
-               workload.ops_per_batch * LAUNCH_SECONDS[2], 1e-12)
+               workload.ops_per_batch * KERNEL_SECONDS[2], 1e-12)
 
 
 def estimate(workload: Workload, gpu: GPU, gpus: dict[str, GPU] | None = None, vcpus: int | None = None,
@@ -200,12 +234,13 @@ def estimate(workload: Workload, gpu: GPU, gpus: dict[str, GPU] | None = None, v
         rate = Range(*(workload.measured_samples_per_s * there / seconds[1][0] * spread
                        for spread in MEASURED_SPREAD))
     else:
-        # The efficiency levels, widened to at least the expected rate x EFFICIENCY_SPREAD whatever bounds it (the
-        # leave-one-model-out envelope), but never above the roofline at the datasheet's peak and bandwidth.
-        low, expected, high = (workload.batch_size / batch_seconds for batch_seconds, _ in seconds)
-        peak = workload.batch_size / _peak_seconds(workload, gpu, precision)
-        rate = Range(min(low, expected * EFFICIENCY_SPREAD[0]), expected,
-                     max(high, min(expected * EFFICIENCY_SPREAD[1], peak)))
+        # The device's efficiency levels, widened to at least its expected time / EFFICIENCY_SPREAD whatever bounds
+        # it (the leave-one-model-out envelope), but never faster than the datasheet's peak and bandwidth; then the
+        # host's levels.
+        device = [device_seconds(workload, gpu, precision, level, calibration)[0] for level in range(3)]
+        widened = (max(device[0], device[1] / EFFICIENCY_SPREAD[0]), device[1],
+                   min(device[2], max(device[1] / EFFICIENCY_SPREAD[1], _peak_seconds(workload, gpu, precision))))
+        rate = Range(*(workload.batch_size / step_seconds(workload, widened[level], level)[0] for level in range(3)))
     if workload.loader_cores and not math.isnan(workload.loader_samples_per_s) and vcpus:
         ceiling = workload.loader_samples_per_s * vcpus / workload.loader_cores
         if ceiling < rate.expected:
@@ -215,11 +250,10 @@ def estimate(workload: Workload, gpu: GPU, gpus: dict[str, GPU] | None = None, v
     return Estimate(rate, bound, precision, not share > 0.95, share)
 
 
-def cpu_seconds(seconds: float, parallel: bool, measured_cores: int, vcpus: int) -> Range:
-    """A CPU-side part's seconds on an instance: a parallel part shares its work among the vCPUs (at most as well
-    as it did among the measured cores); a serial one takes what it took. Hosts differ: ±30 %."""
-    expected = seconds * measured_cores / vcpus if parallel and vcpus else seconds
-    return Range(expected * 0.7, expected, expected * 1.3)
+def device_only_rate(workload: Workload, gpu: GPU, tf32: bool = False) -> float:
+    """Samples per second at the datasheet's peak and bandwidth with no host cost: what no run on `gpu` exceeds."""
+    precision = gpu_precision(workload.precision, gpu, tf32)
+    return workload.batch_size / _peak_seconds(workload, gpu, precision)
 
 
 @dataclass(frozen=True)

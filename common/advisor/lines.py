@@ -4,52 +4,14 @@ budget or a deadline left out. Each line carries its figures and says they are e
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from common.advisor.budget import RESTART_S
 from common.advisor.catalog import load_links
-from common.advisor.estimate import Range
+from common.advisor.formats import duration, milliseconds, money, span, speedup
+from common.advisor.rows import Choice, Options, Row, choices
 from common.advisor.scaling import data_parallel
 
-if TYPE_CHECKING:
-    from common.advisor.advise import Choice, Options, Row
-
 SPOT_MATTERS = 0.20  # a saving worth a column
-
-
-def figure(value: float) -> str:
-    """Two significant digits, without an exponent for large values (150, not 1.5e+02)."""
-    return f"{value:,.0f}" if value >= 100 else f"{value:.2g}"
-
-
-def money(value: float) -> str:
-    if math.isnan(value):
-        return "price unknown"
-    if math.isinf(value):
-        return "never finishes"
-    return f"${value:.3g}" if value < 100 else f"${value:,.0f}"
-
-
-def duration(seconds: float) -> str:
-    if math.isnan(seconds):
-        return "?"
-    if math.isinf(seconds):
-        return "never"
-    for unit, size in (("h", 3600), ("min", 60), ("s", 1)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds * 1000:.3g} ms"
-
-
-def span(value: Range | None, show) -> str:
-    """Expected (low-high), each bound shown by `show`; "-" where there is no figure."""
-    if value is None:
-        return "-"
-    return f"{show(value.expected)} ({show(value.low)}-{show(value.high)})"
-
-
-def speedup(value: Range) -> str:
-    return f"{figure(value.low)}-{figure(value.high)}x (expected {figure(value.expected)}x)"
 
 
 def placement_lines(pick: Row) -> list[str]:
@@ -67,14 +29,12 @@ def spot_lines(pick: Row, options: Options) -> list[str]:
     if math.isinf(spot.seconds.expected):
         return [f"spot on {name}: at {options.interruptions_per_hour:g} interruptions an hour a restart and the "
                 "work since the last checkpoint take longer than the time between interruptions: it would never "
-                "finish; checkpoint more often (train.checkpoint_every) or run on demand"]
-    every = spot.checkpoint_every
-    before_the_end = every and every * pick.epoch_seconds.expected < pick.train_seconds.expected
-    checkpoints = (f"checkpoints every {every} epoch{'s' if every > 1 else ''}" if before_the_end else
-                   "no checkpoint before the end")
-    saving = spot.saving(pick.train_cost)
+                "finish; checkpoint more often (train.checkpoint_every_s) or run on demand"]
+    checkpoints = ("half the time between its checkpoints, at most a fit's length"
+                   if spot.between_s < pick.run_seconds.expected else "no checkpoint interval known: half the run")
+    saving = spot.saving(pick.run_cost)
     compared = f"{100 * abs(saving):.0f} % {'less' if saving >= 0 else 'more'}"
-    return [f"spot on {name}: {span(spot.cost, money)} a run against {money(pick.train_cost.expected)} on "
+    return [f"spot on {name}: {span(spot.cost, money)} a run against {money(pick.run_cost.expected)} on "
             f"demand ({compared}), with {spot.interruptions:.2g} expected "
             f"interruptions at {options.interruptions_per_hour:g} an hour, each losing {duration(spot.lost_s)} of "
             f"work ({checkpoints}) and a {RESTART_S[0] / 60:.0f}-{RESTART_S[2] / 60:.0f} min restart (estimated)"]
@@ -86,20 +46,20 @@ def scaling_lines(rows: list[Row], pick: Row) -> list[str]:
     scaling, gpu = pick.scaling, pick.instance.gpu
     if scaling is not None and scaling.gpus > 1:
         lines.append(f"{scaling.gpus} x {gpu.name} on {pick.instance.name}: {speedup(scaling.speedup)} over one "
-                     f"with DDP ({_ms(scaling.step_s)} a step, {_ms(scaling.all_reduce_s.expected)} to all-reduce "
-                     f"the gradients over {scaling.paced_by}; estimated)")
+                     f"with DDP ({milliseconds(scaling.step_s)} a step, {milliseconds(scaling.all_reduce_s.expected)} "
+                     f"to all-reduce the gradients over {scaling.paced_by}; estimated)")
     elif scaling is not None:
         link = _link_of_several(rows, gpu.name) or pick.instance.interconnect
         two = data_parallel(scaling.step_s, scaling.gradient_bytes, 2, load_links().get(link))
         lines.append(f"2 GPUs ({gpu.name}, {two.paced_by}): {speedup(two.speedup)} with DDP at this step time "
-                     f"({_ms(scaling.step_s)} a step, {_ms(two.all_reduce_s.expected)} to all-reduce the gradients; "
-                     "estimated)")
+                     f"({milliseconds(scaling.step_s)} a step, {milliseconds(two.all_reduce_s.expected)} to all-reduce "
+                     "the gradients; estimated)")
     if scaling is not None and pick.instance.network_gbps > 0:
         nodes = data_parallel(scaling.step_s, scaling.gradient_bytes, pick.instance.gpu_count,
                               load_links().get(pick.instance.interconnect), 2, pick.instance.network_gbps)
         slower = " (slower than one)" if nodes.speedup.expected < 1 else ""
         lines.append(f"2 machines ({2 * pick.instance.gpu_count} x {gpu.name}): {speedup(nodes.speedup)} over one "
-                     f"GPU{slower}, the gradients all-reduced in {_ms(nodes.all_reduce_s.expected)} over the "
+                     f"GPU{slower}, the gradients all-reduced in {milliseconds(nodes.all_reduce_s.expected)} over the "
                      f"{nodes.paced_by} (estimated)")
     return lines + _bigger_or_several(rows)
 
@@ -107,18 +67,18 @@ def scaling_lines(rows: list[Row], pick: Row) -> list[str]:
 def _bigger_or_several(rows: list[Row]) -> list[str]:
     """One GPU against several: the cheapest multi-GPU run against the cheapest single-GPU run at least as fast
     (else the fastest single GPU), so that a bigger GPU is weighed against several smaller ones."""
-    priced = [row for row in rows if row.fits and row.train_cost is not None and
+    priced = [row for row in rows if row.fits and row.run_cost is not None and
               not math.isnan(row.instance.price_per_hour)]
     several = [row for row in priced if row.instance.gpu_count > 1]
     single = [row for row in priced if row.instance.gpu_count == 1]
     if not several or not single:
         return []
-    many = min(several, key=lambda row: row.train_cost.expected)
-    as_fast = [row for row in single if row.train_seconds.expected <= many.train_seconds.expected]
-    one = min(as_fast, key=lambda row: row.train_cost.expected) if as_fast else \
-        min(single, key=lambda row: row.train_seconds.expected)
-    faster = one.train_seconds.expected <= many.train_seconds.expected
-    cheaper = one.train_cost.expected <= many.train_cost.expected
+    many = min(several, key=lambda row: row.run_cost.expected)
+    as_fast = [row for row in single if row.run_seconds.expected <= many.run_seconds.expected]
+    one = min(as_fast, key=lambda row: row.run_cost.expected) if as_fast else \
+        min(single, key=lambda row: row.run_seconds.expected)
+    faster = one.run_seconds.expected <= many.run_seconds.expected
+    cheaper = one.run_cost.expected <= many.run_cost.expected
     verdict = ("one GPU beats several: faster and cheaper" if faster and cheaper else
                "several GPUs beat one: faster and cheaper" if not faster and not cheaper else
                "one GPU is cheaper, several are faster" if cheaper else "one GPU is faster, several are cheaper")
@@ -127,18 +87,14 @@ def _bigger_or_several(rows: list[Row]) -> list[str]:
 
 
 def _what(row: Row) -> str:
-    return (f"{row.instance.gpu_count} x {row.instance.gpu.name} ({row.instance.name}) trains in "
-            f"{duration(row.train_seconds.expected)} for {money(row.train_cost.expected)}")
+    return (f"{row.instance.gpu_count} x {row.instance.gpu.name} ({row.instance.name}) runs it in "
+            f"{duration(row.run_seconds.expected)} for {money(row.run_cost.expected)}")
 
 
 def _link_of_several(rows: list[Row], gpu: str) -> str:
     """How the catalogue's multi-GPU instances of this GPU link their GPUs."""
     return next((row.instance.interconnect for row in rows if row.instance.gpu.name == gpu and
                  row.instance.gpu_count > 1 and row.instance.interconnect), "")
-
-
-def _ms(seconds: float) -> str:
-    return f"{figure(1000 * seconds)} ms"
 
 
 def budget_lines(rows: list[Row], picks: dict[str, Choice | None], options: Options) -> list[str]:
@@ -152,8 +108,6 @@ def budget_lines(rows: list[Row], picks: dict[str, Choice | None], options: Opti
         choice = picks["train_cheapest"]
         return [f"within {limits}: {choice.row.instance.name} ({choice.pricing}) is the cheapest run that fits "
                 "(expected figures; estimated)"]
-    from common.advisor.advise import choices
-
     every = choices(rows)
     if not every:
         return []

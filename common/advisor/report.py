@@ -1,5 +1,6 @@
-"""The `usecases advise` command: find the run, estimate every instance, print the table (text, Markdown or JSON)
-with the recommendations and actions, and log the table and a cost-against-time plot to the advised run."""
+"""The `usecases advise` command: find the run, estimate the whole run on every instance, print the table (text,
+Markdown or JSON: the JSON with every phase and model) with the recommendations and actions, and log the table and a
+cost-against-time plot to the advised run."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from common.advisor.advise import Choice, Options, Row, actions, advise, load_catalogue, recommend
+from common.advisor.advise import actions, advise, load_catalogue, recommend
 from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts, calibrated, facts_from_file, facts_from_run
-from common.advisor.lines import SPOT_MATTERS, duration, money, span
+from common.advisor.formats import duration, money, span
+from common.advisor.lines import SPOT_MATTERS
+from common.advisor.rows import Choice, Options, Row
 from common.errors import UserError
 
 ESTIMATED = "estimated: low-high (expected)"
@@ -38,7 +41,7 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
             reference = _gpu_run(run)
             if reference is not None:
                 facts = calibrated(facts, facts_from_run(reference, usecase, gpus))
-                source += f", its GPU rates from run {reference.info.run_id} on {facts.gpu}"
+                source += f", its GPU rates from run {reference.info.run_id} on {facts.rates_gpu}"
     if data_gb is not None:
         facts = facts.scaled_to(data_gb)
         source += f", scaled to a {data_gb:g} GB data set"
@@ -112,7 +115,8 @@ def _gpu_run(run):
 
 
 def _as_dict(row: Row, task: str) -> dict:
-    """One instance's figures; `samples_per_s` is the training rate for --task train, else the serving rate."""
+    """One instance's figures; `samples_per_s` is the training rate for --task train, else the serving rate;
+    `whole_run` every phase and every model of the run there."""
     instance = row.instance
 
     def rng(value: Range | None):
@@ -125,9 +129,10 @@ def _as_dict(row: Row, task: str) -> dict:
             "price_as_of": instance.as_of, "network_gbps": _clean(instance.network_gbps),
             "local_nvme": {"count": _clean(instance.nvme_count), "gb_each": _clean(instance.nvme_gb)},
             "disk_gbs": _clean(instance.disk_gbs), "interconnect": instance.interconnect or None,
-            "hardware_source": instance.hardware_source, "epoch_seconds": rng(row.epoch_seconds),
-            "train_seconds": rng(row.train_seconds), "train_cost_usd": rng(row.train_cost),
-            "bottleneck": row.train_bound, "train_samples_per_s": rng(row.train_per_s),
+            "hardware_source": instance.hardware_source, "run_seconds": rng(row.run_seconds),
+            "run_cost_usd": rng(row.run_cost), "train_seconds": rng(row.train_seconds),
+            "epoch_seconds": rng(row.epoch_seconds), "bottleneck": row.bound,
+            "train_samples_per_s": rng(row.train_per_s),
             "serve_samples_per_s": rng(row.serve_per_s),
             "samples_per_s": rng(row.train_per_s if task == "train" else row.serve_per_s),
             "latency_ms": rng(row.latency_ms),
@@ -135,8 +140,9 @@ def _as_dict(row: Row, task: str) -> dict:
             "memory_share": _clean(row.memory_share), "fits": row.fits,
             "scaling": row.scaling.as_dict() if row.scaling else None,
             "data": row.placement.as_dict() if row.placement else None,
-            "spot": row.spot.as_dict(row.train_cost) if row.spot else None,
-            "serving_month": row.serving.as_dict() if row.serving else None}
+            "spot": row.spot.as_dict(row.run_cost) if row.spot else None,
+            "serving_month": row.serving.as_dict() if row.serving else None,
+            "whole_run": row.whole.as_dict() if row.whole else None}
 
 
 def _json_safe(value):
@@ -157,16 +163,18 @@ def _measured(facts: RunFacts) -> dict:
     """This run's own figures, which are measurements, not estimates."""
     return {"models": {name: {key: value for key, value in model.items() if key in (
         "train_samples_per_s", "data_wait_share", "loader_samples_per_s", "peak_memory_gb", "samples_per_epoch",
-        "epochs_run", "train_flops_per_sample", "infer_flops_per_sample", "params", "weight_bytes")} for name, model
+        "epochs_run", "train_flops_per_sample", "infer_flops_per_sample", "params", "weight_bytes",
+        "train_ops_per_step", "host_syncs_per_step")} for name, model
         in facts.models.items()},
-        "cpu_parts_seconds": {name: part.get("seconds") for name, part in facts.cpu_parts.items()},
+        "phases": {name: {"seconds": phase.seconds, "scales": phase.scales} for name, phase in facts.phases.items()},
         "total_seconds": _clean(facts.total_seconds), "cores": facts.cores, "gpu": facts.gpu,
         "data_bytes": _clean(facts.data_bytes), "data_samples": _clean(facts.data_samples),
-        "checkpoint_every": facts.checkpoint_every}
+        "checkpoint_every_s": facts.checkpoint_every_s}
 
 
-HEADER = ["instance", "cloud", "GPUs", "vCPUs", "$/h", "epoch", "training run", "cost per run", "bound",
-          "serving", "latency ms (batch 1)", "$ per 1M predictions", "GPU memory"]
+HEADER = ["instance", "cloud", "GPUs", "vCPUs", "$/h", "whole run", "cost per run", "of it training", "epoch",
+          "bound", "serving", "latency ms (batch 1)", "$ per 1M predictions", "GPU memory"]
+FIXED_COLUMNS = 10  # the optional columns go after these
 
 
 def _optional_columns(rows: list[Row]) -> dict[str, Callable[[Row], str]]:
@@ -174,7 +182,7 @@ def _optional_columns(rows: list[Row]) -> dict[str, Callable[[Row], str]]:
     place where the default disk would bound training or the data must be copied, the network where the data comes
     over it, the GPUs' scaling where an instance has several."""
     columns = {}
-    if any(row.spot is not None and row.train_cost is not None and row.spot.saving(row.train_cost) > SPOT_MATTERS
+    if any(row.spot is not None and row.run_cost is not None and row.spot.saving(row.run_cost) > SPOT_MATTERS
            for row in rows):
         columns["spot cost per run"] = lambda row: span(row.spot.cost, money) if row.spot else "-"
     if any(row.placement is not None and row.placement.matters for row in rows):
@@ -198,8 +206,9 @@ def _cells(row: Row, extra: dict) -> list[str]:
     instance = row.instance
     memory = "?" if math.isnan(row.memory_share) else f"{100 * row.memory_share:.0f} %"
     return [instance.name, instance.provider, f"{instance.gpu_count} x {instance.gpu.name}", str(instance.vcpus),
-            money(instance.price_per_hour), span(row.epoch_seconds, duration), span(row.train_seconds, duration),
-            span(row.train_cost, money), row.train_bound or "-", *(show(row) for show in extra.values()),
+            money(instance.price_per_hour), span(row.run_seconds, duration), span(row.run_cost, money),
+            span(row.train_seconds, duration), span(row.epoch_seconds, duration), row.bound or "-",
+            *(show(row) for show in extra.values()),
             span(row.serve_per_s, lambda value: f"{value:,.0f}/s"),
             span(row.latency_ms, lambda value: f"{value:.2g}"),
             span(row.serve_cost_per_million, money), memory + ("" if row.fits else " (does not fit)")]
@@ -207,10 +216,11 @@ def _cells(row: Row, extra: dict) -> list[str]:
 
 def _render(report: dict, rows: list[Row], picks: dict[str, Choice | None], todo: list[str], markdown: bool) -> str:
     extra = _optional_columns(rows)
-    header = HEADER[:9] + list(extra) + HEADER[9:]
+    header = HEADER[:FIXED_COLUMNS] + list(extra) + HEADER[FIXED_COLUMNS:]
     cells = [_cells(row, extra) for row in sorted(rows, key=_order)]
     lines = [f"Advice for {report['source']}. Every figure below is {ESTIMATED}, on-demand prices (spot where "
-             "marked) as each row's source dates them; the measured figures are in --format json under 'measured'."]
+             "marked) as each row's source dates them. A whole run is every phase the run logged, training one of "
+             "them; --format json has each phase and model, and the measured figures under 'measured'."]
     if markdown:
         lines += ["", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in cells]
@@ -220,7 +230,7 @@ def _render(report: dict, rows: list[Row], picks: dict[str, Choice | None], todo
         lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in cells]
     lines += ["", "Recommendations (estimated):"]
     requests = report["stated"]["requests_per_s"]
-    names = {"train_cheapest": "train, cheapest run that fits", "train_fastest": "train, fastest within 1.5x of that "
+    names = {"train_cheapest": "run, the cheapest that fits", "train_fastest": "run, the fastest within 1.5x of that "
              "cost", "serve_cheapest": f"serve {requests:g} requests/s, cheapest a month"}
     for key, label in names.items():
         choice = picks.get(key)
@@ -228,8 +238,9 @@ def _render(report: dict, rows: list[Row], picks: dict[str, Choice | None], todo
             continue
         row = choice.row
         if key.startswith("train"):
-            detail = (f"{duration(choice.seconds.expected)}, {money(choice.cost.expected)} a run "
-                      f"({choice.pricing})")
+            training = row.train_seconds.expected if row.train_seconds is not None else math.nan
+            detail = (f"{duration(choice.seconds.expected)} a run ({duration(training)} of it training), "
+                      f"{money(choice.cost.expected)} ({choice.pricing})")
         else:
             detail = (f"{row.serving.replicas.expected:g} instance(s), {money(row.serving.month_usd.expected)} a "
                       f"month; {row.serve_per_s.expected:,.0f} predictions/s each, "
@@ -242,7 +253,7 @@ def _render(report: dict, rows: list[Row], picks: dict[str, Choice | None], todo
 
 
 def _order(row: Row) -> tuple:
-    cost = row.train_cost.expected if row.train_cost is not None else (
+    cost = row.run_cost.expected if row.run_cost is not None else (
         row.serve_cost_per_million.expected if row.serve_cost_per_million is not None else math.nan)
     return (math.isnan(cost), cost)
 
@@ -261,15 +272,15 @@ def _log_to_run(run_id: str, report: dict, rows: list[Row], picks: dict, todo: l
 
 
 def _plot(rows: list[Row], path: Path) -> None:
-    """Cost per training run against its time, for every priced instance, the Pareto front (no instance both
+    """Cost per run against its time (the whole run), for every priced instance, the Pareto front (no instance both
     faster and cheaper) joined and labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    points = [(row.train_seconds.expected / 60, row.train_cost.expected, row) for row in rows
-              if row.train_cost is not None and not math.isnan(row.train_cost.expected) and row.fits]
+    points = [(row.run_seconds.expected / 60, row.run_cost.expected, row) for row in rows
+              if row.run_cost is not None and not math.isnan(row.run_cost.expected) and row.fits]
     spot = [(row.spot.seconds.expected / 60, row.spot.cost.expected, row) for row in rows
             if row.spot is not None and row.fits and math.isfinite(row.spot.seconds.expected)]
     figure, axis = plt.subplots(figsize=(8, 5))
@@ -289,7 +300,7 @@ def _plot(rows: list[Row], path: Path) -> None:
     if points:
         axis.set_xscale("log")
         axis.set_yscale("log")
-    axis.set_xlabel("training run, minutes (estimated)")
+    axis.set_xlabel("whole run, minutes (estimated)")
     axis.set_ylabel("cost per run, USD (estimated)")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()

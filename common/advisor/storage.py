@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from common.advisor.catalog import Instance
 from common.advisor.estimate import Range
-from common.advisor.lines import figure
+from common.advisor.formats import figure
 
 MEMORY_SHARE = 0.5  # of the RAM the page cache may hold: the rest is the process's, its loader workers' and the OS's
 NVME_SHARE = 0.9  # of the local drives a copy may fill

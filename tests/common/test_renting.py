@@ -11,12 +11,13 @@ import pandas as pd
 import pytest
 import yaml
 
-from common.advisor.advise import Choice, Options, advise, recommend
+from common.advisor.advise import advise, recommend
 from common.advisor.budget import serving_month, spot_run
 from common.advisor.catalog import FOLDER, load_gpus, load_instances, load_links
 from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts, facts_from_file
 from common.advisor.launch import write_launch_files
+from common.advisor.rows import Choice, Options
 from common.advisor.scaling import SCALING_EFFICIENCY, data_parallel, scaling_efficiency
 from common.advisor.storage import place
 from common.errors import UserError
@@ -103,18 +104,35 @@ def test_the_data_goes_to_memory_then_local_nvme_then_the_disk_and_says_how_long
 
 
 def test_a_spot_run_pays_for_its_interruptions_and_checkpoints_bound_the_loss():
-    work, epoch, copy = Range(36000, 36000, 36000), Range(600, 600, 600), Range(0, 0, 0)
-    often = spot_run(work, epoch, 1, 1.0, copy, per_hour=0.1)
-    rarely = spot_run(work, epoch, 20, 1.0, copy, per_hour=0.1)
+    work, copy = Range(36000, 36000, 36000), Range(0, 0, 0)
+    often = spot_run(work, Range(600, 600, 600), 1.0, copy, per_hour=0.1)  # a checkpoint every 10 min
+    rarely = spot_run(work, Range(12000, 12000, 12000), 1.0, copy, per_hour=0.1)
     assert often.lost_s == 300 and rarely.lost_s == 6000
     assert 36000 < often.seconds.expected < rarely.seconds.expected
     assert often.interruptions == pytest.approx(0.1 * often.seconds.expected / 3600)
     # T = work / (1 - rate x (lost + restart)): 10 h of work, 0.1 an hour, 300 s lost and a 480 s restart
     assert often.seconds.expected == pytest.approx(36000 / (1 - 0.1 / 3600 * (300 + 480)))
     assert often.saving(Range(36000, 36000, 36000).scaled(3 / 3600)) > 0.6  # $1/h spot against $3/h
-    never = spot_run(work, epoch, None, 1.0, copy, per_hour=1.0)  # no checkpoint: an hour's rate loses 5 h a time
-    assert math.isinf(never.seconds.expected)
-    assert spot_run(work, epoch, 1, math.nan, copy) is None
+    never = spot_run(work, None, 1.0, copy, per_hour=1.0)  # no checkpoint: an hour's rate loses 5 h a time
+    assert math.isinf(never.seconds.expected) and never.lost_s == 18000
+    assert spot_run(work, Range(600, 600, 600), math.nan, copy) is None
+
+
+def test_the_time_between_checkpoints_is_checkpoint_every_s_at_most_a_fit(tmp_path):
+    """A fit saves every `checkpoint_every_s` seconds, none when it is shorter (so an interruption loses half the
+    fit); 0 saves after every epoch."""
+    from common.advisor.advise import _between_checkpoints
+
+    rows = {}
+    for every in (None, 0, 60, 1e9):
+        facts = workload_facts(tmp_path, checkpoint_every_s=every)
+        (row,) = advise(facts, [INSTANCES["g5.xlarge"]], GPUS, "train")
+        rows[every] = (row, _between_checkpoints(facts, next(iter(row.whole.models.values()))))
+    (row, between) = rows[1e9]
+    fit = next(iter(row.whole.models.values())).fit_s
+    assert between == fit and rows[None][1] is None
+    assert rows[0][1] == next(iter(rows[0][0].whole.models.values())).epoch_s
+    assert rows[60][1].expected == 60 and rows[60][0].spot.lost_s == 30
 
 
 def test_serving_a_month_takes_as_many_instances_as_the_load_needs():
@@ -124,9 +142,11 @@ def test_serving_a_month_takes_as_many_instances_as_the_load_needs():
     assert serving_month(Range(400, 1000, 2000), 1, 1.0).replicas.high == 1
 
 
-def workload_facts(tmp_path, **extra) -> RunFacts:
+def workload_facts(tmp_path, checkpoint_every_s: float | None = 600, **extra) -> RunFacts:
     spec = {"task": "train", "flops_per_sample": 8e9, "bytes_per_sample": 2e8, "precision": "amp",
-            "batch_size": 256, "weight_bytes": RESNET50_GRADIENT_BYTES, "checkpoint_every": 1, **extra}
+            "batch_size": 256, "weight_bytes": RESNET50_GRADIENT_BYTES, **extra}
+    if checkpoint_every_s is not None:
+        spec["checkpoint_every_s"] = checkpoint_every_s
     (tmp_path / "w.json").write_text(json.dumps(spec))
     return facts_from_file(tmp_path / "w.json", GPUS)
 
@@ -137,13 +157,13 @@ def test_a_budget_and_a_deadline_change_the_pick(tmp_path):
     free = recommend(rows)["train_cheapest"]
     assert free.spot  # spot saves most at the default interruption rate
     on_demand = min((row for row in rows if not math.isnan(row.instance.price_per_hour) and row.fits),
-                    key=lambda row: row.train_cost.expected)
+                    key=lambda row: row.run_cost.expected)
     tight = Options(deadline_h=0.5 * free.seconds.expected / 3600)
     quick = recommend(rows, tight)["train_cheapest"]
     assert quick.seconds.expected <= tight.deadline_h * 3600 and quick.row is not free.row
     broke = recommend(rows, Options(budget_usd=0.5 * free.cost.expected))
     assert broke["train_cheapest"] is None and broke["train_fastest"] is None
-    assert on_demand.train_cost.expected > free.cost.expected
+    assert on_demand.run_cost.expected > free.cost.expected
 
 
 def test_a_multi_gpu_instance_is_estimated_with_its_link_and_a_data_set_too_big_to_copy_bounds_it(tmp_path):
