@@ -80,7 +80,7 @@ class Neural(ConfigModel):
 
 
 class Train(TrainConfig):
-    """The common loop's keys (epochs, batch_size, lr, patience, grad_clip, checkpoint_every), with this model's
+    """The common loop's keys (epochs, batch_size, lr, patience, grad_clip, checkpoint_every_s), with this model's
     defaults, and the walk-forward's."""
 
     epochs: int = Field(60, ge=1)

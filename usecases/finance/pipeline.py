@@ -10,7 +10,6 @@ VaR and ES tails is chosen; the test window then only measures it.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,21 +18,18 @@ import pandas as pd
 import torch
 
 from common.errors import UserError
-from common.runtime.interrupt import stop_point, stops_deferred
 from common.job import Job
 from common.runtime.devices import Runtime
-from common.runtime.sharding import gather_objects, my_share
-from common.training.loop import TensorBatches, Trainer, stop_if_any_rank_asked, supervised
-from common.training.workload import cpu_part
 from common.usecase import RunResult
-from .baselines import fit_baselines, forecast_frame
-from .tails import VAR_LEVELS, empirical_columns, quantile_column, recalibrate
+from .baselines import forecast_frame
 from .config import Config, Evaluation
 from .data import Panel, load_panel
+from .ensemble import Fit, train_ensemble
 from .evaluate import choose_tail_rule, evaluate, forecast_figure, risk_figure, validation_qlike
 from .features import add_features, feature_names, usable
-from .models import VolatilityMLP, ensemble_forecast, qlike, qlike_loss
+from .parallel import BaselineRuns, BaselineTask
 from .serving import log_forecaster
+from .tails import VAR_LEVELS, empirical_columns, quantile_column, recalibrate
 
 log = logging.getLogger(__name__)
 
@@ -191,64 +187,33 @@ def ticker_blocks(rows: pd.DataFrame, mask: pd.Series, starts: list[pd.Timestamp
             if len(chunk)]
 
 
-def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
-                       client=None) -> pd.DataFrame | None:
-    """Every baseline's walk-forward forecasts; each ticker's fits are independent, so the tickers are shared out:
-    as tasks on the Dask `client`'s workers, else among the ranks of a DDP job. All of them on rank 0 (in the
-    panel's ticker order, whatever the engine), None on the other ranks."""
+def baseline_tasks(frame: pd.DataFrame, mask: pd.Series, config: Config) -> list[BaselineTask]:
+    """A task per ticker and baseline (every fit of one depends on no other's), in the order of the forecasts: the
+    panel's tickers, each with `baselines.models` in turn."""
     starts = block_starts(frame, mask, config.evaluation.refit_every)
-    tasks = [(ticker, rows, ticker_blocks(rows, mask[rows.index], starts))
-             for ticker, rows in frame.groupby("ticker", sort=False)]
-    settings = {"horizon": config.evaluation.horizon, "settings": config.baselines,
-                "models": config.baselines.models}
-    if client is not None:
-        futures = client.map(fit_baselines, [rows for _, rows, _ in tasks], [blocks for *_, blocks in tasks],
-                             **settings, pure=False)
-        for (ticker, *_), future in zip(tasks, futures):
-            while not future.done():  # Ctrl-C and SIGTERM still stop the run within a second
-                stop_point()
-                time.sleep(0.1)
-            log.info("baselines: %s done", ticker)
-        return pd.concat([part for parts in client.gather(futures) for part in parts])
-    parts = []
-    distributed = runtime is not None and runtime.distributed
-    with stops_deferred(distributed):
-        for ticker, rows, blocks in tasks[my_share(len(tasks), runtime)]:
-            parts.extend(fit_baselines(rows, blocks, **settings))
-            log.info("baselines: %s done (%d refits)", ticker, len(blocks))
-    gathered = gather_objects(parts, runtime)
-    if distributed:
-        stop_if_any_rank_asked(runtime)
-    return None if gathered is None else pd.concat([part for rank in gathered for part in rank])
+    return [BaselineTask(ticker, model, rows, blocks)
+            for ticker, rows in frame.groupby("ticker", sort=False)
+            for blocks in [ticker_blocks(rows, mask[rows.index], starts)]
+            for model in config.baselines.models]
+
+
+def baseline_runs(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
+                  client=None, workers: int | None = None) -> BaselineRuns:
+    """Every baseline's walk-forward, to start (`with`) and `collect`: in a process pool, on the Dask `client`'s
+    workers, or among the ranks of a DDP job (`parallel.py`)."""
+    return BaselineRuns(baseline_tasks(frame, mask, config), config.evaluation.horizon, config.baselines, runtime,
+                        client, workers)
+
+
+def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
+                       client=None, workers: int | None = None) -> pd.DataFrame | None:
+    """Every baseline's walk-forward forecasts, on rank 0 in the panel's ticker order (None on the other ranks)."""
+    with baseline_runs(frame, mask, config, runtime, client, workers) as runs:
+        return runs.collect()
 
 
 def _member_seed(config: Config, block: int, member: int) -> int:
     return config.runtime.seed + 1000 * block + member
-
-
-def _fit_member(config: Config, job: Job, train: tuple[torch.Tensor, torch.Tensor],
-                validation: tuple[torch.Tensor, torch.Tensor], block: int, member: int,
-                step_offset: int) -> tuple[VolatilityMLP, int]:
-    runtime, settings, horizon = job.runtime, config.train, config.evaluation.horizon
-    torch.manual_seed(_member_seed(config, block, member))
-    architecture = config.neural.model_dump(exclude={"ensemble", "target"})
-    model = VolatilityMLP(train[0].shape[1], horizon=horizon, **architecture)
-    model.fit_scaler(train[0].cpu())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    val_x, val_y = validation
-
-    def validate(network: torch.nn.Module) -> dict[str, float]:
-        losses = qlike(network(val_x).float(), val_y)
-        return {"val/qlike": float(losses[0]), f"val/qlike_h{horizon}": float(losses[1])}
-
-    trainer = Trainer(model, optimizer, supervised(qlike_loss), runtime, settings, monitor="val/qlike", mode="min",
-                      checkpoint_dir=job.checkpoint_dir / "neural" / f"refit{block:03d}" / f"member{member}",
-                      log_metrics=job.tracker.log_metrics, step_offset=step_offset,
-                      name=f"neural refit {block + 1} member {member + 1}", model_name="neural")
-    batches = TensorBatches(*train, batch_size=settings.batch_size, seed=_member_seed(config, block, member),
-                            rank=runtime.rank, world_size=runtime.world_size)
-    result = trainer.fit(batches, validate, resume=job.resume)
-    return trainer.module.eval(), result.epochs_run
 
 
 def trainable(frame: pd.DataFrame) -> pd.Series:
@@ -281,7 +246,8 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     """Walk-forward training of the global model over the validation period and the test window; returns the test
     forecasts, and the last refit for serving with its `validation` metrics.
 
-    At each refit the network sees only the rows `training_window` gives. With `neural.target=scaled_range` it
+    Every member of every refit trains at once, as one batched ensemble (`ensemble.py`); each still sees only the
+    rows its refit's `training_window` gives, from its own seed. With `neural.target=scaled_range` the network
     learns Parkinson variance and its forecasts are multiplied by each ticker's `overnight_factors` in that window.
     Its VaR quantiles and Expected Shortfalls are those of its own standardised returns (filtered historical
     simulation), by the tail rule whose validation forecasts backtest best (`choose_tail_rule`): the training
@@ -301,33 +267,33 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     # Refits numbered (seeded) from the test window's first, the validation ones after the last: the test forecasts
     # are the same whatever the validation period.
     blocks = [*range(tested, len(starts)), *range(tested)]
-    parts, step, latest = [], 0, {}
-    for position, (block, start) in enumerate(zip(blocks, starts)):
+    windows = [training_window(frame, ready, start, config.train.val_fraction) for start in starts]
+    members = config.neural.ensemble
+    fits = [Fit(_member_seed(config, block, member), train_rows, val_rows)
+            for block, (train_rows, val_rows) in zip(blocks, windows) for member in range(members)]
+    with job.phase("fit/neural", "device"):
+        ensemble = train_ensemble(fits, features, targets, config, job)
+    features = features.to(device)
+    parts, latest, refit = [], {}, None
+    for position, (start, (train_rows, val_rows)) in enumerate(zip(starts, windows)):
         end = starts[position + 1] if position + 1 < len(starts) else pd.Timestamp.max
-        train_rows, val_rows = training_window(frame, ready, start, config.train.val_fraction)
-        members = []
-        for member in range(config.neural.ensemble):
-            model, epochs = _fit_member(
-                config, job, (features[train_rows].to(device), targets[train_rows].to(device)),
-                (features[val_rows].to(device), targets[val_rows].to(device)), block, member, step)
-            members.append(model)
-            step += epochs
+        refit = torch.arange(position * members, (position + 1) * members, device=device)  # its fits in `fits`
         fitted_rows = np.union1d(train_rows, val_rows)
         factors = overnight_factors(frame, fitted_rows) if target == "scaled_range" else None
         predict_rows = np.flatnonzero(forecast_rows & (frame["target_date"] >= start) & (frame["target_date"] < end))
-        fitted, forecast = (_scaled(ensemble_forecast(members, features[rows].to(device)).cpu().numpy(),
+        fitted, forecast = (_scaled(ensemble.forecast(features[rows], refit).cpu().numpy(),
                                     frame["ticker"].to_numpy()[rows], factors) for rows in (fitted_rows, predict_rows))
         realised = frame[["target_ret", "target_ret_h"]].to_numpy()[fitted_rows]
         mu = float(realised[:, 0].mean())
         tails = empirical_columns((realised[:, 0] - mu) / np.sqrt(fitted[:, 0]),
                                   (realised[:, 1] - horizon * mu) / np.sqrt(fitted[:, 1]))
         parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, tails))
-        latest = {"models": members, "features": names, "exogenous": config.data.exogenous,
+        latest = {"features": names, "exogenous": config.data.exogenous,
                   "architecture": {**config.neural.model_dump(exclude={"ensemble", "target"}), "horizon": horizon},
                   "overnight_factors": {} if factors is None else factors.to_dict(),
                   "mu": mu, "trained_until": str(start.date()),
                   "quantiles": [tails[quantile_column(level)] for level in VAR_LEVELS]}
-        log.info("neural: refit %d/%d (training targets before %s) done", position + 1, len(starts), start.date())
+    latest["models"] = [ensemble.member(fit) for fit in refit.tolist()]  # the last refit's members: served
     forecasts = pd.concat(parts).join(frame[["ticker", "target_date", "target_date_h", "target_ret", "target_ret_h"]]
                                       .set_axis(["ticker", "date", "date_h", "ret", "ret_h"], axis=1))
     renewals = walk_starts(frame, validation, mask, config.evaluation.refit_every)
@@ -353,22 +319,28 @@ def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None
 
 
 def run(config: Config, data: Prepared, job: Job) -> RunResult:
+    """The baselines start in a process pool (or on Dask) before the neural model trains, and are collected after."""
     frame, mask = data.frame, data.test
-    neural, latest = neural_forecasts(frame, mask, config, job)
-    started = time.perf_counter()
-    with cpu_part("baselines", job.tracker.log_metrics, parallel=True):  # the arch fits, a ticker per core or worker
-        baselines = baseline_forecasts(frame, mask, config, job.runtime, job.dask)
+    with baseline_runs(frame, mask, config, job.runtime, job.dask) as runs:
+        neural, latest = neural_forecasts(frame, mask, config, job)
+        with job.phase("baselines", "cores"):  # what is left of them once the network has trained
+            baselines = runs.collect()
     if not job.runtime.is_main:
         return RunResult({})
-    job.tracker.log_metrics({"time/baselines_s": time.perf_counter() - started})
     names = {"ticker": "ticker", "target_date": "date", "target": "parkinson", "target_ret": "ret",
              "target_true": "true_variance"}
     realised = frame[[name for name in names if name in frame]].rename(columns=names)
     forecasts = pd.concat([baselines, neural]).join(realised)
-    models = evaluate(forecasts, config.evaluation.horizon, config.evaluation.dm_lags)
-    models["neural"].update(latest["validation"])
-    _log_artifacts(forecasts, job)
-    return RunResult(models, served=log_forecaster(latest, data.panel.frame, job))
+    with job.phase("evaluate", "serial"):
+        models = evaluate(forecasts, config.evaluation.horizon, config.evaluation.dm_lags)
+        models["neural"].update(latest["validation"])
+    for name, metrics in models.items():
+        job.model_done(name, metrics)
+    with job.phase("plots", "serial"):
+        _log_artifacts(forecasts, job)
+    with job.phase("serving_bundle", "serial"):
+        served = log_forecaster(latest, data.panel.frame, job)
+    return RunResult(models, served=served)
 
 
 def _log_artifacts(forecasts: pd.DataFrame, job: Job) -> None:

@@ -1,0 +1,227 @@
+"""Every neural fit of the walk-forward trained at once: each member of each refit is a fit, and all of them are one
+`VolatilityEnsemble` stepping together through the common Trainer.
+
+A fit keeps everything it had alone: its seed (its initial weights), its scaler and training rows (its refit's
+`training_window`), its own early-stopping rows and patience, and its best weights at the end. Each step holds a
+batch of every fit still training, cut so that each fit sees each of its rows once per epoch: every fit's rows are
+split into the same number of batches (the largest fit's batches have `train.batch_size` rows), so a fit's batch is
+in proportion to its window; the step's loss is the sum of the fits' own mean losses, each fit's gradient its own.
+On a GPU that is one step of a few kernels where the fits one by one were hundreds of launch-bound tiny steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.job import Job
+from common.runtime.devices import Runtime
+from common.runtime.sharding import all_reduce_sum
+from common.training.callbacks import Callback
+from common.training.loop import Trainer, make_optimizer
+from .config import Config
+from .models import VolatilityEnsemble, VolatilityMLP, fit_qlike
+
+
+@dataclass
+class Fit:
+    """One member of one refit: the seed of its initial weights, and the rows it trains and early-stops on."""
+
+    seed: int
+    train_rows: np.ndarray
+    val_rows: np.ndarray
+
+
+def padded_rows(windows: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """Each fit's rows in a row of one (fits, longest) tensor, a shorter one repeated to fill it (padding that holds
+    real rows, so that its forecasts stay finite; `padding_weights` gives it weight 0)."""
+    longest = max(len(rows) for rows in windows)
+    return torch.tensor(np.stack([np.resize(rows, longest) for rows in windows]), device=device)
+
+
+def padding_weights(windows: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    longest = max(len(rows) for rows in windows)
+    return torch.tensor(np.stack([np.arange(longest) < len(rows) for rows in windows]), dtype=torch.float32,
+                        device=device)
+
+
+class FitBatches:
+    """The training batches of every fit, stepped together (see the module docstring).
+
+    Each epoch shuffles every fit's rows (one draw from a generator seeded with `seed` and the epoch, on the device)
+    and cuts them into `len(self)` near-equal runs, one per batch. A batch is (features, targets, weights, fits): the
+    rows of the fits still training (`training`, which `FitEarlyStopping` updates), `width` rows each, flattened
+    fit after fit; a fit with fewer rows pads its batch with rows of weight 0. Under DDP each rank takes every fit's
+    rows at its own positions of the shuffle (rank, rank + world size, ...; the last ones wrap around), as
+    DistributedSampler does."""
+
+    def __init__(self, features: torch.Tensor, targets: torch.Tensor, windows: list[np.ndarray], batch_size: int,
+                 seed: int, training: torch.Tensor, rank: int = 0, world_size: int = 1):
+        self.features, self.targets, self.training = features, targets, training
+        self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
+        device = features.device
+        self.rows = padded_rows(windows, device)
+        self.sizes = torch.tensor([len(rows) for rows in windows], device=device)
+        self.shares = -(-self.sizes // world_size)  # each fit's rows on this rank
+        share = -(-self.rows.shape[1] // world_size)
+        self.batches = math.ceil(share / batch_size)
+        self.width = math.ceil(share / self.batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def epoch_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This epoch's (batches, fits, width) row numbers and weights (0 on padding), for every fit."""
+        device = self.rows.device
+        fits, longest = self.rows.shape
+        generator = torch.Generator(device).manual_seed(self.seed + self.epoch)
+        keys = torch.rand(fits, longest, generator=generator, device=device)
+        order = keys.masked_fill(torch.arange(longest, device=device) >= self.sizes[:, None], 2.0).argsort(dim=1)
+        # batch b holds positions ceil(b·share/B) up to ceil((b+1)·share/B) of each fit's share on this rank
+        batch = torch.arange(self.batches, device=device)[:, None, None]
+        shares = self.shares[None, :, None]
+        first = (batch * shares + self.batches - 1) // self.batches
+        last = ((batch + 1) * shares + self.batches - 1) // self.batches
+        position = first + torch.arange(self.width, device=device)
+        weights = (position < last).float()
+        taken = (torch.minimum(position, shares - 1) * self.world_size + self.rank) % self.sizes[None, :, None]
+        fit = torch.arange(fits, device=device)[None, :, None]
+        return self.rows[fit, order[fit, taken]], weights
+
+    def __iter__(self):
+        rows, weights = self.epoch_rows()
+        fits = self.training.nonzero().flatten().to(rows.device)
+        for batch_rows, batch_weights in zip(rows[:, fits], weights[:, fits]):
+            yield (self.features[batch_rows].flatten(0, 1), self.targets[batch_rows].flatten(0, 1),
+                   batch_weights.flatten(), fits)
+
+
+def ensemble_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The sum over the batch's fits of each one's QLIKE (`qlike_loss` on its own rows): each fit's gradient is the
+    one its own loss gives."""
+    features, targets, weights, fits = batch
+    rows = (len(fits), -1)
+    forecast = model(features.view(*rows, features.shape[-1]), fits).float()
+    return fit_qlike(forecast, targets.view(*rows, targets.shape[-1]), weights.view(rows)).mean(1).sum()
+
+
+def served_prediction(members: int):
+    """What serving runs on a batch's rows, for the workload facts: the latest refit's `members` fits on each row."""
+
+    def predict(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        features, fits = batch[0], batch[-1][:members]
+        return model(features.unsqueeze(0).expand(len(fits), -1, -1), fits)
+
+    return predict
+
+
+class FitEarlyStopping(Callback):
+    """Early stopping of each fit alone, as `EarlyStopping` does for one model: a fit's best epoch by its own
+    validation QLIKE (next day), its best weights restored at the end, and its training ended once `patience` epochs
+    bring it no improvement (its later steps leave it out; the whole fit stops when every fit has). `validate` is the
+    fit's validation function: it scores the fits still training on their own early-stopping rows.
+
+    Logged per epoch, over the fits: `val/qlike` and `val/qlike_hH` (the mean of the fits still training),
+    `val/best_qlike` (the mean of every fit's best so far: the trainer's monitor) and `val/fits_training`."""
+
+    def __init__(self, features: torch.Tensor, targets: torch.Tensor, windows: list[np.ndarray],
+                 patience: int | None, horizon: int, runtime: Runtime):
+        self.features, self.targets, self.patience, self.horizon, self.runtime = (features, targets, patience,
+                                                                                  horizon, runtime)
+        self.rows = padded_rows(windows, features.device)
+        self.weights = padding_weights(windows, features.device)
+        fits = len(windows)
+        self.training = torch.ones(fits, dtype=torch.bool)  # shared with FitBatches, changed in place
+        self.best = torch.full((fits,), math.inf, dtype=torch.float64)
+        self.best_epoch = torch.full((fits,), -1)
+        self.best_state: dict[str, torch.Tensor] = {}
+        self.latest: torch.Tensor | None = None  # this epoch's validation QLIKE of the fits still training
+
+    def validate(self, module: VolatilityEnsemble) -> dict[str, float]:
+        fits = self.training.nonzero().flatten()
+        on_device = fits.to(self.rows.device)
+        rows, weights = self.rows[on_device], self.weights[on_device]
+        losses = fit_qlike(module(self.features[rows], on_device).float(), self.targets[rows], weights)
+        losses = all_reduce_sum(losses, self.runtime) / self.runtime.world_size  # the same on every rank
+        self.latest = losses.double().cpu()
+        best = self.best.clone()
+        best[fits] = torch.fmin(best[fits], self.latest[:, 0])
+        return {"val/qlike": float(self.latest[:, 0].mean()),
+                f"val/qlike_h{self.horizon}": float(self.latest[:, 1].mean()),
+                "val/best_qlike": float(best.mean()), "val/fits_training": float(len(fits))}
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if trainer.resumed_from is None:
+            self.training.fill_(True)
+            self.best.fill_(math.inf)
+            self.best_epoch.fill_(-1)
+            self.best_state = {name: value.detach().clone() for name, value in trainer.module.state_dict().items()}
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+        """As `EarlyStopping.on_epoch_end`, per fit: validated epochs count, and a NaN is no improvement."""
+        if self.latest is not None:
+            fits = self.training.nonzero().flatten()
+            better = self.latest[:, 0] < self.best[fits]
+            improved = fits[better]
+            self.best[improved], self.best_epoch[improved] = self.latest[better, 0], epoch
+            if len(improved):
+                index = improved.to(self.rows.device)
+                for name, value in trainer.module.state_dict().items():
+                    if name not in VolatilityEnsemble.SHARED:
+                        self.best_state[name].index_copy_(0, index, value.detach().index_select(0, index))
+            self.latest = None
+        if self.patience is not None:
+            self.training &= epoch - self.best_epoch < self.patience
+            if not self.training.any():
+                trainer.should_stop = True
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        """Each fit's best weights; every fit counted as training again, so that the workload probe after this
+        measures a step of all of them."""
+        trainer.module.load_state_dict(self.best_state)
+        self.training.fill_(True)
+
+    def state_dict(self) -> dict:
+        return {"fits_best_qlike": self.best, "fits_best_epoch": self.best_epoch, "fits_best_state": self.best_state,
+                "fits_training": self.training.clone()}
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        self.best, self.best_epoch = checkpoint["fits_best_qlike"], checkpoint["fits_best_epoch"]
+        self.best_state = {name: value.to(self.rows.device) for name, value in checkpoint["fits_best_state"].items()}
+        self.training.copy_(checkpoint["fits_training"])
+
+
+def train_ensemble(fits: list[Fit], features: torch.Tensor, targets: torch.Tensor, config: Config,
+                   job: Job) -> VolatilityEnsemble:
+    """Every fit trained together (module docstring) from the CPU tensors of the whole panel's `features` and
+    `targets`; returns the ensemble with each fit's best weights, in eval mode, on the run's device."""
+    runtime, settings = job.runtime, config.train
+    architecture = {"n_features": features.shape[1], **config.neural.model_dump(exclude={"ensemble", "target"}),
+                    "horizon": config.evaluation.horizon}
+    members = []
+    for fit in fits:
+        torch.manual_seed(fit.seed)
+        member = VolatilityMLP(**architecture)
+        member.fit_scaler(features[fit.train_rows])
+        members.append(member)
+    ensemble = VolatilityEnsemble.stack(members, **architecture)
+    features, targets = features.to(runtime.device), targets.to(runtime.device)
+    stopping = FitEarlyStopping(features, targets, [fit.val_rows for fit in fits], settings.patience,
+                                config.evaluation.horizon, runtime)
+    batches = FitBatches(features, targets, [fit.train_rows for fit in fits], settings.batch_size,
+                         config.runtime.seed, stopping.training, runtime.rank, runtime.world_size)
+    optimizer = make_optimizer("adamw", ensemble.parameters(), runtime, lr=settings.lr,
+                               weight_decay=settings.weight_decay)
+    # the trainer's own early stopping sees only the mean over the fits: FitEarlyStopping stops and restores them
+    trainer = Trainer(ensemble, optimizer, ensemble_step, runtime, settings.model_copy(update={"patience": None}),
+                      monitor="val/best_qlike", checkpoint_dir=job.checkpoint_dir / "neural",
+                      log_metrics=job.tracker.log_metrics, name=f"neural ({len(fits)} fits)", model_name="neural",
+                      predict=served_prediction(config.neural.ensemble), callbacks=[stopping])
+    trainer.fit(batches, stopping.validate, resume=job.resume)
+    return trainer.module.eval()
