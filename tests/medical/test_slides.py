@@ -289,3 +289,88 @@ def test_a_slide_set_has_labels_and_patients_with_two_slides(folder):
     assert {row["label"] for row in rows} == {"0", "1"} and all(len(found) == 1 for found in by_patient.values())
     assert len(by_patient) < 6
     shutil.rmtree(labels.parent)
+
+
+def hsv_field(hue: float, saturation: float, value: float, size: int = 256, seed: int = 0) -> np.ndarray:
+    """A textured blob of one colour (tissue, or a marker stroke) on grey-white glass."""
+    import colorsys
+
+    rng = np.random.default_rng(seed)
+    image = np.clip(235 + rng.normal(0, 3, (size, size, 3)), 0, 255)
+    colour = 255 * np.array(colorsys.hsv_to_rgb(hue / 360, saturation, value))
+    rows, columns = np.ogrid[:size, :size]
+    blob = (rows - size / 2) ** 2 + (columns - size / 2) ** 2 < (size / 3) ** 2
+    image[blob] = np.clip(colour + rng.normal(0, 4, (blob.sum(), 3)), 0, 255)
+    return image.astype(np.uint8), blob
+
+
+@pytest.mark.parametrize("hue", [330, 341, 350, 358, 5])
+@pytest.mark.parametrize("saturation", [0.2, 0.3, 0.45])
+def test_tissue_whose_eosin_leans_red_stays_tissue(hue, saturation):
+    rgb, blob = hsv_field(hue, saturation, 0.88)
+    found = detect_tissue(rgb)
+    assert found[blob].mean() > 0.9 and found[~blob].mean() < 0.05
+
+
+@pytest.mark.parametrize("hue", [345, 355, 5, 15])
+@pytest.mark.parametrize("saturation", [0.6, 0.8])
+def test_a_red_marker_stroke_is_ink_not_tissue(hue, saturation):
+    rgb, blob = hsv_field(hue, saturation, 0.8)
+    assert detect_tissue(rgb)[blob].mean() < 0.05
+
+
+@needs_shared
+def test_the_shared_pen_marks_stay_ink_and_cmu1_keeps_its_pink_tissue():
+    from usecases.medical.slides.tissue import pen_ink, rgb_to_hsv
+
+    for name, least in (("no-tissue-red-pen", 0.5), ("no-tissue-green-pen", 0.6)):
+        hue, saturation, value = rgb_to_hsv(np.asarray(Image.open(PATHOLOGY / "tiles" / f"{name}.png").convert("RGB")))
+        assert pen_ink(hue, saturation, value).mean() > least, name
+    with open_slide(PATHOLOGY / "cmu-1-small-region.svs") as slide:
+        for rgb in (slide.thumbnail(512), slide.read_region(0, 0, 0, *slide.level_dimensions[0])):
+            hue, saturation, value = rgb_to_hsv(rgb)
+            red_leaning = ((hue >= 330) | (hue < 20)) & (saturation > 0.15) & detect_tissue(rgb)
+            assert red_leaning.mean() > 0.002, "CMU-1 has red-leaning eosin and red blood cells"
+            assert not pen_ink(hue, saturation, value).any(), "and no marker ink, at any resolution"
+
+
+@pytest.mark.parametrize("pixels_per_cm", [0, 1, 28.35, 4e9])
+def test_a_slide_stating_an_implausible_resolution_is_refused_a_magnification_in_one_line(folder, pixels_per_cm):
+    """72 dpi writers, 1 px/cm, 0 (which must not divide) and absurdly fine resolutions: none is a scanner's. Tiles in
+    level-0 pixels still work, and the refusal says so."""
+    path = folder / f"implausible-{pixels_per_cm}.tif"
+    pixels = np.full((512, 512, 3), 240, np.uint8)
+    pixels[100:400, 100:400] = (200, 120, 170)
+    tifffile.imwrite(path, pixels, tile=(256, 256), photometric="rgb", resolution=(pixels_per_cm, pixels_per_cm),
+                     resolutionunit="CENTIMETER")
+    with open_slide(path) as slide:
+        assert slide.mpp is None
+        with pytest.raises(UserError, match=r"not a scanner's resolution .*--set data\.slides\.mpp=null") as caught:
+            tile_grid(slide, 0.5, tile_px=64)
+        assert one_line_naming(caught, path)
+        assert len(tile_grid(slide, None, tile_px=64, min_tissue=0.5)) > 0
+
+
+@pytest.mark.parametrize("values", [["abc"], ["nan"], ["0"], ["-0.25"], ["inf"], ["0.0001"], ["900"], ["0.5", "x"]])
+def test_any_stated_mpp_that_is_not_a_plausible_number_is_not_taken_and_says_why(values):
+    from usecases.medical.slides.reader import stated_mpp
+
+    mpp, problem = stated_mpp(values, "µm/px (openslide.mpp-x)")
+    assert mpp is None and "not a scanner's resolution" in problem and values[0] in problem
+    assert stated_mpp(["0.25", "0.2527"], "µm/px")[0] == pytest.approx(0.25135)
+
+
+@pytest.mark.parametrize("mpp", [0.0, -1.0, float("nan"), 1e-4, 1e4])
+def test_an_implausible_mpp_given_in_code_is_refused_at_open(plain_tiff, mpp):
+    with pytest.raises(UserError, match="not a scanner's resolution") as caught:
+        open_slide(plain_tiff, mpp=mpp)
+    assert one_line_naming(caught, plain_tiff)
+
+
+def test_tiles_that_magnify_the_scan_more_than_four_times_are_refused(positive):
+    with open_slide(positive) as slide:  # a 0.5 µm/px scan
+        assert tile_grid(slide, 0.125, tile_px=64, min_tissue=0.25).tile_l0 == 16
+        with pytest.raises(UserError, match=r"magnify its 0\.5 µm/px scan 10 times; set --set data\.slides\.mpp= "
+                                            r"to 0\.125 or more") as caught:
+            tile_grid(slide, 0.05, tile_px=64)
+    assert one_line_naming(caught, positive)

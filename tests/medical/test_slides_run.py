@@ -30,7 +30,7 @@ def slide_run(tmp_path_factory):
                       "--summary", str(folder / "s.json"), timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = runs("medical", env["MLFLOW_TRACKING_URI"])
-    return json.loads((folder / "s.json").read_text()), run
+    return json.loads((folder / "s.json").read_text()), run, env
 
 
 @pytest.mark.slow  # a second smoke run (a minute); the cluster path's features are compared in the default suite
@@ -48,7 +48,7 @@ def test_the_smoke_preset_on_the_dask_engine_encodes_on_the_cluster_and_learns(t
 
 
 def test_attention_mil_and_the_pooled_baseline_learn_the_slide_signal(slide_run):
-    summary, run = slide_run
+    summary, run, _ = slide_run
     models = summary["models"]
     assert set(models) == {"attention_mil", "mean_pool_logreg"}
     assert models["attention_mil"]["auc"] >= 0.9 and models["attention_mil"]["val_auc"] >= 0.9
@@ -57,16 +57,14 @@ def test_attention_mil_and_the_pooled_baseline_learn_the_slide_signal(slide_run)
     assert run.data.tags["data_source"] == "slides:synthetic" and run.info.status == "FINISHED"
 
 
-def test_each_test_slide_has_a_heatmap_and_the_fits_load_safely(slide_run, tmp_path):
-    _, run = slide_run
+def test_each_test_slide_has_a_heatmap_and_the_slide_model_is_logged_to_serve(slide_run):
+    _, run, _ = slide_run
     client = mlflow.MlflowClient()
     heatmaps = [item.path for item in client.list_artifacts(run.info.run_id, "heatmaps")]
     assert len(heatmaps) == int(run.data.tags["data_test_slides"]) >= 4
-    state = torch.load(mlflow.artifacts.download_artifacts(run_id=run.info.run_id,
-                                                           artifact_path="slides/slide_models.pt",
-                                                           dst_path=str(tmp_path)), weights_only=True)
-    assert state["attention_mil"] and all(isinstance(value, torch.Tensor) for value in state["attention_mil"].values())
-    assert len(state["stain"]) == 24 and all(fit["stain_matrix"].shape == (3, 2) for fit in state["stain"].values())
+    served = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model").unwrap_python_model()  # no unpickling
+    assert type(served).__name__ == "SlideClassifierModel" and 0 < served.threshold < 1
+    assert served.settings["stain"] == "macenko" and served.settings["mpp"] == 2.0
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +111,7 @@ def test_data_bytes_count_the_slides_and_labels_read_and_data_samples_the_slides
 
 def test_a_broken_slide_is_named_in_one_line(capsys, slide_folder, tmp_path):
     broken = (lambda path: path.write_bytes(b"II*\x00" + bytes(1000)))
-    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(7)] + ["broken.svs,1,p9"],
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)] + ["broken.svs,1,p9"],
                          {"broken.svs": broken})
     line = rejected(capsys, folder, "broken.svs")
     assert "damaged" in line or "not a readable" in line
@@ -193,14 +191,14 @@ def test_slides_are_encoded_on_a_dask_cluster_as_in_this_process(slide_folder, t
     from usecases.medical.models import architecture, build_classifier
     from usecases.medical.slides.data import load_slides
     from usecases.medical.slides.features import encode_on_cluster, encode_slides
-    from usecases.medical.slides.pipeline import chosen_tiles, slide_normalisers
+    from usecases.medical.slides.serving import chosen_tiles, slide_normaliser
 
     config = load_config(USECASE.config, USECASE.presets_dir, "slides-smoke",
                          [f"data.slides.cache_dir={tmp_path / 'cache'}", "data.slides.mpp=0.5"])
     data = load_slides(config, user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)]))
     rng = np.random.default_rng(0)
     slides = [chosen_tiles(path, grid, 6, rng) for path, grid in zip(data.paths, data.grids)]
-    normalisers = slide_normalisers(slides, data, "macenko", 8, rng)
+    normalisers = [slide_normaliser(slide, "macenko", 8, rng) for slide in slides]
     torch.manual_seed(0)
     build = partial(build_classifier, architecture("resnet18", 3, 2, cifar_stem=True, channels_last=False))
     network = build()
@@ -215,3 +213,87 @@ def test_slides_are_encoded_on_a_dask_cluster_as_in_this_process(slide_folder, t
     unnormalised, _ = encode_on_cluster(dask_client, build, network.state_dict(), slides, [None] * 8,
                                         torch.device("cpu"), 5)
     assert not np.allclose(unnormalised[0], here[0], atol=1e-3) and tiles_per_s > 0
+
+
+def test_slides_in_the_folder_but_not_in_the_labels_are_refused_or_skipped_when_asked(capsys, slide_folder, tmp_path):
+    from common.config import load_config
+    from usecases.medical import USECASE
+    from usecases.medical.slides.data import load_slides
+
+    copy = (lambda path: shutil.copy(slide_folder / "s0.tif", path))
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)], {"new-a.tif": copy, "new-b.svs": copy,
+                         "notes.txt": lambda path: path.write_text("not a slide")})
+    line = rejected(capsys, folder, "2 slide(s) are not in labels.csv (new-a.tif, new-b.svs)")
+    assert "--set data.slides.unlabelled=skip" in line
+    config = load_config(USECASE.config, USECASE.presets_dir, "slides-smoke",
+                         [f"data.slides.cache_dir={tmp_path / 'cache'}", "data.slides.mpp=0.5",
+                          "data.slides.unlabelled=skip"])
+    data = load_slides(config, folder)
+    assert [path.name for path in data.paths] == [f"s{i}.tif" for i in range(8)]
+    assert any("2 slide(s) not in labels.csv left out (new-a.tif, new-b.svs" in notice for notice in data.notices)
+
+
+@pytest.mark.parametrize("pixels_per_cm", [0, 28.35, 4e9])
+def test_a_slide_stating_an_implausible_resolution_is_one_line_naming_the_setting(capsys, slide_folder, tmp_path,
+                                                                                   pixels_per_cm):
+    odd = (lambda path: tifffile.imwrite(path, np.full((512, 512, 3), 200, np.uint8), tile=(256, 256),
+                                         photometric="rgb", resolution=(pixels_per_cm, pixels_per_cm),
+                                         resolutionunit="CENTIMETER"))
+    folder = user_folder(slide_folder, tmp_path, [f"s{i}.tif,{i % 2},p{i}" for i in range(8)] + ["odd.tif,1,p9"],
+                         {"odd.tif": odd})
+    assert "data.slides.mpp=null" in rejected(capsys, folder, "odd.tif", "not a scanner's resolution")
+
+
+@pytest.mark.parametrize("mpp", ["0", "0.001", "-1", "500", "nan"])
+def test_an_implausible_tile_resolution_is_one_line(capsys, slide_folder, tmp_path, mpp):
+    assert_rejected(capsys, "medical", "run", "medical", "--preset", "slides-smoke", "--data",
+                    str(user_folder(slide_folder, tmp_path)), "--set", f"data.slides.mpp={mpp}",
+                    names=("data.slides.mpp",))
+
+
+def test_the_served_slide_model_answers_each_test_slide_as_the_evaluation_scored_it(slide_run, tmp_path):
+    """`usecases serve medical` serves the slides run's champion: over HTTP, every test slide's probability is the
+    one the evaluation logged, and bad requests are a 400 with one line."""
+    import csv
+    import subprocess
+    import sys
+
+    from tests.cli_helpers import free_port, stop, wait_until_up
+    from tests.test_workbench import post
+
+    _, run, env = slide_run
+    logged = mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/slides/test_probabilities.csv",
+                                                 tracking_uri=env["MLFLOW_TRACKING_URI"])
+    evaluated = {row["slide"]: float(row["probability"]) for row in csv.DictReader(open(logged))}
+    assert len(evaluated) >= 2 and run.data.tags["primary_model"] == "attention_mil"
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "usecases", "serve", "medical", "--port", str(port)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(f"{url}/ping", process, seconds=180)
+        status, answer = post(f"{url}/invocations", {"dataframe_split": {"columns": ["slide"],
+                                                                         "data": [[slide] for slide in evaluated]}})
+        assert status == 200, answer
+        served = {row["slide"]: row for row in answer["predictions"]}
+        for slide, probability in evaluated.items():
+            assert served[slide]["probability"] == pytest.approx(probability, abs=1e-6), slide
+            tiles = json.loads(served[slide]["top_tiles"])
+            assert tiles and tiles[0]["attention"] >= tiles[-1]["attention"] and tiles[0]["size"] > 0
+        folder = tmp_path / "two-slides"  # a folder is each of its slides
+        folder.mkdir()
+        for slide in list(evaluated)[:2]:
+            (folder / Path(slide).name).symlink_to(slide)
+        status, answer = post(f"{url}/invocations", {"dataframe_split": {"columns": ["slide"],
+                                                                         "data": [[str(folder)]]}})
+        assert status == 200 and len(answer["predictions"]) == 2, answer
+        assert {row["slide"]: row["probability"] for row in answer["predictions"]} == pytest.approx(
+            {str(folder / Path(slide).name): evaluated[slide] for slide in list(evaluated)[:2]}, abs=1e-6)
+        for bad in ({"dataframe_split": {"columns": ["slide"], "data": [["/nowhere/x.svs"]]}},
+                    {"dataframe_split": {"columns": ["image"], "data": [["a"]]}},
+                    {"dataframe_split": {"columns": ["slide"], "data": [[3]]}}):
+            status, answer = post(f"{url}/invocations", bad)
+            line = answer["message"].splitlines()[-1]  # MLflow's server puts the request's data before it
+            assert status == 400 and "slide" in line, answer
+    finally:
+        stop(process)

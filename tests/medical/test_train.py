@@ -95,3 +95,21 @@ def test_memory_mapped_splits_are_scored_a_batch_at_a_time_alike(data, tmp_path,
     monkeypatch.setattr(train, "PREDICT_BATCH", 5)
     assert np.allclose(predict_logits(network, mapped, CPU), expected, atol=1e-6)
     assert np.allclose(baselines.pixel_features(mapped, 8, batch=7), baselines.pixel_features(images, 8))
+
+
+def test_a_training_step_of_the_network_makes_no_host_sync(data):
+    """Augmentation, forward, loss and backward of the default network queue on a GPU without waiting for it."""
+    from common.training.loop import supervised
+    from common.training.syncs import HostSyncs
+    from usecases.medical.train import channels_first, loss_function, new_classifier
+
+    config = tiny_config()
+    config.augment.shift_pixels, config.augment.horizontal_flip = 2, True
+    model, _ = new_classifier(config, data)
+    step = supervised(loss_function(data, "class_weights", CPU.device))
+    batch = (channels_first(data.images["train"][:16]), torch.from_numpy(data.labels["train"][:16]).long())
+    model.train()
+    step(model, batch).backward()  # the first step's one-off work
+    with HostSyncs() as syncs:
+        step(model, batch).backward()
+    assert syncs.count == 0, syncs.by_name

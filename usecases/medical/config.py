@@ -58,8 +58,11 @@ class Slides(ConfigModel):
     region by region; tiles at `mpp` microns per pixel where the tissue covers at least `min_tissue` of the tile."""
 
     labels_file: str = "labels.csv"
-    mpp: float | None = Field(1.0, gt=0, description="microns per pixel of the tiles (0.25: about 40x, 0.5: 20x, "
-                                                      "1.0: 10x); null: level-0 pixels, for slides without one")
+    unlabelled: Literal["refuse", "skip"] = Field(
+        "refuse", description="slides in the folder that the labels file does not list: refuse the run naming them, "
+                              "or skip them (the run says how many)")
+    mpp: float | None = Field(1.0, ge=0.05, le=50, description="microns per pixel of the tiles (0.25: about 40x, "
+                              "0.5: 20x, 1.0: 10x); null: level-0 pixels, for slides without one")
     tile_px: int = Field(224, ge=16)
     min_tissue: float = Field(0.5, gt=0, le=1, description="the tissue fraction of a tile to keep it")
     max_tiles: int | None = Field(2000, ge=1, description="per slide: a seeded sample where a slide has more")
@@ -145,10 +148,9 @@ class Model(ConfigModel):
 
 
 class Train(TrainConfig):
-    """The common loop's keys (epochs, batch_size, lr, patience on the val AUC, grad_clip, checkpoint_every: a
+    """The common loop's keys (epochs, batch_size, lr, patience on the val AUC, grad_clip, checkpoint_every_s: a
     ResNet-18 checkpoint is ~130 MB) and the recipe's schedule and imbalance handling."""
 
-    checkpoint_every: int = Field(5, ge=1)
     weight_decay: float = Field(0.0, ge=0)
     milestones: list[Annotated[float, Field(gt=0, lt=1)]] = Field(
         [0.5, 0.75], description="lr x gamma at these fractions of the epochs")

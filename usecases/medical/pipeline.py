@@ -15,7 +15,6 @@ from common.errors import UserError
 from common.job import Job
 from common.paths import stored_bytes
 from common.runtime.sharding import shared_predictions
-from common.training.workload import cpu_part
 from common.usecase import RunResult
 from .baselines import logreg_logits
 from .config import Config
@@ -104,35 +103,44 @@ def run(config: Config, data: ImageSet | SlideSet, job: Job) -> RunResult:
         return run_slides(config, data, job)
     runtime, evaluation = job.runtime, config.evaluation
     started = time.perf_counter()
-    model, arch, result = fit_network(config, data, job)
+    with job.phase(f"fit/{config.model.name}", "device"):
+        model, arch, result = fit_network(config, data, job)
     train_seconds = time.perf_counter() - started
     as_served = replace(runtime, amp_dtype=None)  # scored in fp32, as the logged model predicts
-    logits = {split: shared_predictions(lambda rows: predict_logits(model, data.images[split][rows], as_served,
-                                                                    tta=evaluation.tta), len(data.images[split]),
-                                        runtime)
-              for split in ("val", "test")}
+    with job.phase("predict", "device"):
+        logits = {split: shared_predictions(lambda rows: predict_logits(model, data.images[split][rows], as_served,
+                                                                        tta=evaluation.tta), len(data.images[split]),
+                                            runtime)
+                  for split in ("val", "test")}
     if not runtime.is_main:
         return RunResult({})
-    with cpu_part("evaluation", job.tracker.log_metrics):  # calibration, thresholds and the bootstrap, in NumPy
+    with job.phase("evaluate", "serial"):  # calibration, thresholds and the bootstrap, in NumPy
         metrics, details = evaluate_model(logits["val"], data.labels["val"], logits["test"], data.labels["test"],
                                           data.task, data.classes, evaluation, config.runtime.seed)
     metrics.update(best_epoch=result.best_epoch + 1, epochs_run=result.epochs_run, train_seconds=train_seconds)
     models = {arch["name"]: metrics}
-    _log_figures(arch["name"], details, job)
-    _log_gradcam(model, data, details, evaluation.gradcam_examples, job)
-    served = log_classifier(model, arch, data, {"operating_threshold": metrics["threshold"],
-                                                "positive_class": data.classes[evaluation.positive_class],
-                                                "target_sensitivity": evaluation.target_sensitivity,
-                                                "temperature": metrics["temperature"],
-                                                "best_epoch": result.best_epoch + 1, "tta": evaluation.tta},
-                            job, tta=evaluation.tta)
+    job.model_done(arch["name"], metrics)
+    with job.phase("plots", "serial"):
+        _log_figures(arch["name"], details, job)
+    with job.phase("explain", "device"):
+        _log_gradcam(model, data, details, evaluation.gradcam_examples, job)
+    with job.phase("serving_bundle", "serial"):
+        served = log_classifier(model, arch, data, {"operating_threshold": metrics["threshold"],
+                                                    "positive_class": data.classes[evaluation.positive_class],
+                                                    "target_sensitivity": evaluation.target_sensitivity,
+                                                    "temperature": metrics["temperature"],
+                                                    "best_epoch": result.best_epoch + 1, "tta": evaluation.tta},
+                                job, tta=evaluation.tta)
     for name in config.baselines.models:
-        with cpu_part(name, job.tracker.log_metrics):  # scikit-learn's lbfgs, on one core
+        with job.phase(f"fit/{name}", "serial"):  # scikit-learn's lbfgs, on one core
             baseline = logreg_logits(data, config.baselines, config.runtime.seed)
-        models[name], baseline_details = evaluate_model(baseline["val"], data.labels["val"], baseline["test"],
-                                                        data.labels["test"], data.task, data.classes, evaluation,
-                                                        config.runtime.seed)
-        _log_figures(name, baseline_details, job)
+        with job.phase("evaluate", "serial"):
+            models[name], baseline_details = evaluate_model(baseline["val"], data.labels["val"], baseline["test"],
+                                                            data.labels["test"], data.task, data.classes, evaluation,
+                                                            config.runtime.seed)
+        job.model_done(name, models[name])
+        with job.phase("plots", "serial"):
+            _log_figures(name, baseline_details, job)
     return RunResult(models, served)
 
 
@@ -153,11 +161,11 @@ def _log_gradcam(model: torch.nn.Module, data: ImageSet, details, count: int, jo
         return
     examples = pick_examples(details.is_positive, details.predicted_positive, details.score, count)
     rows = {}
-    network = model.cpu().float()
+    device = next(model.parameters()).device  # on the device it trained on: a GPU takes it in milliseconds
     target = details.positive_class
     for group, indices in examples.items():
         images = data.images["test"][indices]
-        heatmaps = (grad_cam(network, channels_first(images).float() / 255, target) if len(indices)
+        heatmaps = (grad_cam(model, channels_first(images).to(device).float() / 255, target) if len(indices)
                     else np.zeros((0, data.size, data.size)))
         titles = [f"p={details.score[index]:.2f}" for index in indices]
         rows[group] = (images, heatmaps, titles)

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from common.job import Job
 from common.runtime.devices import Runtime
 from common.runtime.sharding import shared_predictions
-from common.training.loop import FitResult, TensorBatches, Trainer, make_loader, supervised
+from common.training.loop import FitResult, TensorBatches, Trainer, make_loader, make_optimizer, supervised
 from .config import Config
 from .evaluate import auc, nll
 from .images import ImageSet
@@ -122,7 +122,7 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
     runtime, settings = job.runtime, config.train
     torch.manual_seed(config.runtime.seed)
     model, arch = new_classifier(config, data)
-    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    optimizer = make_optimizer("adam", model.parameters(), runtime, lr=settings.lr, weight_decay=settings.weight_decay)
     milestones = sorted({max(1, round(fraction * settings.epochs)) for fraction in settings.milestones})
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, settings.gamma)
     train_labels = label_tensor(data.labels["train"], data.task)

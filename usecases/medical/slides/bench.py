@@ -34,7 +34,7 @@ from common.errors import UserError
 from common.runtime.interrupt import stop_point
 from ..models import ImageClassifier, architecture, build_classifier, use_cifar_stem
 from .features import PooledFeatures, SlideTiles, encode_slides, fit_normaliser, read_tiles
-from .reader import CUCIM_SUFFIXES, cucim_installed, open_slide, pixel_reader
+from .reader import CUCIM_SUFFIXES, cucim_installed, open_slide
 from .synthetic import write_slide
 from .tiles import TileGrid, tile_grid
 
@@ -51,13 +51,10 @@ SAMPLE_EVERY_S = 0.1  # the gigapixel child's process tree is sampled this often
 def slides_benchmark(config: Config, data: SlideSet, job: Job) -> dict[str, dict[str, float]]:
     if job.runtime.distributed:
         raise UserError("the slides benchmark times one process and its readers; run it without torchrun")
-    from .pipeline import chosen_tiles, slide_normalisers
+    from .pipeline import prepared_slides
 
     settings, device, bench = config.data.slides, job.runtime.device, config.benchmark
-    rng = np.random.default_rng(config.runtime.seed)
-    slides = [chosen_tiles(path, grid, settings.max_tiles, rng, pixel_reader(settings.reader, device.type, path))
-              for path, grid in zip(data.paths, data.grids)]
-    normalisers = slide_normalisers(slides, data, settings.stain, settings.stain_fit_tiles, rng)
+    slides, normalisers, _ = prepared_slides(config, data, device.type, np.random.default_rng(config.runtime.seed))
     network = encoder(config)
     tiles = sum(len(slide.indices) for slide in slides)
     first = slides[0]

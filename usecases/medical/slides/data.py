@@ -22,7 +22,7 @@ from common.paths import building, cache_dir, stored_bytes
 from ..config import Config, Files
 from ..files import assert_no_patient_leak, class_names, read_manifest, split_by_patient
 from ..images import SPLITS
-from .reader import open_slide
+from .reader import SLIDE_SUFFIXES, open_slide
 from .synthetic import write_slide_set
 from .tiles import TileGrid, slide_digest, tile_grid
 
@@ -68,6 +68,7 @@ def load_slides(config: Config, path: Path | None, client=None) -> SlideSet:
         raise UserError(f"{folder}: no {settings.labels_file} (expected columns slide, label and optionally patient: "
                         f"one row per slide)")
     listing = read_manifest(labels_file, LABEL_COLUMNS)
+    notices += unlabelled_slides(folder, listing.files, labels_file, settings.unlabelled)
     tiling = (settings.mpp, settings.tile_px, settings.min_tissue, cache_dir("slides", settings.cache_dir) / "tiles")
     if client is not None:  # many slides: each one's mask and grid on a worker of the cluster
         tiled = client.gather(client.map(tiles_of, listing.files, *[[value] * len(listing.files) for value in tiling],
@@ -97,6 +98,22 @@ def load_slides(config: Config, path: Path | None, client=None) -> SlideSet:
     source = f"slides:{'synthetic' if path is None else folder.name}"
     return SlideSet(list(listing.files), labels, classes, patients, split, source, digest.hexdigest(), mpp, grids,
                     stored_bytes(labels_file, *listing.files), notices + listing.notices)
+
+
+def unlabelled_slides(folder: Path, listed: list[Path], labels_file: Path, setting: str) -> list[str]:
+    """Slides in `folder` that `labels_file` does not list: refused in one line naming them, or (`skip`) a notice of
+    how many were left out. A slide nobody labelled is most often a forgotten row, not a slide to ignore."""
+    known = {Path(path).resolve() for path in listed}
+    left_out = sorted(path.name for path in folder.iterdir()
+                      if path.is_file() and path.suffix.lower() in SLIDE_SUFFIXES and path.resolve() not in known)
+    if not left_out:
+        return []
+    named = ", ".join(left_out[:3]) + (f" and {len(left_out) - 3} more" if len(left_out) > 3 else "")
+    if setting == "refuse":
+        raise UserError(f"{folder}: {len(left_out)} slide(s) are not in {labels_file.name} ({named}); add a row for "
+                        f"each, or leave them out with --set data.slides.unlabelled=skip")
+    return [f"{folder}: {len(left_out)} slide(s) not in {labels_file.name} left out ({named}; "
+            f"data.slides.unlabelled=skip)"]
 
 
 def tiles_of(slide_path: Path, mpp: float | None, tile_px: int, min_tissue: float,

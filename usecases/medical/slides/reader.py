@@ -30,6 +30,7 @@ PLAUSIBLE_MPP = (0.05, 50.0)
 LEVEL_TOLERANCE = 1.01
 THUMBNAIL_BLOCK_PX = 1024
 MICRONS_PER_UNIT = {"centimeter": 1e4, "inch": 25400.0}
+MAX_MAGNIFICATION = 4  # tiles finer than a quarter of the scan's pixel are refused
 
 
 def open_slide(path: str | Path, mpp: float | None = None, reader: str = "openslide") -> Slide:
@@ -70,12 +71,35 @@ def one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def mpp_from_resolution(resolution: float | None, unit: str | None) -> float | None:
-    """Microns per pixel from a TIFF XResolution and ResolutionUnit, None when absent or implausible."""
-    if not resolution or str(unit).lower() not in MICRONS_PER_UNIT:
-        return None
-    mpp = MICRONS_PER_UNIT[str(unit).lower()] / float(resolution)
-    return mpp if PLAUSIBLE_MPP[0] <= mpp <= PLAUSIBLE_MPP[1] else None
+def plausible(mpp: float) -> bool:
+    return math.isfinite(mpp) and PLAUSIBLE_MPP[0] <= mpp <= PLAUSIBLE_MPP[1]
+
+
+def stated_mpp(values: list[str], source: str) -> tuple[float | None, str | None]:
+    """The level-0 microns per pixel a file states (several values: their mean), or None and why it is not taken:
+    a value that is not a number, not finite, 0 or outside PLAUSIBLE_MPP (a writer's default, not a scanner's)."""
+    if not values:
+        return None, None
+    try:
+        numbers = [float(value) for value in values]
+    except ValueError:
+        numbers = [math.nan]
+    mpp = sum(numbers) / len(numbers)
+    if plausible(mpp):
+        return mpp, None
+    return None, (f"states {' and '.join(map(str, values))} {source}, which is not a scanner's resolution "
+                  f"({PLAUSIBLE_MPP[0]:g} to {PLAUSIBLE_MPP[1]:g} µm/px at level 0)")
+
+
+def mpp_from_resolution(resolution: tuple[float, float] | None, unit: str | None) -> tuple[float | None, str | None]:
+    """`stated_mpp` of a TIFF XResolution (numerator, denominator: pixels per unit) and ResolutionUnit; none stated
+    where either is absent, the unit is none or the fraction is 0/0."""
+    if not resolution or str(unit).lower() not in MICRONS_PER_UNIT or not any(resolution):
+        return None, None
+    numerator, denominator = (float(part) for part in resolution)
+    per_micron = numerator / denominator / MICRONS_PER_UNIT[str(unit).lower()] if denominator else math.inf
+    mpp = 1 / per_micron if per_micron else math.inf
+    return stated_mpp([f"{mpp:.6g}"], f"µm/px (its TIFF resolution, {numerator:g}/{denominator:g} px a {unit})")
 
 
 def on_white(pixels: np.ndarray) -> np.ndarray:
@@ -94,12 +118,19 @@ class Slide:
     """A pyramid of levels, each read by region. Coordinates are level-0 pixels and sizes are level pixels, as in
     OpenSlide, so one tile grid serves every level."""
 
-    def __init__(self, path: Path, level_dimensions: list[tuple[int, int]], mpp: float | None):
+    def __init__(self, path: Path, level_dimensions: list[tuple[int, int]], stated: tuple[float | None, str | None],
+                 mpp: float | None = None):
+        """`stated`: the file's microns per pixel and why it was not taken (`stated_mpp`); `mpp` overrides it."""
+        if mpp is not None and not plausible(mpp):
+            raise UserError(f"{path}: mpp={mpp!r} is not a scanner's resolution (expected {PLAUSIBLE_MPP[0]:g} to "
+                            f"{PLAUSIBLE_MPP[1]:g} µm/px at level 0)")
         self.path = path
         self.level_dimensions = level_dimensions
         width, height = level_dimensions[0]
+        if min(width, height) <= 0 or any(min(dims) <= 0 for dims in level_dimensions):
+            raise UserError(f"{path}: a level of {level_dimensions} pixels is empty; expected a non-empty image")
         self.level_downsamples = [(width / w + height / h) / 2 for w, h in level_dimensions]
-        self.mpp = mpp
+        self.mpp, self.mpp_problem = (mpp, None) if mpp is not None else stated
 
     def read_level(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
         raise NotImplementedError
@@ -121,14 +152,22 @@ class Slide:
         return max(fitting, default=0)
 
     def downsample_for_mpp(self, target_mpp: float) -> float:
-        """Level-0 pixels per output pixel at `target_mpp`: needs the slide's own mpp."""
+        """Level-0 pixels per output pixel at `target_mpp`: needs the slide's own mpp, and tiles that magnify its scan
+        at most MAX_MAGNIFICATION times (finer tiles hold no more detail, only more of them)."""
         if self.mpp is None:
+            said = self.mpp_problem or "states no microns per pixel"
             raise UserError(
-                f"{self.path}: the file states no microns per pixel, so tiles at {target_mpp:g} µm/px cannot be "
-                "sized; cut tiles in level-0 pixels instead (--set data.slides.mpp=null; in code open_slide(path, "
-                "mpp=...) supplies it)"
+                f"{self.path}: the file {said}, so tiles at {target_mpp:g} µm/px cannot be sized; cut tiles in "
+                "level-0 pixels instead (--set data.slides.mpp=null; in code open_slide(path, mpp=...) supplies it)"
             )
-        return target_mpp / self.mpp
+        downsample = target_mpp / self.mpp
+        if not downsample * MAX_MAGNIFICATION >= 1:
+            raise UserError(
+                f"{self.path}: tiles at {target_mpp:g} µm/px would magnify its {self.mpp:g} µm/px scan "
+                f"{1 / downsample:.0f} times; set --set data.slides.mpp= to {self.mpp / MAX_MAGNIFICATION:g} or "
+                "more (or null for level-0 pixels)"
+            )
+        return downsample
 
     def thumbnail_plan(self, max_size: int) -> tuple[int, int]:
         """(level, block): a thumbnail is `level` averaged over block x block pixels, at most `max_size` a side."""
@@ -179,16 +218,24 @@ def block_mean(image: np.ndarray, block: int) -> np.ndarray:
     return (padded.reshape(rows, block, cols, block, 3).mean(axis=(1, 3)) + 0.5).astype(np.uint8)
 
 
+def _fraction(resolution: str | None) -> tuple[float, float] | None:
+    """OpenSlide's tiff.XResolution property (a decimal) as the fraction `mpp_from_resolution` takes."""
+    try:
+        return (float(resolution), 1.0) if resolution is not None else None
+    except ValueError:
+        return (math.nan, 1.0)
+
+
 class OpenSlideSlide(Slide):
     """The scanners' formats (Aperio, Hamamatsu, Mirax, generic tiled TIFF), JPEG 2000 included."""
 
     def __init__(self, path: Path, mpp: float | None = None):
         self.handle = openslide.OpenSlide(path)
         properties = self.handle.properties
-        stated = [float(properties[key]) for key in ("openslide.mpp-x", "openslide.mpp-y") if key in properties]
-        stated_mpp = sum(stated) / len(stated) if stated else mpp_from_resolution(
-            properties.get("tiff.XResolution"), properties.get("tiff.ResolutionUnit"))
-        super().__init__(path, list(self.handle.level_dimensions), stated_mpp if mpp is None else mpp)
+        values = [properties[key] for key in ("openslide.mpp-x", "openslide.mpp-y") if key in properties]
+        stated = stated_mpp(values, "µm/px (openslide.mpp-x and -y)") if values else mpp_from_resolution(
+            _fraction(properties.get("tiff.XResolution")), properties.get("tiff.ResolutionUnit"))
+        super().__init__(path, list(self.handle.level_dimensions), stated, mpp)
 
     def read_level(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
         try:
@@ -219,10 +266,10 @@ class TiffSlide(Slide):
         page = series.pages[0]
         resolution = page.tags.get("XResolution")
         unit = page.tags.get("ResolutionUnit")
-        stated_mpp = mpp_from_resolution(
-            resolution.value[0] / resolution.value[1] if resolution else None, unit.value.name if unit else None)
+        stated = mpp_from_resolution(tuple(resolution.value) if resolution else None,
+                                     unit.value.name if unit else None)
         dimensions = [(level.shape[1], level.shape[0]) for level in self.levels]
-        super().__init__(path, dimensions, stated_mpp if mpp is None else mpp)
+        super().__init__(path, dimensions, stated, mpp)
 
     def read_level(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
         array = self.levels[level]
@@ -260,7 +307,7 @@ class CuCIMSlide(Slide):
             raise UserError("data.slides.reader=cucim needs cuCIM: pip install 'gpu-usecases[cuda13]' (cucim-cu13), "
                             "or set data.slides.reader=openslide") from None
         with open_slide(path, mpp) as described:
-            super().__init__(path, described.level_dimensions, described.mpp)
+            super().__init__(path, described.level_dimensions, (described.mpp, described.mpp_problem))
         try:
             self.image = CuImage(str(path))
         except (ValueError, RuntimeError) as error:

@@ -21,7 +21,7 @@ from common.paths import file_sha256
 from . import tissue
 from .reader import Slide
 
-CACHE_VERSION = 1  # bump when the mask or the grid changes, so old caches are not read
+CACHE_VERSION = 2  # bump when the mask or the grid changes, so old caches are not read
 
 
 @dataclass(frozen=True)
