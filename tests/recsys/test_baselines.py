@@ -158,12 +158,12 @@ def test_pruned_ease_keeps_each_columns_largest_weights(data):
 
 
 def test_ease_counts_the_four_matrices_alive_at_once_against_the_free_memory(monkeypatch):
-    """35,000 items in float32 on a GPU with 20 GB free: one matrix (4.9 GB) would fit, the four of the fit (19.6
-    GB) do not, so it is a one-line skip rather than an out-of-memory error midway."""
+    """35,000 items in float32 with 20 GB free on a GPU: one matrix (4.9 GB) would fit, the four of the fit (19.6
+    GB) do not, so it is a one-line skip rather than an out-of-memory error midway; on a CPU as well."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * 10**9, 80 * 10**9))
     with pytest.raises(ModelUnavailable, match=r"ease: 35,000 items need 18.3 GB .* on cuda \(18.6 GB free\)"):
         EASE(sp.csr_matrix((3, 35_000), dtype=np.float32), cfg.EASE(), torch.device("cuda"))
-    free = types.SimpleNamespace(available=4 * 8 * 1000**2 / baselines.EASE_MEMORY_SHARE * 0.99)
+    free = types.SimpleNamespace(available=4 * 4 * 1000**2 / baselines.EASE_MEMORY_SHARE * 0.99)
     monkeypatch.setattr("psutil.virtual_memory", lambda: free)
     with pytest.raises(ModelUnavailable, match="ease: 1,000 items need"):
         EASE(sp.csr_matrix((3, 1000), dtype=np.float32), cfg.EASE(), CPU)

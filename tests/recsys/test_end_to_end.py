@@ -1,4 +1,5 @@
-"""The smoke preset end to end, as a user runs it: every model in the summary, the served model answering."""
+"""The smoke preset end to end, as a user runs it: every model in the summary, its phases timed, the served model
+answering."""
 
 import json
 
@@ -65,6 +66,17 @@ def test_served_model_recommends_unseen_items_and_popular_ones_to_strangers(smok
     popularity = np.asarray(known.sum(axis=0)).ravel()
     assert list(stranger["score"]) == sorted(popularity, reverse=True)[:5]  # the five most popular, ties aside
     assert (popularity[np.searchsorted(data.item_ids[1:], stranger["item_id"]) + 1] == stranger["score"]).all()
+
+
+def test_the_run_times_each_models_phases_and_says_how_they_scale(smoke):
+    uri, summary = smoke
+    (run,) = runs("recsys", uri)
+    scales = json.loads(run.data.tags["time_phases"])
+    for name in summary["models"]:
+        for phase in ("fit", "evaluate", "replay"):
+            assert run.data.metrics[f"time/{phase}/{name}_s"] >= 0, (phase, name)
+    assert {"foldin/bpr", "foldin/lightgcn"} <= set(scales)  # the fold-in choice, on a sample of the validation users
+    assert scales["serving_bundle"] == "serial" and scales["fit/ease"] == scales["replay/ease"] == "device"
 
 
 def test_a_log_without_its_user_column_is_one_line(capsys, tmp_path):

@@ -1,18 +1,24 @@
 """The event store behind `POST /events`, SQLite and Redis through the same tests: a user's latest items newest last,
 a retraining consumer's pages, one-line refusals, several writer processes at once, and a writer killed mid-stream
-(every event it acknowledged is stored).
+(every event it acknowledged is stored); and every way a store cannot be used stops `usecases serve` at its start in
+one line (exit 2, before the port is bound), and a store that fails later is HTTP 503 in one line.
 
 The Redis cases start their own `redis-server` on a free port and skip, in one line, without the `redis` client or
 the server binary. Writers are forked children (`os.fork`): the store must open its own connection in each.
 """
 
 import os
+import shutil
 import signal
+import sqlite3
 import sys
+import tempfile
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.errors import UserError
@@ -20,6 +26,7 @@ from tests.cli_helpers import free_port
 from usecases.recsys.events import START, BadEvent, Event, SQLiteEventStore, open_event_store
 
 ACKNOWLEDGED_BEFORE_KILL = 100  # appends a killed writer must have acknowledged
+T0 = 1_700_000_000  # 2023-11-14, in the window of accepted timestamps
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the writer processes are forked")
 
@@ -74,8 +81,8 @@ def exit_code(pid: int) -> int:
 
 
 def test_recent_is_the_users_latest_items_newest_last_with_repeats_kept(store):
-    assert store.append([{"user_id": 1, "item_id": 10, "timestamp": 100}, {"user_id": "1", "item_id": "11"},
-                         {"user_id": 2, "item_id": "x9"}, Event("1", "10", 103)]) == 4
+    assert store.append([{"user_id": 1, "item_id": 10, "timestamp": T0}, {"user_id": "1", "item_id": "11"},
+                         {"user_id": 2, "item_id": "x9"}, Event("1", "10", T0 + 3)]) == 4
     assert store.append({"user_id": 1, "item_id": 12}) == 1
     assert store.append([]) == 0
     assert store.recent(1, 10) == ["10", "11", "10", "12"]  # repeats are the fold-in's to drop
@@ -85,7 +92,7 @@ def test_recent_is_the_users_latest_items_newest_last_with_repeats_kept(store):
 
 
 def test_read_since_pages_through_every_event_once_in_arrival_order(store):
-    posted = [Event(str(index % 3), str(index), 1_700_000_000 + index) for index in range(23)]
+    posted = [Event(str(index % 3), str(index), T0 + index) for index in range(23)]
     store.append(posted)
     pages, cursor = [], START
     while True:
@@ -96,8 +103,8 @@ def test_read_since_pages_through_every_event_once_in_arrival_order(store):
     assert [len(page) for page in pages] == [5, 5, 5, 5, 3]
     assert [event for page in pages for event in page] == posted
     assert store.read_since(cursor, 5) == ([], cursor)
-    store.append({"user_id": "u", "item_id": "late", "timestamp": 7})
-    assert store.read_since(cursor, 5)[0] == [Event("u", "late", 7)]
+    store.append({"user_id": "u", "item_id": "late", "timestamp": T0 + 7})
+    assert store.read_since(cursor, 5)[0] == [Event("u", "late", T0 + 7)]
 
 
 def test_an_event_without_a_timestamp_gets_the_time_of_its_append(store):
@@ -108,7 +115,7 @@ def test_an_event_without_a_timestamp_gets_the_time_of_its_append(store):
 
 
 def test_a_consumer_restarting_from_its_saved_cursor_reads_its_unfinished_page_again(location, store):
-    store.append([Event("u", str(index), index) for index in range(10)])
+    store.append([Event("u", str(index), T0 + index) for index in range(10)])
     _, first = store.read_since(START, 4)
     unfinished, _ = store.read_since(first, 4)  # the job dies before saving the cursor after this page
     restarted = open_event_store(location)
@@ -126,9 +133,11 @@ BAD_EVENTS = [
     ({"user_id": 1, "item_id": True}, "event 1: item_id must be"),
     ({"user_id": 1, "item_id": ""}, "event 1: item_id must be"),
     ({"user_id": 1, "item_id": [2]}, "event 1: item_id must be"),
-    ({"user_id": 1, "item_id": 2, "timestamp": "2024-01-01\n"}, "event 1: timestamp must be whole Unix seconds"),
-    ({"user_id": 1, "item_id": 2, "timestamp": 1.7e9}, "event 1: timestamp must be whole Unix seconds"),
-    ({"user_id": 1, "item_id": 2, "timestamp": -1}, "event 1: timestamp must be whole Unix seconds"),
+    ({"user_id": 1, "item_id": 2, "timestamp": "2024-01-01\n"}, "event 1: timestamp must be whole seconds"),
+    ({"user_id": 1, "item_id": 2, "timestamp": 1.7e9}, "event 1: timestamp must be whole seconds"),
+    ({"user_id": 1, "item_id": 2, "timestamp": -1}, "event 1: timestamp -1 is before 1995-01-01"),
+    ({"user_id": 1, "item_id": 2, "timestamp": T0 * 1000}, "event 1: timestamp 1700000000000 looks like milliseconds"),
+    ({"user_id": 1, "item_id": 2, "timestamp": 2**64 - 1}, "event 1: timestamp 18446744073709551615 is more than"),
     ({"user_id": 1, "item": 2}, "event 1: unknown field 'item'"),
     ("user 1 item 2", "event 1: expected an object"),
 ]
@@ -158,7 +167,7 @@ def test_processes_appending_at_once_lose_nothing(location):
         time.sleep(max(0.0, start_at - time.monotonic()))
         store = open_event_store(location)
         for index in range(per_writer):
-            store.append({"user_id": f"w{writer}", "item_id": index, "timestamp": index})
+            store.append({"user_id": f"w{writer}", "item_id": index, "timestamp": T0 + index})
 
     pids = [forked(lambda writer=writer: write(writer)) for writer in range(writers)]
     assert [exit_code(pid) for pid in pids] == [0] * writers
@@ -169,10 +178,10 @@ def test_processes_appending_at_once_lose_nothing(location):
 
 
 def test_a_store_used_before_a_fork_works_in_the_child_and_after_it(store):
-    store.append({"user_id": "u", "item_id": "parent", "timestamp": 1})
-    child = forked(lambda: store.append({"user_id": "u", "item_id": "child", "timestamp": 2}))
+    store.append({"user_id": "u", "item_id": "parent", "timestamp": T0})
+    child = forked(lambda: store.append({"user_id": "u", "item_id": "child", "timestamp": T0 + 1}))
     assert exit_code(child) == 0
-    store.append({"user_id": "u", "item_id": "parent again", "timestamp": 3})
+    store.append({"user_id": "u", "item_id": "parent again", "timestamp": T0 + 2})
     assert store.recent("u", 10) == ["parent", "child", "parent again"]
 
 
@@ -184,7 +193,7 @@ def test_a_writer_killed_mid_stream_loses_no_acknowledged_event(location):
     def write():
         store = open_event_store(location)
         for index in range(1_000_000):
-            store.append({"user_id": "writer", "item_id": index, "timestamp": index})
+            store.append({"user_id": "writer", "item_id": index, "timestamp": T0 + index})
             os.write(acknowledging, b".")
 
     writer = forked(write)
@@ -207,7 +216,7 @@ def test_a_writer_killed_mid_stream_loses_no_acknowledged_event(location):
     stored = [event.item_id for event in every_event(store)]
     assert stored == [str(index) for index in range(len(stored))]  # in order, no gap, nothing twice
     assert acknowledged <= len(stored) <= acknowledged + 1  # at most the append in flight besides
-    assert store.append({"user_id": "writer", "item_id": "after", "timestamp": 0}) == 1  # still writable
+    assert store.append({"user_id": "writer", "item_id": "after", "timestamp": T0}) == 1  # still writable
     store.close()
 
 
@@ -244,3 +253,208 @@ def test_an_unreachable_redis_is_one_line_without_the_password():
     message = str(refused.value)
     assert message.startswith("events: cannot use redis://127.0.0.1:") and "\n" not in message
     assert "secret" not in message
+
+
+NOBODY = 65534  # the unprivileged user of Linux distributions
+
+
+@contextmanager
+def unprivileged():
+    """What follows runs as a user file modes apply to: root, whom they do not stop, becomes nobody meanwhile
+    (effective uid only: it comes back)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(NOBODY)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+@pytest.fixture
+def open_folder():
+    """A folder any user can reach (pytest's own are root's only), removed afterwards."""
+    folder = Path(tempfile.mkdtemp())
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def sqlite_file(path: Path, statements: str = "", events: int = 0) -> Path:
+    """A SQLite file made by `statements`, or an event store holding `events` events, checkpointed whole into the
+    file (its WAL emptied, as after a clean stop)."""
+    if events:
+        store = SQLiteEventStore(path)
+        store.append([{"user_id": index % 7, "item_id": index, "timestamp": T0 + index} for index in range(events)])
+        store.close()
+    connection = sqlite3.connect(path)
+    connection.executescript(statements)
+    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    connection.close()
+    return path
+
+
+def damaged(path: Path) -> Path:
+    """An event store whose fourth page (an index or table page of its events) is overwritten with noise."""
+    store = bytearray(sqlite_file(path, events=3000).read_bytes())
+    page = int.from_bytes(store[16:18], "big")
+    store[3 * page:3 * page + 512] = np.random.default_rng(0).bytes(512)
+    path.write_bytes(bytes(store))
+    return path
+
+
+def cut_short(path: Path) -> Path:
+    data = sqlite_file(path, events=3000).read_bytes()
+    path.write_bytes(data[:len(data) // 3])
+    return path
+
+
+def read_only(path: Path) -> Path:
+    sqlite_file(path, events=5)
+    path.chmod(0o444)
+    return path
+
+
+def in_read_only_folder(folder: Path) -> Path:
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder / "events.db"
+
+
+MLFLOW_TABLES = "CREATE TABLE experiments(experiment_id INTEGER, name TEXT); CREATE TABLE runs(run_uuid TEXT);"
+UNUSABLE_SQLITE = {  # name: (what makes it, in a folder; what the line says; whether it needs an unprivileged user)
+    "a text file": (lambda folder: write(folder / "events.db", b"user_id,item_id\n1,2\n" * 50),
+                    "file is not a database", False),
+    "random bytes": (lambda folder: write(folder / "events.db", np.random.default_rng(1).bytes(8192)),
+                     "file is not a database", False),
+    "a folder": (lambda folder: mkdir(folder / "events.db"), "unable to open database file", False),
+    "a path under a file": (lambda folder: write(folder / "store", b"x") / "events.db", "cannot open the event store",
+                            False),
+    "a damaged store": (lambda folder: damaged(folder / "events.db"), "is damaged (SQLite's quick_check: Page", False),
+    "a store cut short": (lambda folder: cut_short(folder / "events.db"), "malformed", False),
+    "another program's database": (lambda folder: sqlite_file(folder / "mlflow.db", MLFLOW_TABLES),
+                                   "holds tables that are not the event store's (experiments, runs)", False),
+    "an events table of another shape": (lambda folder: sqlite_file(folder / "events.db",
+                                                                    "CREATE TABLE events(id INTEGER, what TEXT);"),
+                                         "holds tables that are not the event store's (events of columns id, what)",
+                                         False),
+    "a store the server cannot write": (lambda folder: read_only(folder / "events.db"),
+                                        "attempt to write a readonly database", True),
+    "a folder the server cannot write": (lambda folder: in_read_only_folder(folder / "locked"),
+                                         "unable to open database file", True),
+}
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def serve_refuses(capsys, monkeypatch, events: str) -> str:
+    """`usecases serve recsys --events EVENTS` as a user types it: exit 2 and one `error:` line, before uvicorn is
+    started (so before the port is bound)."""
+    import uvicorn
+
+    from tests.cli_helpers import user_error
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("the server started"))
+    return user_error(capsys, "serve", "recsys", "--model-uri", "runs:/0/model", "--events", events)
+
+
+@pytest.mark.parametrize("case", UNUSABLE_SQLITE)
+def test_serve_stops_in_one_line_on_a_sqlite_store_it_cannot_use(capsys, monkeypatch, open_folder, case):
+    make, says, as_user = UNUSABLE_SQLITE[case]
+    path = make(open_folder)
+    before = path.read_bytes() if path.is_file() else None
+    with unprivileged() if as_user else nullcontext():
+        line = serve_refuses(capsys, monkeypatch, str(path))
+    assert says in line and str(path) in line, line
+    if before is not None:
+        assert path.read_bytes() == before, "the store was changed"
+
+
+def test_a_usable_store_passes_the_check_and_keeps_its_events(capsys, monkeypatch, open_folder):
+    """A new file, and a store of earlier events: the server starts (uvicorn is called), the probe of the write
+    check leaves no event behind, and the next append follows the last event."""
+    import uvicorn
+
+    from tests.cli_helpers import in_process
+
+    started = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: started.append(args))
+    kept = sqlite_file(open_folder / "kept.db", events=20)
+    for path in (open_folder / "new" / "events.db", kept):
+        result = in_process(capsys, "serve", "recsys", "--model-uri", "runs:/0/model", "--events", str(path))
+        assert result.returncode == 0, result.stderr
+    assert len(started) == 2
+    store = open_event_store(kept)
+    events, cursor = store.read_since(START, 100)
+    assert [event.item_id for event in events] == [str(index) for index in range(20)]
+    store.append({"user_id": "u", "item_id": "next", "timestamp": T0})
+    assert [event.item_id for event in store.read_since(cursor, 10)[0]] == ["next"]
+    store.close()
+
+
+def redis_case(name: str, tmp_path, redis_url):
+    """(the --events URL, what the line says) of each Redis a server cannot use; a context of the servers it
+    starts."""
+    from tests.recsys.conftest import redis_server
+
+    if name == "unreachable":
+        return nullcontext((f"redis://127.0.0.1:{free_port()}/0", "cannot use redis://127.0.0.1:"))
+    if name == "a database index out of range":
+        return nullcontext((redis_url.rsplit("/", 1)[0] + "/99", "index is out of range"))
+    if name == "the events key of another type":
+        import redis
+
+        client = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/3")
+        client.set("recsys:events", "not a stream")
+        client.close()
+        return nullcontext((redis_url.rsplit("/", 1)[0] + "/3", "key 'recsys:events' holds a string"))
+    options = {"a password it was not given": ("--requirepass", "secret"),
+               "a read-only replica": ("--replicaof", "127.0.0.1", str(free_port())),
+               "out of memory": ("--maxmemory", "1", "--maxmemory-policy", "noeviction")}[name]
+    says = {"a password it was not given": "authenticated", "a read-only replica": "read only replica",
+            "out of memory": "maxmemory"}[name]
+
+    @contextmanager
+    def started():
+        with redis_server(tmp_path, *options) as url:
+            yield url, says
+
+    return started()
+
+
+@pytest.mark.parametrize("case", ["unreachable", "a database index out of range", "the events key of another type",
+                                  "a password it was not given", "a read-only replica", "out of memory"])
+def test_serve_stops_in_one_line_on_a_redis_it_cannot_use(capsys, monkeypatch, tmp_path, redis_url, case):
+    with redis_case(case, tmp_path, redis_url) as (url, says):
+        line = serve_refuses(capsys, monkeypatch, url)
+    assert says in line and line.startswith("error: events: ") and "secret" not in line, line
+
+
+def test_a_store_failing_after_the_start_is_503_in_one_line(tmp_path):
+    """The file made read-only under a running server (a disk gone read-only): /events and /invocations answer 503
+    with the store's line, not 500 with a traceback."""
+    import asyncio
+
+    from tests.recsys.test_server import asgi_post
+    from tests.recsys.test_serving import served
+    from usecases.recsys.server import create_app
+
+    store = SQLiteEventStore(tmp_path / "events.db")
+    app = create_app(served("item_item"), store)
+    assert asyncio.run(asgi_post(app, "/events", {"user_id": 1, "item_id": 12, "timestamp": T0}))[0] == 200
+    store.close()
+    (tmp_path / "events.db").write_bytes(b"no longer a database" * 100)
+    for path, body in (("/events", {"user_id": 1, "item_id": 12}),
+                       ("/invocations", {"dataframe_records": [{"user_id": 1}]})):
+        status, answer = asyncio.run(asgi_post(app, path, body))
+        assert status == 503 and answer["error_code"] == "TEMPORARILY_UNAVAILABLE", (path, status, answer)
+        assert "events.db" in answer["message"] and "\n" not in answer["message"]

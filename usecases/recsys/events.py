@@ -6,13 +6,13 @@ Two stores behind one interface (`EventStore`), chosen by `open_event_store(url_
 - Redis Streams (`redis://HOST:PORT/DB`): for servers on several machines; needs the `redis` client.
 
 An event is a user id, an item id (each a string or an integer, kept as text: the served model maps raw ids by
-`str`) and a timestamp in whole seconds (the time of the append when left out). `append` returns once the events are
+`str`) and a timestamp in whole seconds since the epoch, from 1995-01-01 to a day after now (the time of the append
+when left out): the rules of `schema.py`, which `/invocations` follows too. `append` returns once the events are
 committed: an acknowledged event survives a kill of the process. Nothing is deduplicated here; the fold-in does that.
 A retraining job pages through every event with `read_since`, handing back the cursor it was given to say it has
 the events before it.
 """
 
-import numbers
 import os
 import re
 import reprlib
@@ -20,14 +20,17 @@ import sqlite3
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from common.errors import UserError
+from .schema import BadField, checked_id, checked_timestamp, refused_as, shown
 
-__all__ = ["START", "BadEvent", "Event", "EventStore", "RedisEventStore", "SQLiteEventStore", "open_event_store"]
+__all__ = ["START", "BadEvent", "Event", "EventStore", "EventStoreUnavailable", "RedisEventStore", "SQLiteEventStore",
+           "open_event_store"]
 
 START = "0"  # the cursor before the first event
 FIELDS = ("user_id", "item_id", "timestamp")
@@ -38,6 +41,11 @@ REDIS_STREAM_LENGTH = 10_000_000  # events kept in the stream that retraining re
 
 class BadEvent(UserError):
     """An event that cannot be recorded, said in one line naming its index and field (HTTP 400 on a server)."""
+
+
+class EventStoreUnavailable(UserError):
+    """A store that cannot be opened, written or read, said in one line: a server's start stops on it (`check`), and
+    a request that meets it later gets HTTP 503 with the line."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,9 @@ class EventStore(Protocol):
         """Up to `count` events after `cursor`, oldest first, and the cursor to pass next, which says that the events
         up to it are handled; [] when none is new."""
 
+    def check(self) -> None:
+        """Open, write and read the store once (a server's start), or `EventStoreUnavailable`."""
+
     def close(self) -> None: ...
 
 
@@ -80,12 +91,14 @@ def open_event_store(url_or_path: str | Path) -> EventStore:
                     f"redis://HOST:PORT/DB")
 
 
+@refused_as(BadEvent)
 def parse_events(events: Any) -> list[Event]:
-    """`events` (an event or a list of them, each an `Event` or a dict of `FIELDS`) checked, as `Event`s."""
+    """`events` (an event or a list of them, each an `Event` or a dict of `FIELDS`) checked by the servers' rules
+    (`schema.py`), as `Event`s."""
     batch = [events] if isinstance(events, (dict, Event)) else events
     if not isinstance(batch, (list, tuple)):
-        raise BadEvent(f"events: expected an event (an object with user_id, item_id and an optional timestamp) "
-                       f"or a list of them, got {_shown(events)}")
+        raise BadField(f"events: expected an event (an object with user_id, item_id and an optional timestamp) "
+                       f"or a list of them, got {shown(events)}")
     now = int(time.time())
     return [_parsed(raw, index, now) for index, raw in enumerate(batch)]
 
@@ -94,35 +107,20 @@ def _parsed(raw: Any, index: int, now: int) -> Event:
     if isinstance(raw, Event):
         raw = {"user_id": raw.user_id, "item_id": raw.item_id, "timestamp": raw.timestamp}
     if not isinstance(raw, dict):
-        raise BadEvent(f"event {index}: expected an object with user_id, item_id and an optional timestamp, "
-                       f"got {_shown(raw)}")
+        raise BadField(f"event {index}: expected an object with user_id, item_id and an optional timestamp, "
+                       f"got {shown(raw)}")
     unknown = [str(key) for key in raw if key not in FIELDS]
     if unknown:
-        raise BadEvent(f"event {index}: unknown field {reprlib.repr(unknown[0])}: an event has {', '.join(FIELDS)}")
-    user_id, item_id = (_id(raw, field, index) for field in ("user_id", "item_id"))
+        raise BadField(f"event {index}: unknown field {reprlib.repr(unknown[0])}: an event has {', '.join(FIELDS)}")
+    user_id, item_id = (str(checked_id(raw.get(field), f"event {index}: {field}")) for field in ("user_id", "item_id"))
     timestamp = raw.get("timestamp")
     if timestamp is None:
         return Event(user_id, item_id, now)
-    if not isinstance(timestamp, numbers.Integral) or isinstance(timestamp, bool) or timestamp < 0:
-        raise BadEvent(f"event {index}: timestamp must be whole Unix seconds (an integer, 0 or more), "
-                       f"got {_shown(timestamp)}")
-    return Event(user_id, item_id, int(timestamp))
+    return Event(user_id, item_id, checked_timestamp(timestamp, f"event {index}: timestamp", now))
 
 
-def _id(raw: dict, field: str, index: int) -> str:
-    if field not in raw or raw[field] is None:
-        raise BadEvent(f"event {index}: {field} is missing")
-    value = raw[field]
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, str) and value:
-        return value
-    raise BadEvent(f"event {index}: {field} must be a non-empty string or an integer, got {_shown(value)}")
-
-
-def _shown(value: Any) -> str:
-    """A value as an error line quotes it: short, and on one line (`repr` escapes newlines)."""
-    return f"{type(value).__name__} {reprlib.repr(value)}"
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def _checked_cursor(cursor: str | None, shape: str) -> str:
@@ -142,6 +140,7 @@ CREATE TABLE IF NOT EXISTS events(
 );
 CREATE INDEX IF NOT EXISTS events_by_user ON events(user_id, seq);
 """
+OWN_TABLES = ("events", "sqlite_sequence")  # and SQLite's other sqlite_* tables
 
 _SQLITE_STORES: "weakref.WeakSet[SQLiteEventStore]" = weakref.WeakSet()
 _INHERITED: list[sqlite3.Connection] = []  # a parent's connections in a forked child: SQLite forbids using them,
@@ -198,19 +197,24 @@ class SQLiteEventStore:
                 return self._open()
             except sqlite3.OperationalError as error:
                 if "locked" not in str(error) or time.monotonic() > deadline:
-                    raise UserError(f"{self.path}: cannot open the event store: {error}") from None
+                    raise EventStoreUnavailable(f"{self.path}: cannot open the event store: {_one_line(error)}") \
+                        from None
                 time.sleep(0.01)
             except (OSError, sqlite3.Error) as error:
-                raise UserError(f"{self.path}: cannot open the event store: {error}") from None
+                raise EventStoreUnavailable(f"{self.path}: cannot open the event store: {_one_line(error)}") from None
 
     def _open(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         try:
+            foreign = _foreign_tables(connection)
+            if foreign:  # another program's database (MLflow's tracking store beside it): left as it is
+                raise EventStoreUnavailable(f"{self.path}: this SQLite file holds tables that are not the event "
+                                            f"store's ({foreign}): give the events a file of their own")
             mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
-                raise UserError(f"{self.path}: SQLite cannot keep the event store in WAL mode here (journal mode "
-                                f"{mode}); give a file on a local disk")
+                raise EventStoreUnavailable(f"{self.path}: SQLite cannot keep the event store in WAL mode here "
+                                            f"(journal mode {mode}); give a file on a local disk")
             connection.execute(f"PRAGMA synchronous={self.synchronous}")
             connection.executescript(SCHEMA)
         except BaseException:
@@ -222,35 +226,75 @@ class SQLiteEventStore:
         rows = [(event.user_id, event.item_id, event.timestamp) for event in parse_events(events)]
         if not rows:
             return 0
-        with self._lock:
-            connection = self._connection()
-            with connection:  # commits on the way out, rolls back on an error: all the events or none
-                connection.execute("BEGIN IMMEDIATE")
-                connection.executemany("INSERT INTO events(user_id, item_id, ts) VALUES (?, ?, ?)", rows)
+        with self._database("write") as connection, connection:  # commits, or rolls back on an error: all or none
+            connection.execute("BEGIN IMMEDIATE")
+            connection.executemany("INSERT INTO events(user_id, item_id, ts) VALUES (?, ?, ?)", rows)
         return len(rows)
 
     def recent(self, user_id: str | int, limit: int) -> list[str]:
         if limit < 1:
             return []
-        with self._lock:
-            rows = self._connection().execute("SELECT item_id FROM events WHERE user_id = ? ORDER BY seq DESC LIMIT ?",
-                                              (str(user_id), int(limit))).fetchall()
+        with self._database("read") as connection:
+            rows = connection.execute("SELECT item_id FROM events WHERE user_id = ? ORDER BY seq DESC LIMIT ?",
+                                      (str(user_id), int(limit))).fetchall()
         return [item for item, in reversed(rows)]
 
     def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
         after = int(_checked_cursor(cursor, r"\d+"))
-        with self._lock:
-            rows = self._connection().execute("SELECT seq, user_id, item_id, ts FROM events WHERE seq > ? "
-                                              "ORDER BY seq LIMIT ?", (after, max(1, int(count)))).fetchall()
+        with self._database("read") as connection:
+            rows = connection.execute("SELECT seq, user_id, item_id, ts FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                                      (after, max(1, int(count)))).fetchall()
         if not rows:
             return [], str(after)
         return [Event(user, item, ts) for _, user, item, ts in rows], str(rows[-1][0])
+
+    def check(self) -> None:
+        """Opened, checked, written and read once, as a server does before it binds its port: a file that is no
+        SQLite database or holds another program's tables, a damaged one, a folder or file this process cannot write
+        is one line now rather than HTTP 500 at the first request. The write is a probe event inserted, read back and
+        deleted in one committed transaction (its `seq` is never reused: cursors skip it). SQLite's quick_check reads
+        the whole file: a store of millions of events adds seconds to the start."""
+        with self._database("check") as connection:
+            problems = [line for row, in connection.execute("PRAGMA quick_check") for line in str(row).splitlines()
+                        if not line.startswith("***")]
+        if problems != ["ok"]:
+            raise EventStoreUnavailable(f"{self.path}: the event store is damaged (SQLite's quick_check: "
+                                        f"{'; '.join(problems[:2])}): move it away to start a new one")
+        with self._database("write") as connection, connection:
+            connection.execute("BEGIN IMMEDIATE")
+            probe = connection.execute("INSERT INTO events(user_id, item_id, ts) VALUES ('', '', 0)").lastrowid
+            connection.execute("SELECT user_id, item_id, ts FROM events WHERE seq = ?", (probe,)).fetchone()
+            connection.execute("DELETE FROM events WHERE seq = ?", (probe,))
+
+    @contextmanager
+    def _database(self, doing: str):
+        """The process's connection, one caller at a time; SQLite's errors (a disk full, a file gone read-only) as
+        `EventStoreUnavailable`, saying what failed (`doing`: read, write, check)."""
+        with self._lock:
+            connection = self._connection()
+            try:
+                yield connection
+            except sqlite3.Error as error:
+                raise EventStoreUnavailable(f"{self.path}: cannot {doing} the event store: {_one_line(error)}") \
+                    from None
 
     def close(self) -> None:
         with self._lock:
             if self._connected is not None:
                 self._connected.close()
                 self._connected = None
+
+
+def _foreign_tables(connection: sqlite3.Connection) -> str:
+    """The tables of the file that are not the store's, and an `events` table of other columns, said briefly ("" for
+    an event store or an empty file), read before anything is written."""
+    tables = [name for name, in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    foreign = sorted(name for name in tables if name not in OWN_TABLES and not name.startswith("sqlite_"))
+    if "events" in tables:
+        columns = [row[1] for row in connection.execute("PRAGMA table_info(events)")]
+        if columns != ["seq", "user_id", "item_id", "ts"]:
+            foreign.insert(0, f"events of columns {', '.join(columns)}")
+    return ", ".join(foreign[:5])
 
 
 def _redis_client_module():
@@ -278,14 +322,39 @@ class RedisEventStore:
         parts = urlsplit(url)
         self.where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"  # without a password
         self.stream, self.user_prefix = f"{prefix}:events", f"{prefix}:user:"
+        self.check_key = f"{prefix}:check"
         self.group, self.consumer = group, consumer
-        self._response_error = redis.ResponseError
+        self._response_error, self._redis_error = redis.ResponseError, redis.RedisError
         self._has_group = False
         try:
             self.client = redis.Redis.from_url(url, decode_responses=True)
             self.client.ping()
         except (ValueError, redis.RedisError) as error:
-            raise UserError(f"events: cannot use {self.where}: {' '.join(str(error).split())}") from None
+            raise EventStoreUnavailable(f"events: cannot use {self.where}: {_one_line(error)}") from None
+
+    @contextmanager
+    def _redis(self, doing: str):
+        """Redis's errors (the server gone, out of memory, a read-only replica) as `EventStoreUnavailable`."""
+        try:
+            yield
+        except self._redis_error as error:
+            raise EventStoreUnavailable(f"events: cannot {doing} {self.where}: {_one_line(error)}") from None
+
+    def check(self) -> None:
+        """A round trip, as a server does before it binds its port: the stream retraining reads is a stream (or not
+        there yet), and a key written (expiring in a minute) is read back; a replica that refuses writes, a server
+        out of memory or that key taken by something else is one line now rather than HTTP 500 at the first
+        request."""
+        with self._redis("read"):
+            kind = self.client.type(self.stream)
+        if kind not in ("stream", "none"):
+            raise EventStoreUnavailable(f"events: {self.where}: key {self.stream!r} holds a {kind}, not a stream of "
+                                        "events: give the events a Redis database of their own (redis://HOST:PORT/DB)")
+        with self._redis("write"):
+            token = f"{os.getpid()}:{time.time_ns()}"
+            self.client.set(self.check_key, token, ex=60)
+            if self.client.get(self.check_key) != token:
+                raise EventStoreUnavailable(f"events: {self.where}: a key written was not read back")
 
     def append(self, events: Event | dict | list[Event | dict]) -> int:
         checked = parse_events(events)
@@ -297,13 +366,15 @@ class RedisEventStore:
                           maxlen=REDIS_RECENT_PER_USER, approximate=True)
             pipeline.xadd(self.stream, {"user": event.user_id, "item": event.item_id, "ts": event.timestamp},
                           maxlen=REDIS_STREAM_LENGTH, approximate=True)
-        pipeline.execute()
+        with self._redis("write"):
+            pipeline.execute()
         return len(checked)
 
     def recent(self, user_id: str | int, limit: int) -> list[str]:
         if limit < 1:
             return []
-        entries = self.client.xrevrange(self.user_prefix + str(user_id), count=int(limit))
+        with self._redis("read"):
+            entries = self.client.xrevrange(self.user_prefix + str(user_id), count=int(limit))
         return [fields["item"] for _, fields in reversed(entries)]
 
     def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
@@ -311,6 +382,10 @@ class RedisEventStore:
         entries delivered after it but never acknowledged are read again (a job that restarts from its last saved
         cursor), else the group's next undelivered ones."""
         cursor, count = _checked_cursor(cursor, r"\d+(-\d+)?"), max(1, int(count))
+        with self._redis("read"):
+            return self._read_since(cursor, count)
+
+    def _read_since(self, cursor: str, count: int) -> tuple[list[Event], str]:
         self._create_group()
         while True:
             self._acknowledge(cursor)

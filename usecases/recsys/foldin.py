@@ -1,22 +1,28 @@
-"""Request-time fold-in: a user's vector or scores from their item codes, on the tables a served bundle holds.
+"""Request-time fold-in: users' vectors or scores from their item codes, on the tables a served bundle holds.
 
-Pure numpy and scipy, so that serving needs neither implicit nor the training code. Factor forms fold a history in
-by least squares on the item factors (ALS exactly as implicit's `recalculate_user`; BPR and LightGCN with their own
-lambda and alpha), by a few BPR gradient steps on fixed item factors, or, for LightGCN, by its forward pass for the
-user as a new graph node. Item-item forms score the binary history times the item-item matrix (SAR), so each event
-counts at once. Histories are binary, as in training: an item given twice counts once.
+numpy, scipy and torch only, so that serving needs neither implicit nor the training code. Factor forms fold a
+history in by least squares on the item factors (ALS exactly as implicit's `recalculate_user`; BPR and LightGCN with
+their own lambda and alpha), by a few BPR gradient steps on fixed item factors, or, for LightGCN, by its forward pass
+for the user as a new graph node. A batch of histories is folded in at once, padded to its longest with a mask, on
+the device the tables are on: a replay's thousand requests or a GPU server's micro-batch is a few tensor operations,
+and one user's request the same operations on a batch of one. Item-item forms score the binary history times the
+item-item matrix (SAR), so each event counts at once. Histories are binary, as in training: an item given twice
+counts once.
 """
 
+import copy
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import scipy.sparse as sp
+import torch
 from scipy.special import expit
 
 UNKNOWN_ITEM = 0  # data.UNKNOWN, the code of ids the run never read; not imported because data.py needs pandas
 LEAST_SQUARES_METHODS = ("als", "least_squares")
 METHODS = (*LEAST_SQUARES_METHODS, "gradient", "graph")
+CACHE_BYTES = 2**20  # a CPU block of padded histories: its gathered item rows at most this
 
 
 @dataclass(frozen=True)
@@ -64,94 +70,174 @@ class FoldIn:
         return cls(**stored)
 
 
-class LeastSquares:
+class _Solver:
+    """What the fold-in methods share: tables of the method's `dtype`, as numpy arrays (a server's one-user request:
+    numpy's small arrays cost a fraction of torch's per operation) or, after `to(device)`, as tensors on that device
+    (a batch: a replay's chunk, a GPU server's micro-batch); each method's arithmetic is written once for both. A
+    batch of histories is padded to its longest with a mask. On a CPU it goes through in blocks whose gathered item
+    rows stay in the cache (`CACHE_BYTES`): a thousand padded histories at once wait on memory, and ran slower than
+    one at a time."""
+
+    start_name = "starts"  # what the method's `starts` are called in an error
+    dtype = np.float64
+
+    def to(self, device: torch.device | str) -> "_Solver":
+        moved = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (np.ndarray, torch.Tensor)):
+                setattr(moved, name, torch.as_tensor(value).to(device))
+        return moved
+
+    def users(self, histories: Sequence[np.ndarray], starts=None) -> np.ndarray:
+        """One float32 row per history (see `vectors`), as numpy."""
+        rows = self._fold(histories, starts)
+        return rows.cpu().numpy() if isinstance(rows, torch.Tensor) else rows
+
+    def vectors(self, histories: Sequence[np.ndarray], starts=None) -> torch.Tensor:
+        """One float32 row per history, a tensor where the tables are, from `starts` (one row per history, as the
+        method takes them; zeros when None)."""
+        return torch.as_tensor(self._fold(histories, starts))
+
+    def _fold(self, histories: Sequence[np.ndarray], starts) -> np.ndarray | torch.Tensor:
+        codes = _histories(histories, len(self.factors))
+        size = self.factors.shape[1]
+        starts = np.zeros((len(codes), size)) if starts is None else _rows(starts, (len(codes), size),
+                                                                            self.start_name)
+        starts = self._like(starts)
+        longest = max((len(row) for row in codes), default=0)
+        on_cpu = not isinstance(self.factors, torch.Tensor) or self.factors.device.type == "cpu"
+        row_bytes = np.dtype(self.dtype).itemsize * size * max(longest, 1)
+        rows = max(1, CACHE_BYTES // row_bytes) if on_cpu else max(len(codes), 1)
+        blocks = [self._block(codes[first:first + rows], starts[first:first + rows])
+                  for first in range(0, len(codes), rows)] or [starts]
+        if isinstance(starts, torch.Tensor):
+            return torch.cat(blocks).float()
+        return np.concatenate(blocks).astype(np.float32)
+
+    def _block(self, codes: list[np.ndarray], starts):
+        """The rows of one block of histories (sorted distinct codes) in the tables' dtype, an array or a tensor as
+        the tables are."""
+        raise NotImplementedError
+
+    def _like(self, values):
+        """Values (numpy or torch) in the tables' dtype, where the tables are: a numpy array, or a tensor on their
+        device."""
+        if isinstance(self.factors, torch.Tensor):
+            return torch.as_tensor(values).to(self.factors.device, self.factors.dtype)
+        return np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values, self.dtype)
+
+    def _padded(self, codes: list[np.ndarray]):
+        """(B, L) item codes, each history's sorted codes then zeros (int64, where the tables are), and the mask of
+        the real ones (in the tables' dtype)."""
+        lengths = np.asarray([len(row) for row in codes], np.int64)
+        real = np.arange(max(lengths.max(initial=0), 1)) < lengths[:, None]
+        padded = np.zeros(real.shape, np.int64)
+        padded[real] = np.concatenate([np.zeros(0, np.int64), *codes])
+        if isinstance(self.factors, torch.Tensor):
+            return torch.from_numpy(padded).to(self.factors.device), self._like(real)
+        return padded, real.astype(self.dtype)
+
+
+def _sigmoid(values):
+    return torch.sigmoid(values) if isinstance(values, torch.Tensor) else expit(values)
+
+
+class LeastSquares(_Solver):
     """p_u = (YᵀC_uY + λI)⁻¹ YᵀC_u x_u, with C_u = alpha on the user's items and 1 elsewhere and x_u binary:
     implicit 0.7.3's `recalculate_user` (an exact solve, not the CG steps its fit takes). YᵀY + λI is formed once
-    per model, so a user costs |h|·d² for their items plus one d×d solve."""
+    per model, so a user costs |h|·d² for their items plus one d×d solve (one solve for the whole batch where
+    alpha is 1: every user's system is then YᵀY + λI). An empty history gives zeros (b = 0), as in implicit;
+    `starts` are not used."""
 
     def __init__(self, items: np.ndarray, regularization: float, alpha: float):
-        self.items = _table(items, "items")
+        self.factors = _table(items, "items").astype(np.float64)
         self.alpha = float(alpha)
-        factors = self.items.astype(np.float64)
-        self.gram = factors.T @ factors + regularization * np.eye(factors.shape[1])
+        self.gram = self.factors.T @ self.factors + regularization * np.eye(self.factors.shape[1])
 
-    def users(self, histories: Sequence[np.ndarray]) -> np.ndarray:
-        """One float32 row per history; an empty history gives zeros (b = 0), as in implicit."""
-        codes = _histories(histories, len(self.items))
-        size = self.gram.shape[0]
-        lhs = np.repeat(self.gram[None], len(codes), axis=0)
-        rhs = np.zeros((len(codes), size))
-        for row, user_codes in enumerate(codes):
-            if len(user_codes):
-                liked = self.items[user_codes].astype(np.float64)
-                lhs[row] += (self.alpha - 1) * (liked.T @ liked)
-                rhs[row] = self.alpha * liked.sum(axis=0)
+    def _block(self, codes: list[np.ndarray], starts):
+        items, real = self._padded(codes)
+        liked = self.factors[items] * real[..., None]
+        rhs = self.alpha * liked.sum(1)
+        linalg = torch.linalg if isinstance(liked, torch.Tensor) else np.linalg
         try:
-            solved = np.linalg.solve(lhs, rhs[..., None])[..., 0]
-        except np.linalg.LinAlgError:
+            if self.alpha == 1:
+                return linalg.solve(self.gram, rhs.T).T
+            return linalg.solve(self.gram + (self.alpha - 1) * (liked.swapaxes(1, 2) @ liked), rhs[..., None])[..., 0]
+        except (np.linalg.LinAlgError, torch.linalg.LinAlgError):
             raise ValueError("the fold-in system is singular: use a regularization above 0") from None
-        return solved.astype(np.float32)
 
 
-def gradient_steps(items: np.ndarray, histories: Sequence[np.ndarray], starts: np.ndarray | None = None, *,
-                   steps: int, lr: float, weight_decay: float = 0.0, seed: int = 0) -> np.ndarray:
+class GradientSteps(_Solver):
     """BPR on fixed item factors: per step, one uniform negative per liked item (redrawn once where it is liked, as
-    training's sampler does), g = −mean(σ(−p·(q_i−q_j))(q_i−q_j)) + 2·weight_decay·p, p −= lr·g. Starts from
-    `starts` (one row per history) or zero. Each user draws from their own generator seeded with `seed`, so a
-    user's vector does not depend on who else is in the batch. An empty history keeps its start."""
-    table = _table(items, "items")
-    codes = _histories(histories, len(table))
-    vectors = np.zeros((len(codes), table.shape[1])) if starts is None else \
-        _rows(starts, (len(codes), table.shape[1]), "starts").astype(np.float64)
-    for row, liked in enumerate(codes):
-        if len(liked):
-            vectors[row] = _bpr_steps(table, liked, vectors[row], steps, lr, weight_decay,
-                                      np.random.default_rng(seed))
-    return vectors.astype(np.float32)
+    training's sampler does), g = −mean(σ(−p·(q_i−q_j))(q_i−q_j)) + 2·weight_decay·p, p −= lr·g, from `starts`
+    (the users' trained vectors) or zero; an empty history keeps its start. Each user's negatives come from their
+    own generator seeded with `seed`, so a user's vector does not depend on who else is in the batch. In float32,
+    the item factors' own precision: the steps wait on memory, and took 3.5 times as long in float64."""
+
+    dtype = np.float32
+
+    def __init__(self, items: np.ndarray, *, steps: int, lr: float, weight_decay: float = 0.0, seed: int = 0):
+        self.factors = _table(items, "items").astype(np.float32)
+        self.steps, self.lr, self.weight_decay, self.seed = steps, lr, weight_decay, seed
+
+    def _block(self, codes: list[np.ndarray], starts):
+        liked, real = self._padded(codes)
+        negatives = self._negatives(codes, liked.shape[1])
+        if isinstance(liked, torch.Tensor):
+            negatives = torch.from_numpy(negatives).to(liked.device)
+        positives = self.factors[liked]
+        per_item = real / real.sum(1)[:, None].clip(min=1)  # the mean over each user's items
+        decay = 1 - 2 * self.lr * self.weight_decay * real[:, :1]  # an empty history stays where it started
+        vectors = starts
+        for step in range(self.steps):
+            difference = positives - self.factors[negatives[:, step]]
+            weight = _sigmoid(-(difference @ vectors[..., None])[..., 0]) * per_item
+            vectors = vectors * decay + self.lr * (weight[:, None, :] @ difference)[:, 0]
+        return vectors
+
+    def _negatives(self, codes: list[np.ndarray], length: int) -> np.ndarray:
+        """(B, steps, length) negatives, each user's drawn at once from their own generator (a call costs 10 µs);
+        padding draws item 1, weighted 0."""
+        n_items = len(self.factors)
+        padded = np.ones((len(codes), self.steps, length), np.int64)
+        liked = np.zeros(n_items, bool)
+        for row, items in enumerate(codes):
+            if len(items):
+                generator = np.random.default_rng(self.seed)
+                drawn = generator.integers(1, n_items, (self.steps, len(items)))  # real items only, as training
+                liked[items] = True
+                hit = liked[drawn]
+                liked[items] = False
+                drawn[hit] = generator.integers(1, n_items, int(hit.sum()))
+                padded[row, :, :len(items)] = drawn
+        return padded
 
 
-def _bpr_steps(items: np.ndarray, liked: np.ndarray, vector: np.ndarray, steps: int, lr: float,
-               weight_decay: float, generator: np.random.Generator) -> np.ndarray:
-    positives = items[liked].astype(np.float64)
-    negatives = generator.integers(1, len(items), (steps, len(liked)))  # real items only, as in training
-    hit = _contains(liked, negatives)
-    negatives[hit] = generator.integers(1, len(items), int(hit.sum()))  # every step's at once: a call costs 10 µs
-    for step_negatives in negatives:
-        difference = positives - items[step_negatives]
-        weight = expit(-(difference @ vector))
-        vector = vector - lr * (2 * weight_decay * vector - weight @ difference / len(liked))
-    return vector
-
-
-class GraphFoldIn:
+class GraphFoldIn(_Solver):
     """LightGCN's forward pass for the user as a node added to the training graph, other nodes held fixed:
     e_u^(l) = Σ_{i∈N(u)} e_i^(l−1) / √(|N(u)|·d_i) and p_u = (e_u^(0) + Σ_{l=1..L} e_u^(l)) / (L+1). Every layer
     sums the same items with the same weights, so only the sum of the item tables of layers 0..L−1 is needed
-    (`layer_sum`, n_items × d). For a trained user, given their layer-0 row and their training items, this is their
-    trained embedding. An item without training edges counts as degree 1: the user is its only neighbour."""
+    (`layer_sum`, n_items × d). For a trained user, given their layer-0 row (`starts`: `egos`, zero for a user never
+    trained on) and their training items, this is their trained embedding. An item without training edges counts
+    as degree 1: the user is its only neighbour."""
+
+    start_name = "egos"
 
     def __init__(self, layer_sum: np.ndarray, degree: np.ndarray, layers: int):
-        self.layer_sum = _table(layer_sum, "layer_sum")
+        self.factors = _table(layer_sum, "layer_sum").astype(np.float64)
         degree = np.asarray(degree)
-        if degree.shape != (len(self.layer_sum),):
-            raise ValueError(f"degree must hold one count per item, shape ({len(self.layer_sum)},), got "
+        if degree.shape != (len(self.factors),):
+            raise ValueError(f"degree must hold one count per item, shape ({len(self.factors)},), got "
                              f"{degree.shape}")
         if layers < 1:
             raise ValueError(f"layers must be at least 1, got {layers}")
         self.inverse_sqrt_degree = 1 / np.sqrt(np.maximum(degree.astype(np.float64), 1))
         self.layers = layers
 
-    def users(self, histories: Sequence[np.ndarray], egos: np.ndarray | None = None) -> np.ndarray:
-        """One float32 row per history; `egos` are the users' layer-0 rows (zero for a user never trained on)."""
-        codes = _histories(histories, len(self.layer_sum))
-        size = self.layer_sum.shape[1]
-        total = np.zeros((len(codes), size)) if egos is None else \
-            _rows(egos, (len(codes), size), "egos").astype(np.float64)
-        for row, user_codes in enumerate(codes):
-            if len(user_codes):
-                weights = self.inverse_sqrt_degree[user_codes] / np.sqrt(len(user_codes))
-                total[row] += weights @ self.layer_sum[user_codes]
-        return (total / (self.layers + 1)).astype(np.float32)
+    def _block(self, codes: list[np.ndarray], starts):
+        items, real = self._padded(codes)
+        weights = self.inverse_sqrt_degree[items] * real / real.sum(1)[:, None].clip(min=1) ** 0.5
+        return (starts + (weights[:, None, :] @ self.factors[items])[:, 0]) / (self.layers + 1)
 
 
 class FactorFoldIn:
@@ -160,24 +246,30 @@ class FactorFoldIn:
     def __init__(self, spec: FoldIn, items: np.ndarray, *, layer_sum: np.ndarray | None = None,
                  degree: np.ndarray | None = None):
         self.spec = spec
-        self.items = _table(items, "items")
+        items = _table(items, "items")
         if spec.method in LEAST_SQUARES_METHODS:
-            self.solver = LeastSquares(self.items, spec.regularization, spec.alpha)
+            self.solver: _Solver = LeastSquares(items, spec.regularization, spec.alpha)
         elif spec.method == "graph":
             if layer_sum is None or degree is None:
                 raise ValueError("graph fold-in needs the items' layer_sum and degree")
             self.solver = GraphFoldIn(layer_sum, degree, spec.layers)
+        else:
+            self.solver = GradientSteps(items, steps=spec.steps, lr=spec.lr, weight_decay=spec.weight_decay,
+                                        seed=spec.seed)
 
-    def users(self, histories: Sequence[np.ndarray], starts: np.ndarray | None = None) -> np.ndarray:
+    def to(self, device: torch.device | str) -> "FactorFoldIn":
+        moved = copy.copy(self)
+        moved.solver = self.solver.to(device)
+        return moved
+
+    def users(self, histories: Sequence[np.ndarray], starts=None) -> np.ndarray:
         """`starts`: per history the trained row (gradient: the user's vector; graph: their layer-0 row), zeros for
-        a user never trained on. Least squares needs none and ignores them."""
-        starts = starts if self.spec.from_trained else None
-        if self.spec.method in LEAST_SQUARES_METHODS:
-            return self.solver.users(histories)
-        if self.spec.method == "graph":
-            return self.solver.users(histories, starts)
-        return gradient_steps(self.items, histories, starts, steps=self.spec.steps, lr=self.spec.lr,
-                              weight_decay=self.spec.weight_decay, seed=self.spec.seed)
+        a user never trained on. Least squares needs none and ignores them. Float32 rows, as numpy."""
+        return self.solver.users(histories, starts if self.spec.from_trained else None)
+
+    def vectors(self, histories: Sequence[np.ndarray], starts=None) -> torch.Tensor:
+        """`users` as a tensor where the fold-in's tables are (`to`)."""
+        return self.solver.vectors(histories, starts if self.spec.from_trained else None)
 
 
 def item_item_scores(similarity: np.ndarray | sp.spmatrix, histories: Sequence[np.ndarray]) -> np.ndarray:
@@ -246,13 +338,8 @@ def _table(values, name: str) -> np.ndarray:
     return table
 
 
-def _rows(values, shape: tuple[int, int], name: str) -> np.ndarray:
-    rows = np.asarray(values)
-    if rows.shape != shape:
-        raise ValueError(f"{name} must hold one row per history, shape {shape}, got {rows.shape}")
-    return rows
-
-
-def _contains(sorted_codes: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    found = np.searchsorted(sorted_codes, codes).clip(max=len(sorted_codes) - 1)
-    return sorted_codes[found] == codes
+def _rows(values, shape: tuple[int, int], name: str):
+    if tuple(values.shape if isinstance(values, torch.Tensor) else np.shape(values)) != shape:
+        raise ValueError(f"{name} must hold one row per history, shape {shape}, got "
+                         f"{tuple(np.shape(values) if not isinstance(values, torch.Tensor) else values.shape)}")
+    return values

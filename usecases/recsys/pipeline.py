@@ -4,14 +4,17 @@ users, the best one (by validation NDCG@10, or by the validation period's replay
 Each model's served form (what `serving` scores with: factors, an item-item matrix, a sequence network, popularity)
 is ranked on the test users too, as `served_ndcg@10` with the history the evaluation used (so a loss to the form,
 EASE pruned above `serving.max_similarity_mb`, shows), and as `served_fresh_ndcg@10` with the history known at the
-test cut (train + validation): what the served model's use of every event it knows is worth. With
-`evaluation.replay`, the form also replays the test period's events in time order (`replay.py`): frozen at the cut
-against each user's events folded in as they come, what real-time serving is worth."""
+test cut (train + validation): what the served model's use of every event it knows is worth. The users first seen in
+the validation period, whom no model trained on and the test metrics leave out, are ranked by the served form at the
+test cut against their test items, as `served_untrained_ndcg@10`: what a user known only from their events gets.
+With `evaluation.replay`, the form also replays the test period's events in time order (`replay.py`): frozen at the
+cut against each user's events folded in as they come, what real-time serving is worth."""
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +26,7 @@ import torch
 from common.errors import UserError
 from common.job import Job
 from common.paths import stored_bytes
-from common.training.workload import cpu_part
+from common.runtime.devices import all_cores
 from common.usecase import RunResult
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
@@ -85,9 +88,21 @@ def large_data(config: Config, path: Path | None) -> str | None:
     return None
 
 
+FIT_SCALES = {"als": "cores"}  # how each fit scales (`common.runtime.phases`); the others are tensor work: device
+# Fits of large matrix work, given every core: on the 2-core machine with its cores free, a SASRec epoch on
+# ml-latest-small took 2.5 s against 4.1 s on one core, EASE's inverse (float64) 24 s against 33 s. The others keep
+# runtime.cpu_threads (one, in the presets: BPR's and LightGCN's small steps were slower on two threads).
+ALL_CORES = ("ease", "sasrec")
+
+
 def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.csr_matrix | None = None):
     """The fitted scorer and what its fit measured (seconds; per epoch for the learned models). `val` is what the
     learned models validate on (the validation split, or its sample of users)."""
+    with all_cores() if name in ALL_CORES else nullcontext():
+        return _fitted(name, data, config, job, val)
+
+
+def _fitted(name: str, data: Interactions, config: Config, job: Job, val: sp.csr_matrix | None):
     train, device = data.matrix("train"), job.runtime.device
     started = time.perf_counter()
     if name == "sasrec":
@@ -103,8 +118,7 @@ def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.c
             "itemknn": lambda: ItemKNN(train, config.itemknn, device),
             "ease": lambda: EASE(train, config.ease, device),
             "als": lambda: ALS(train, config.als, device)}[name]
-    with cpu_part(name, job.tracker.log_metrics, parallel=name != "pop"):  # BLAS and implicit use every core
-        scorer = make()
+    scorer = make()
     return scorer, {"fit_seconds": time.perf_counter() - started}
 
 
@@ -115,7 +129,9 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
     train = data.matrix("train")
     val = sample_users(data.matrix("val"), config.evaluation.sample_users, config.runtime.seed)
     test = sample_users(data.matrix("test"), config.evaluation.sample_users, config.runtime.seed)
-    seen_before_test = (train + data.matrix("val")).sign().tocsr()
+    validation_period = data.val if data.val_events is None else data.val_events  # with the users first seen there
+    seen_before_test = (train + data.matrix("val" if data.val_events is None else "val_events")).sign().tocsr()
+    untrained = untrained_truth(data, seen_before_test, config)
     models, forms, validation = {}, {}, {}
     if data.prepare_seconds is not None:
         job.tracker.log_metrics({"time/preprocess_s": data.prepare_seconds})
@@ -123,48 +139,77 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
     def ranking(scorer, truth, exclude, ks):
         return full_ranking(scorer, truth, exclude, ks, runtime.device, config.evaluation.batch_users, runtime)
 
-    cuts = {"train": Cut(train, (data.train,)), "test": Cut(seen_before_test, (data.train, data.val)),
+    cuts = {"train": Cut(train, (data.train,)), "test": Cut(seen_before_test, (data.train, validation_period)),
             "known": Cut(data.matrix("known"), (data.train, data.val_events, data.test_events))}
     for name in config.models:
         try:
-            scorer, fitted = fit_model(name, data, config, job, val)
+            with job.phase(f"fit/{name}", FIT_SCALES.get(name, "device")):
+                scorer, fitted = fit_model(name, data, config, job, val)
         except ModelUnavailable as exc:
             log.warning("%s; skipped", exc)
             continue
-        started = time.perf_counter()
-        validation[name] = ranking(scorer, val, train, [10])["ndcg@10"]
-        evaluated = "train"  # the history the test ranking used, which served_ndcg@10 serves with
-        if isinstance(scorer, SequenceScorer):  # ranks from each user's sequence as known at the test cut
-            scorer = scorer.with_history(sequences_by_user(pd.concat(cuts["test"].frames), data.n_users))
-            evaluated = "test"
-        metrics = ranking(scorer, test, seen_before_test, config.evaluation.ks)
-        models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name],
-                        "evaluate_seconds": time.perf_counter() - started}
-        forms[name], val_replay = served_form(scorer, config, train), None
-        if runtime.is_main:  # rank 0 serves: it alone replays the fold-in methods
-            forms[name], chosen, val_replay = chosen_foldin(name, forms[name], data, config, cuts["train"])
+        with job.phase(f"evaluate/{name}"):
+            started = time.perf_counter()
+            validation[name] = ranking(scorer, val, train, [10])["ndcg@10"]
+            evaluated = "train"  # the history the test ranking used, which served_ndcg@10 serves with
+            if isinstance(scorer, SequenceScorer):  # ranks from each user's sequence as known at the test cut
+                scorer = scorer.with_history(sequences_by_user(pd.concat(cuts["test"].frames), data.n_users))
+                evaluated = "test"
+            metrics = ranking(scorer, test, seen_before_test, config.evaluation.ks)
+            models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name],
+                            "evaluate_seconds": time.perf_counter() - started}
+            forms[name] = served_form(scorer, config, train)
+            for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
+                as_served = Recommender(bundle_at(forms[name], data, config, cuts[cut]))
+                models[name][key] = ranking(as_served, test, seen_before_test, config.evaluation.ks)["ndcg@10"]
+        val_replay = None
+        if runtime.is_main and "foldin_choices" in forms[name]:  # rank 0 serves: it alone replays the methods
+            with job.phase(f"foldin/{name}"):
+                forms[name], chosen, val_replay = chosen_foldin(name, forms[name], data, config, cuts["train"],
+                                                                runtime.device)
             models[name].update(chosen)
         forms[name].pop("foldin_choices", None)
-        for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
-            as_served = Recommender(bundle_at(forms[name], data, config, cuts[cut]))
-            models[name][key] = ranking(as_served, test, seen_before_test, config.evaluation.ks)["ndcg@10"]
+        if untrained is not None and runtime.is_main:  # by the fold-in served, which rank 0 alone chooses
+            as_served = Recommender(bundle_at(forms[name], data, config, cuts["test"]))
+            models[name]["served_untrained_ndcg@10"] = full_ranking(
+                as_served, untrained, seen_before_test, config.evaluation.ks, runtime.device,
+                config.evaluation.batch_users)["ndcg@10"]
         if config.evaluation.replay and runtime.is_main:
-            models[name].update(replayed(name, as_served, data.test_events, config))
-            if config.serving.select_by == "val_replay":  # what was known at the validation cut, its period replayed
-                at_val_cut = Recommender(bundle_at(forms[name], data, config, cuts["train"]))
-                figures = val_replay or replayed(name, at_val_cut, data.val_events, config, "validation")
-                models[name].update({f"val_{key}": value for key, value in figures.items()})
+            with job.phase(f"replay/{name}"):
+                at_test_cut = served_at(forms[name], data, config, cuts["test"], runtime.device)
+                models[name].update(replayed(name, at_test_cut, data.test_events, config))
+                if config.serving.select_by == "val_replay":  # what was known at the validation cut, its period
+                    if val_replay is None:  # else the fold-in choice replayed it whole
+                        at_val_cut = served_at(forms[name], data, config, cuts["train"], runtime.device)
+                        val_replay = replayed(name, at_val_cut, data.val_events, config, "validation")
+                    models[name].update({f"val_{key}": value for key, value in val_replay.items()})
         log.info("%s: test NDCG@10 %.4f (served form %.4f), recall@10 %.4f", name, metrics["ndcg@10"],
                  models[name]["served_ndcg@10"], metrics["recall@10"])
+        job.model_done(name, models[name])
     if not models:
         return RunResult(models)
     if not runtime.is_main:
         return RunResult({})
     best = served_choice(models, validation, config)
     job.tracker.set_tags({"served_model": best})
-    figures, served = log_recommender(bundle_at(forms[best], data, config, cuts["known"]), best, job)
+    with job.phase("serving_bundle", "serial"):
+        figures, served = log_recommender(bundle_at(forms[best], data, config, cuts["known"]), best, job)
     models[best].update(figures)
     return RunResult(models, served)
+
+
+def untrained_truth(data: Interactions, seen_before_test: sp.csr_matrix, config: Config) -> sp.csr_matrix | None:
+    """The test items of the users with a history at the test cut but no training rows (first seen in the
+    validation period), less what they had consumed by then: what `served_untrained_ndcg@10` ranks (a seeded sample
+    of `evaluation.sample_users`). None without such users, or on the Dask engine (which keeps no frame of the
+    periods)."""
+    if data.test_events is None:
+        return None
+    without_rows = (np.diff(data.matrix("train").indptr) == 0) & (np.diff(seen_before_test.indptr) > 0)
+    truth = sp.diags(without_rows.astype(np.float32)) @ data.matrix("test_events")
+    truth = (truth - truth.multiply(seen_before_test)).tocsr()
+    truth.eliminate_zeros()
+    return sample_users(truth, config.evaluation.sample_users, config.runtime.seed) if truth.nnz else None
 
 
 def served_choice(models: dict[str, dict[str, float]], validation: dict[str, float], config: Config) -> str:
@@ -175,16 +220,15 @@ def served_choice(models: dict[str, dict[str, float]], validation: dict[str, flo
     return max(validation, key=validation.get)
 
 
-def replayed(name: str, recommender: Recommender, events, config: Config, period: str = "test") -> dict[str, float]:
-    """The replay of a period's events through a served form that knows what was known before it."""
+def replayed(name: str, recommender: Recommender, events, config: Config, period: str = "test",
+             users: int | None = None) -> dict[str, float]:
+    """The replay of a period's events through a served form that knows what was known before it: of a seeded
+    sample of `users` of its users, else of `evaluation.replay_users` (null: every one)."""
     if events is None:
         log.warning("%s: no replay (the Dask engine keeps no frame of the %s period)", name, period)
         return {}
-    from threadpoolctl import threadpool_limits
-
     started = time.perf_counter()
-    with threadpool_limits(1, "blas"):  # one user's product at a time: a second BLAS thread only waits (50x slower)
-        figures = replay(recommender, events, max_users=config.evaluation.replay_users, seed=config.runtime.seed)
+    figures = replay(recommender, events, max_users=users or config.evaluation.replay_users, seed=config.runtime.seed)
     figures["replay_seconds"] = time.perf_counter() - started
     if figures["replay_events"]:
         log.info("%s: replay of %d %s events: next-event NDCG@10 %.4f frozen, %.4f fresh", name,
@@ -218,7 +262,8 @@ FOLDIN_METHODS = {"bpr": ("gradient", "least_squares"), "lightgcn": ("least_squa
 
 def _learned_foldin(scorer: PairwiseRanker, config: Config, train: sp.csr_matrix) -> dict:
     """BPR and LightGCN fold events in as `serving.foldin` says; with `auto`, every method is offered
-    (`foldin_choices`, the first the default) and `chosen_foldin` keeps the best on the validation replay.
+    (`foldin_choices`, the first the default) and `chosen_foldin` keeps the best on the validation replay of a
+    sample of its users.
     LightGCN's graph fold-in needs its layer-0 user rows, the items' summed layers and their training degrees."""
     settings, name = config.serving.foldin, "lightgcn" if isinstance(scorer, LightGCN) else "bpr"
     method = getattr(settings, name)
@@ -241,27 +286,32 @@ def _learned_foldin(scorer: PairwiseRanker, config: Config, train: sp.csr_matrix
     return form
 
 
-def chosen_foldin(name: str, form: dict, data: Interactions, config: Config,
-                  cut: Cut) -> tuple[dict, dict, dict | None]:
+def chosen_foldin(name: str, form: dict, data: Interactions, config: Config, cut: Cut,
+                  device: torch.device) -> tuple[dict, dict, dict | None]:
     """The form with the fold-in method whose replay of the validation period (what was known at its start) ranks
-    the next events best, each method's figure, and the chosen method's whole replay; a form without choices as it
-    is."""
+    the next events best on a seeded sample of its users (`serving.foldin.choice_users`), and each method's figure
+    there; with them the chosen method's replay where the sample is the whole replay (else None: the caller replays
+    the period for the chosen method alone). A form without choices as it is."""
     choices = form.get("foldin_choices")
     if not choices:
         return form, {}, None
     form = {key: value for key, value in form.items() if key != "foldin_choices"}
     if not config.evaluation.replay or data.val_events is None:
         return form, {}, None
+    period = data.val_events["user"].nunique()
+    whole = min(config.evaluation.replay_users or period, period)  # the users a replay of the period counts
+    sample = min(config.serving.foldin.choice_users or whole, whole)
     replays = {method: replayed(f"{name} ({method} fold-in)",
-                                Recommender(bundle_at({**form, "foldin": foldin}, data, config, cut)),
-                                data.val_events, config, "validation")
+                                served_at({**form, "foldin": foldin}, data, config, cut, device),
+                                data.val_events, config, "validation", users=sample)
                for method, foldin in choices.items()}
     scores = {method: figures["replay_fresh_ndcg@10"] for method, figures in replays.items()}
     best = max(scores, key=scores.get)
-    log.info("%s: fold-in by %s (validation replay NDCG@10 %s)", name, best,
+    log.info("%s: fold-in by %s (validation replay NDCG@10 of %d of its %d users: %s)", name, best, sample, period,
              ", ".join(f"{method} {value:.4f}" for method, value in scores.items()))
     return ({**form, "foldin": choices[best]},
-            {f"foldin_{method}_val_replay_ndcg@10": value for method, value in scores.items()}, replays[best])
+            {f"foldin_{method}_val_replay_ndcg@10": value for method, value in scores.items()},
+            replays[best] if sample == whole else None)
 
 
 @dataclass(frozen=True)
@@ -271,6 +321,11 @@ class Cut:
 
     history: sp.csr_matrix
     frames: tuple
+
+
+def served_at(form: dict, data: Interactions, config: Config, cut: Cut, device: torch.device) -> Recommender:
+    """The served model of `form` at `cut`, scoring batches on `device` (what a replay ranks with)."""
+    return Recommender(bundle_at(form, data, config, cut)).to(device)
 
 
 def bundle_at(form: dict, data: Interactions, config: Config, cut: Cut) -> dict:
@@ -283,7 +338,7 @@ def bundle_at(form: dict, data: Interactions, config: Config, cut: Cut) -> dict:
 
 def serving_bundle(form: dict, data: Interactions, config: Config, history: sp.csr_matrix) -> dict:
     """A served model: `form` applied to `history` (whose items are also the ones not recommended again, and whose
-    counts are the popularity); users without training rows have untrained factors (`trained`)."""
+    counts are the popularity); users without training rows (`trained`) are served from their history in it."""
     return {**form, "history": history, "seen": history, "popularity": np.asarray(history.sum(axis=0)).ravel(),
             "trained": torch.from_numpy(np.diff(data.matrix("train").indptr) > 0),
             "user_ids": data.user_ids, "item_ids": data.item_ids, "titles": data.titles,

@@ -24,7 +24,7 @@ from torch import nn
 
 from common.errors import UserError
 from common.job import Job
-from common.training.loop import TensorBatches, Trainer
+from common.training.loop import TensorBatches, Trainer, make_optimizer
 from .config import Config
 from .data import UNKNOWN, Interactions
 from .evaluate import full_ranking
@@ -82,11 +82,12 @@ class SASRecNetwork(nn.Module):
         return hidden @ self.items.weight.T
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-item cross-entropy over the real positions (targets 0 are padding and ignored)."""
-        real = targets != UNKNOWN
-        hidden, targets = self.hidden(inputs)[real], targets[real]
+        """Mean next-item cross-entropy over the real positions (targets 0 are padding and ignored). Every position
+        is scored and the padded ones weigh nothing: the shapes do not depend on the batch's values, so a step never
+        waits for the GPU to count its real positions."""
+        hidden, targets = self.hidden(inputs).flatten(0, 1), targets.flatten()
         if self.sampled_negatives is None:  # every real item; the unknown item 0 is left out of the softmax
-            return F.cross_entropy((hidden @ self.items.weight[1:].T).float(), targets - 1)
+            return F.cross_entropy((hidden @ self.items.weight[1:].T).float(), targets - 1, ignore_index=UNKNOWN - 1)
         return self._sampled_softmax(hidden, targets)
 
     def _sampled_softmax(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -96,7 +97,10 @@ class SASRecNetwork(nn.Module):
         positive = (hidden * self.items(targets)).sum(-1, keepdim=True)
         negative = (hidden @ self.items(negatives).T).masked_fill(negatives[None, :] == targets[:, None], -torch.inf)
         logits = torch.cat([positive, negative], dim=1).float()
-        return F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device))
+        losses = F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device),
+                                 reduction="none")
+        real = (targets != UNKNOWN).float()
+        return (losses * real).sum() / real.sum()
 
 
 def sequences_by_user(frame: pd.DataFrame, n_users: int) -> list[np.ndarray]:
@@ -201,7 +205,8 @@ def fit_sasrec(data: Interactions, val: sp.csr_matrix, config: Config, job: Job)
                             settings.max_len, settings.sampled_negatives)
     batches = TensorBatches(inputs, targets, batch_size=settings.batch_size, seed=config.runtime.seed,
                             rank=runtime.rank, world_size=runtime.world_size)
-    optimizer = torch.optim.AdamW(network.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    optimizer = make_optimizer("adamw", network.parameters(), runtime, lr=settings.lr,
+                               weight_decay=settings.weight_decay)
     train, user_sequences = data.matrix("train"), left_padded(sequences, settings.max_len)
 
     def validate(model: SASRecNetwork) -> dict[str, float]:

@@ -5,9 +5,12 @@ It speaks MLflow's scoring protocol (`GET /ping`, `GET /health`, `GET /version`,
 change, and adds `POST /events` (one event or a list of `user_id`, `item_id`, `timestamp`): the event store keeps
 them for every worker, and the user's next request folds them in. The hot path has no pandas: JSON in and out with
 orjson, the request's columns read as lists, the user's seen items and events as arrays; one torch thread a worker.
-A request the model cannot answer gets HTTP 400 with one line, as MLflow's server gives. On a GPU (`--device`)
-concurrent requests are micro-batched: the first waits at most `--batch-ms` (default 2) for others, and the batch is
-scored in one product and one top-k (`Recommender.recommend_batch`).
+A request the model cannot answer gets HTTP 400 with one line, as MLflow's server gives; the inputs of both routes
+follow one set of rules (`schema.py`). The event store is opened, written and read once before the port is bound
+(`serve`): one that cannot be used stops the start in one line, and one that fails later is HTTP 503 with its line,
+never a traceback. On a GPU (`--device`) concurrent requests are micro-batched: the first waits at most
+`--batch-ms` (default 2) for others, and the batch is scored in one product and one top-k
+(`Recommender.recommend_batch`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from starlette.routing import Route
 from common.errors import UserError
 from common.serving.microbatch import MicroBatcher
 from common.serving.pyfunc import BadInput
-from .events import BadEvent, EventStore, open_event_store
+from .events import BadEvent, EventStore, EventStoreUnavailable, open_event_store
 from .requests import parse_rows, requested_k
+from .schema import shown
 from .serving import RecommenderModel
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,8 @@ def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: flo
             records = await batcher.submit((rows, k, stored)) if batcher else model.recommend(rows, k, stored)
         except BadInput as refused:
             return bad_request(str(refused))
+        except EventStoreUnavailable as failed:
+            return unavailable(str(failed))
         return Response(orjson.dumps({"predictions": records}, option=orjson.OPT_SERIALIZE_NUMPY), media_type=JSON)
 
     async def record_events(request: Request) -> Response:
@@ -73,6 +79,8 @@ def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: flo
             return bad_request(f"the body is not JSON: {error}")
         except BadEvent as refused:
             return bad_request(str(refused))
+        except EventStoreUnavailable as failed:
+            return unavailable(str(failed))
         return Response(orjson.dumps({"recorded": count}), media_type=JSON)
 
     routes = [Route("/ping", ping), Route("/health", ping), Route("/version", version),
@@ -107,10 +115,15 @@ def _split_columns(split) -> tuple[dict[str, list], int]:
             not isinstance(split.get("data"), list):
         raise BadInput("dataframe_split must be an object with lists 'columns' and 'data'")
     names, data = split["columns"], split["data"]
+    for name in names:
+        if not isinstance(name, str):
+            raise BadInput(f"dataframe_split columns must be column names (strings), got {shown(name)}")
+    if len(set(names)) != len(names):
+        raise BadInput(f"dataframe_split columns name a column twice: {', '.join(names)}")
     for row, values in enumerate(data):
         if not isinstance(values, list) or len(values) != len(names):
             raise BadInput(f"dataframe_split data row {row}: expected a list of {len(names)} values (one per column)")
-    return {str(name): [values[index] for values in data] for index, name in enumerate(names)}, len(data)
+    return {name: [values[index] for values in data] for index, name in enumerate(names)}, len(data)
 
 
 def _record_columns(records) -> tuple[dict[str, list], int]:
@@ -121,8 +134,16 @@ def _record_columns(records) -> tuple[dict[str, list], int]:
 
 
 def bad_request(line: str) -> Response:
-    message = " ".join(line.splitlines())
-    return Response(orjson.dumps({"error_code": "BAD_REQUEST", "message": message}), status_code=400,
+    return _error(400, "BAD_REQUEST", line)
+
+
+def unavailable(line: str) -> Response:
+    """The event store failed after the start (a disk full, Redis gone): the client may retry."""
+    return _error(503, "TEMPORARILY_UNAVAILABLE", line)
+
+
+def _error(status: int, code: str, line: str) -> Response:
+    return Response(orjson.dumps({"error_code": code, "message": " ".join(line.splitlines())}), status_code=status,
                     media_type=JSON)
 
 
@@ -177,15 +198,20 @@ def default_events(tracking_uri: str) -> str:
 
 
 def serve(model_uri: str, host: str, port: int, workers: int, events: str | None, device: str = "auto",
-          batch_ms: float | None = None) -> int:
+          batch_ms: float | None = None, announce: str | None = None) -> int:
     """Run uvicorn with `workers` processes, each loading `model_uri` on `device`; concurrent requests are
-    micro-batched for `batch_ms` (None: 2 ms on a GPU, off on the CPU); returns when it stops."""
+    micro-batched for `batch_ms` (None: 2 ms on a GPU, off on the CPU); `announce` is printed once the store and the
+    device are checked, before the port is bound; returns when it stops."""
     import uvicorn
 
     from common.runtime.devices import select_device
 
-    if events:
-        open_event_store(events).close()  # a bad URL or path is one line now, not one per worker
+    if events:  # a store that cannot be used is one line now, before the port is bound, not a 500 per request
+        store = open_event_store(events)
+        try:
+            store.check()
+        finally:
+            store.close()
     if batch_ms is not None and batch_ms < 0:
         raise UserError(f"--batch-ms must be at least 0, got {batch_ms:g}")
     select_device(device)  # a device this machine lacks is one line now
@@ -195,6 +221,8 @@ def serve(model_uri: str, host: str, port: int, workers: int, events: str | None
         os.environ.pop(name, None)
         if value is not None:
             os.environ[name] = value
+    if announce:
+        print(announce, flush=True)
     uvicorn.run(f"{__name__}:app_from_environment", factory=True, host=host, port=port, workers=workers,
                 log_level="warning", access_log=False)
     return 0

@@ -7,9 +7,10 @@ History, seen items and popularity are everything the run read (train, validatio
 on them. A request's `recent_items` (and the events a server recorded) join the user's history at once: item-item
 forms score the merged history, factor forms fold it in (`foldin.py`: ALS in closed form, BPR and LightGCN as the
 bundle's `foldin` says), the sequence form reads the events after the user's sequence, and the items are not
-recommended back. A user the form has nothing for gets the most
-popular items unseen by them: an unknown user without events, a user with no training rows under a factor form
-(their factors never trained), a user without history under an item-item form.
+recommended back. A user known to the run without training rows (first seen after the temporal cut) is served from
+their known history as a new user with those events: folded in under a factor form (from zero, whatever the method),
+scored under an item-item form, read as their sequence by the sequence form. Only a user without any events gets the
+most popular items unseen by them (under a factor form logged without fold-in, every user without training rows).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import torch
 from common.serving.pyfunc import ServedModel, log_served
 from common.usecase import Served
 from .data import UNKNOWN
-from .evaluate import top_k
+from .evaluate import csr_tensor, top_k
 from .foldin import FactorFoldIn, FoldIn, excluded_items, item_item_scores, merged_history
 from .requests import UserRequest, parse_rows, requested_k
 
 LATENCY_BATCH = 1000
 DEFAULT_MAX_EVENTS = 200
 KNOWN_CACHE_BYTES = 64 * 2**20  # item-item scores of the known histories of the last users served
+EXAMPLE_TIME = 1_700_000_000  # the logged example's recent events: 2023-11-14, seconds since the epoch
 
 
 class Recommender:
@@ -54,7 +56,8 @@ class Recommender:
             has_rows = (self.sequences.user_sequences != UNKNOWN).any(dim=1)
         else:
             has_rows = bundle["trained"] if self.kind == "factors" else np.diff(self.history.indptr) > 0
-        self.cold = ~torch.as_tensor(has_rows)
+        self.has_rows = np.asarray(has_rows, bool)  # factor forms: trained rows, where a fold-in starts (else zero)
+        self.cold = ~torch.as_tensor(self.has_rows)
         self.cold[UNKNOWN] = True
         self.max_events = int(bundle.get("max_events", DEFAULT_MAX_EVENTS))
         self.foldin, self.starts, self.dense_similarity = None, None, None
@@ -63,6 +66,7 @@ class Recommender:
             self.foldin = FactorFoldIn(spec, _numpy(self.items), layer_sum=_numpy(bundle.get("layer_sum")),
                                        degree=_numpy(bundle.get("degree")))
             self.starts = _numpy(bundle["egos"] if spec.method == "graph" else self.users)
+            self._fold_in_known_histories()
         elif self.kind == "item_item":
             self.dense_similarity = _numpy(self.similarity) if isinstance(self.similarity, torch.Tensor) else None
         self.item_table = np.ascontiguousarray(_numpy(self.items)) if self.items is not None else None
@@ -71,6 +75,21 @@ class Recommender:
         self._known_cache: dict[int, np.ndarray] = {}
         self._known_lock = threading.Lock()
         self._known_cache_size = max(1, KNOWN_CACHE_BYTES // (4 * self.history.shape[1]))
+
+    def _fold_in_known_histories(self) -> None:
+        """Users with a known history but no trained rows (first seen after the training cut) get the vector the
+        fold-in gives that history, from zero as for a new user with those events: folded once here, so that they
+        cost what a trained row costs, in `recommend`, `top_k` and `top_k_batch` alike; only users without history
+        stay cold."""
+        untrained = np.flatnonzero(self.cold.numpy() & (np.diff(self.history.indptr) > 0))
+        untrained = untrained[untrained != UNKNOWN]
+        if not len(untrained):
+            return
+        histories = [merged_history(self._row(self.history, user), max_length=self.max_events) for user in untrained]
+        users = torch.as_tensor(self.users).clone()
+        users[torch.from_numpy(untrained)] = torch.from_numpy(self.foldin.users(histories)).to(users.dtype)
+        self.users = users
+        self.cold[torch.from_numpy(untrained)] = False
 
     def score(self, users: torch.Tensor) -> torch.Tensor:
         codes = users.cpu().numpy()
@@ -105,8 +124,8 @@ class Recommender:
         return best, scores[best]
 
     def to(self, device: torch.device | str) -> Recommender:
-        """Score batches on `device` (`recommend_batch`, what a micro-batching server calls on a GPU); the one-user
-        numpy path stays on the CPU."""
+        """Score batches on `device` (`recommend_batch` and `top_k_batch`: what a micro-batching server calls on a GPU,
+        and what a replay calls on the run's device); the one-user numpy path stays on the CPU."""
         self.device = torch.device(device)
         self._on_device = {}
         if self.sequences is not None:
@@ -115,22 +134,31 @@ class Recommender:
             self.sequences = SequenceScorer(self.sequences.network.to(self.device), self.sequences.user_sequences)
         return self
 
-    @torch.no_grad()
     def recommend_batch(self, users: np.ndarray, events: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray,
                                                                                                 np.ndarray]]:
         """Each user's top k (item codes, scores) given their recent item codes, as `recommend` gives them, scored
         together on `self.device`: one product and one top-k for a micro-batch of concurrent requests."""
-        users = np.asarray(users, np.int64)
-        fresh = np.asarray([(row != UNKNOWN).any() for row in events], bool)
-        scores, popular = self._batch_scores(users, [np.asarray(row, np.int64) for row in events], fresh)
-        scores[torch.from_numpy(popular).to(self.device)] = self._table("popularity", lambda: self.popularity)
-        excluded = [excluded_items(self._row(self.seen, user), row) for user, row in zip(users.tolist(), events)]
-        rows = np.repeat(np.arange(len(users)), [len(codes) for codes in excluded])
-        scores[torch.from_numpy(rows).to(self.device), torch.from_numpy(np.concatenate(excluded)).to(self.device)] = \
-            -torch.inf
-        best_scores, best = torch.topk(scores, min(k, scores.shape[1]), dim=1)
-        best_scores, best = best_scores.cpu().numpy(), best.cpu().numpy()
+        best, best_scores = self.top_k_batch(users, events, k)
         return [(items[np.isfinite(values)], values[np.isfinite(values)]) for items, values in zip(best, best_scores)]
+
+    @torch.no_grad()
+    def top_k_batch(self, users: np.ndarray, events: Sequence[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(B, min(k, n_items)) item codes and scores, best first, ranked as `recommend` ranks each row; a score of
+        -inf where the user has fewer unseen items. Rows of one user in a row (a replay's successive requests)
+        cost little more than one: see `_item_item_batch`."""
+        users = np.array(users, np.int64)  # a copy: torch warns of a read-only array (a pandas column's)
+        events = [np.asarray(row, np.int64) for row in events]
+        fresh = np.asarray([(row != UNKNOWN).any() for row in events], bool)
+        scores, popular = self._batch_scores(users, events, fresh)
+        scores[torch.from_numpy(popular).to(self.device)] = self._table("popularity", lambda: self.popularity)
+        seen = self.seen[users]  # what `excluded_items` leaves out per row: seen items, every event, the unknown item
+        rows = np.concatenate([np.repeat(np.arange(len(users)), np.diff(seen.indptr)),
+                               np.repeat(np.arange(len(users)), [len(row) for row in events])])
+        codes = np.concatenate([seen.indices.astype(np.int64), *events])
+        scores[:, UNKNOWN] = -torch.inf
+        scores[torch.from_numpy(rows).to(self.device), torch.from_numpy(codes).to(self.device)] = -torch.inf
+        best_scores, best = torch.topk(scores, min(k, scores.shape[1]), dim=1)
+        return best.cpu().numpy(), best_scores.cpu().numpy()
 
     def _batch_scores(self, users: np.ndarray, events: list[np.ndarray], fresh: np.ndarray) -> tuple[torch.Tensor,
                                                                                                      np.ndarray]:
@@ -142,17 +170,18 @@ class Recommender:
             if len(folded):
                 histories = [merged_history(self._row(self.history, users[row]), events[row],
                                             max_length=self.max_events) for row in folded]
-                starts = np.where(cold[folded, None], 0.0, self.starts[users[folded]])
+                starts = np.where(self.has_rows[users[folded], None], self.starts[users[folded]], 0.0)
+                # numpy's tables on a CPU (its small arrays cost less per operation than torch's), else the device's
+                foldin = self.foldin if self.device.type == "cpu" else self._table("foldin", lambda: self.foldin)
                 vectors[torch.from_numpy(folded).to(self.device)] = \
-                    torch.from_numpy(self.foldin.users(histories, starts)).to(self.device, vectors.dtype)
+                    foldin.vectors(histories, starts).to(self.device, vectors.dtype)
             popular = cold.copy()
             popular[folded] = False
             return vectors @ self._table("items", lambda: torch.as_tensor(self.items)).T, popular
-        if self.kind == "item_item":  # the merged binary histories times the item-item matrix, as one product
+        if self.kind == "item_item":
             histories = [self._merged_item_history(user, row) if is_fresh else self._row(self.history, user)
                          for user, row, is_fresh in zip(users.tolist(), events, fresh)]
-            return _device_item_item(self._table("similarity", lambda: _torch_matrix(self.similarity)), histories,
-                                     self.device), np.asarray([len(history) == 0 for history in histories])
+            return self._item_item_batch(users, histories), np.asarray([len(history) == 0 for history in histories])
         if self.kind == "sequence":
             own = self.sequences.user_sequences[torch.from_numpy(users).to(self.device)].cpu().numpy()
             sequences = [np.concatenate([mine[mine != UNKNOWN], row]) if is_fresh else mine[mine != UNKNOWN]
@@ -160,12 +189,33 @@ class Recommender:
             return self.sequences.score_tensor(sequences), cold & ~fresh
         return torch.empty(len(users), self.history.shape[1], device=self.device), np.ones(len(users), bool)
 
+    def _item_item_batch(self, users: np.ndarray, histories: list[np.ndarray]) -> torch.Tensor:
+        """x·B for each row's binary history x, as one sparse product on the device. x·B is linear in x, so a row of
+        the same user as the row before it is multiplied as its difference from that row (a replay's next request:
+        one more event), and each run of one user's rows is summed back: the product reads a few rows of B per
+        request instead of the user's whole history."""
+        n_items = self.history.shape[1]
+        lengths = np.asarray([len(history) for history in histories])
+        rows = sp.csr_matrix((np.ones(lengths.sum(), np.float32), np.concatenate([np.zeros(0, np.int64), *histories]),
+                              np.concatenate([[0], np.cumsum(lengths)])), shape=(len(histories), n_items))
+        continues = np.concatenate([[False], users[1:] == users[:-1]])[:len(users)]
+        before = sp.vstack([sp.csr_matrix((1, n_items), dtype=np.float32), rows[:-1]], format="csr")
+        differences = (rows - sp.diags(continues.astype(np.float32)) @ before).tocsr()
+        differences.eliminate_zeros()
+        scores = _sparse_times(differences, self._table("similarity", lambda: _torch_matrix(self.similarity)),
+                               self.device)
+        starts = np.flatnonzero(~continues)
+        for first, end in zip(starts, [*starts[1:], len(users)]):
+            if end - first > 1:
+                scores[first:end].cumsum_(dim=0)
+        return scores
+
     def _merged_item_history(self, user: int, events: np.ndarray) -> np.ndarray:
         known = self._row(self.history, user)
         return np.concatenate([known, np.setdiff1d(events[events != UNKNOWN][-self.max_events:], known)])
 
-    def _table(self, name: str, make) -> torch.Tensor:
-        """A table on the device, moved there once."""
+    def _table(self, name: str, make):
+        """A table (or the fold-in's tables) on the device, moved there once."""
         if name not in self._on_device:
             self._on_device[name] = make().to(self.device)
         return self._on_device[name]
@@ -181,7 +231,7 @@ class Recommender:
             return self.sequences.score_sequences([np.concatenate([own[own != UNKNOWN], events])])[0]
         if self.kind == "factors":
             history = merged_history(self._row(self.history, user), events, max_length=self.max_events)
-            start = self.starts[user:user + 1] if not self.cold[user] else np.zeros((1, self.starts.shape[1]))
+            start = self.starts[user:user + 1] if self.has_rows[user] else np.zeros((1, self.starts.shape[1]))
             vector = self.foldin.users([history], start)
             return self.item_table @ vector[0]
         return self.popularity.numpy().copy()
@@ -213,29 +263,16 @@ def _numpy(value):
 
 
 def _torch_matrix(matrix: sp.csr_matrix | torch.Tensor) -> torch.Tensor:
-    """The item-item matrix as torch: dense as it is, sparse as its transpose in CSR (torch multiplies sparse on the
-    left)."""
+    """The item-item matrix as torch: dense as it is, sparse as a CSR tensor."""
     if isinstance(matrix, torch.Tensor):
         return matrix.float()
-    transposed = sp.csr_matrix(matrix.T, dtype=np.float32)
-    with warnings.catch_warnings():  # torch calls its sparse CSR support beta; products on it are what we use
-        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        return torch.sparse_csr_tensor(torch.from_numpy(transposed.indptr.astype(np.int64)),
-                                       torch.from_numpy(transposed.indices.astype(np.int64)),
-                                       torch.from_numpy(transposed.data), size=transposed.shape,
-                                       check_invariants=True)
+    return csr_tensor(sp.csr_matrix(matrix, dtype=np.float32))
 
 
-def _device_item_item(similarity: torch.Tensor, histories: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """The binary histories (one row each) times the item-item matrix `_torch_matrix` made."""
-    n_items = similarity.shape[0]
-    rows = np.repeat(np.arange(len(histories)), [len(history) for history in histories])
-    codes = np.concatenate([np.zeros(0, np.int64), *histories])
-    multi_hot = torch.zeros(len(histories), n_items, device=device)
-    multi_hot[torch.from_numpy(rows).to(device), torch.from_numpy(codes).to(device)] = 1.0
-    if similarity.layout == torch.sparse_csr:
-        return (similarity @ multi_hot.T).T.contiguous()
-    return multi_hot @ similarity
+def _sparse_times(rows: sp.csr_matrix, similarity: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sparse rows times the item-item matrix `_torch_matrix` made (on `device`), as a dense float32 tensor."""
+    product = torch.sparse.mm(csr_tensor(sp.csr_matrix(rows, dtype=np.float32)).to(device), similarity)
+    return product.to_dense() if product.layout != torch.strided else product
 
 
 def _times(histories: sp.csr_matrix, similarity: sp.csr_matrix | torch.Tensor) -> torch.Tensor:
@@ -248,7 +285,7 @@ def _times(histories: sp.csr_matrix, similarity: sp.csr_matrix | torch.Tensor) -
 class RecommenderModel(ServedModel):
     """Input: a column `user_id` (raw ids as in the training log), optionally `recent_items` (per row a list of item
     ids, newest last), `recent_timestamps` (one per recent item) and `k` (default 10; a column wins over the MLflow
-    param `k`).
+    param `k`), refused in one line where they break the rules the lean server's routes follow (`requests.py`).
     Output: one row per user and rank with `user_id`, `rank`, `item_id`, `score`, `unknown_recent_items` (the
     recent item ids the model does not know, skipped), and `title` when the data had titles."""
 
@@ -352,7 +389,8 @@ def request_example(bundle: dict, users: np.ndarray) -> pd.DataFrame:
     popular = np.argsort(-np.asarray(bundle["popularity"]), kind="stable")[:2]
     recent = [_plain(bundle["item_ids"][code]) for code in popular if code != UNKNOWN][:2]
     return pd.DataFrame({"user_id": users, "k": [bundle["k"]] * len(users),
-                         "recent_items": [recent[:1], recent], "recent_timestamps": [[0], [0, 1]][:len(users)]})
+                         "recent_items": [recent[:1], recent],
+                         "recent_timestamps": [[EXAMPLE_TIME], [EXAMPLE_TIME, EXAMPLE_TIME + 60]][:len(users)]})
 
 
 def log_recommender(bundle: dict, model_name: str, job) -> tuple[dict[str, float], Served | None]:

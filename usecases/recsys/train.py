@@ -10,7 +10,7 @@ import scipy.sparse as sp
 import torch
 
 from common.job import Job
-from common.training.loop import FitResult, TensorBatches, Trainer
+from common.training.loop import FitResult, TensorBatches, Trainer, make_optimizer
 from .config import Config
 from .evaluate import full_ranking
 from .models import BPR, LightGCN, NegativeSampler, PairwiseRanker
@@ -37,7 +37,7 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
     users, items = training_pairs(train, runtime.device)
     batches = TensorBatches(users, items, batch_size=settings.batch_size, seed=config.runtime.seed, rank=runtime.rank,
                             world_size=runtime.world_size, max_batches=settings.steps_per_epoch)
-    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    optimizer = make_optimizer("adam", model.parameters(), runtime, lr=settings.lr)
 
     def validate(network: PairwiseRanker) -> dict[str, float]:
         metrics = full_ranking(network, val, train, [10], runtime.device, config.evaluation.batch_users, runtime)
