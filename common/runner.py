@@ -257,7 +257,8 @@ def register(tracker, usecase: UseCase, outcome: RunResult, data_tags: dict) -> 
     tracker.log_metrics({f"primary/{metric}": test_value, f"primary/val_{metric}": value})
     source = str(data_tags.get("data_source", ""))
     register_champion(tracker, served.uri, usecase.name, metric, mode, value, data_tags["data_sha256"],
-                      test_value=test_value, data_source=source, synthetic=source.startswith("synthetic"))
+                      test_value=test_value, data_source=source, synthetic=source.startswith("synthetic"),
+                      kind=served.kind)
 
 
 def run_demo(usecases: list[UseCase], device: str = "auto", frames: str = "auto") -> None:

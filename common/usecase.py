@@ -49,21 +49,25 @@ class UseCase:
     optional_requirements: dict[str, tuple[str, ...]] = field(default_factory=dict)
     has_benchmark: bool = False
     scale: dict[str, int] | None = None  # the config keys `bench --scale` multiplies together, and their 1x values
+    served_kinds: tuple[str, ...] = ("",)  # the kinds of model it serves, the one `usecases serve` prefers first
 
     @classmethod
     def declare(cls, package: str, *, description: str, config: type[ConfigModel],
                 primary_metric: tuple[str, Literal["min", "max"]], summary_columns=None,
                 requirements: tuple[str, ...] = (), optional_requirements: dict[str, tuple[str, ...]] | None = None,
-                has_benchmark: bool = False, scale: dict[str, int] | None = None) -> UseCase:
+                has_benchmark: bool = False, scale: dict[str, int] | None = None,
+                served_kinds: tuple[str, ...] = ("",)) -> UseCase:
         """For a package's `__init__.py`: its name is the package's last component, its files are beside it.
 
         `requirements` are what the use case needs beyond common/ (pip specifiers), `optional_requirements` the
         extras it can use when present (an extra's name, its specifiers); `usecases export` writes both. `scale`
         names the size keys of the `scale` preset that `usecases bench --scale` multiplies together (the first
-        names the size in its table and plot), with their 1x values."""
+        names the size in its table and plot), with their 1x values. `served_kinds` are the kinds of model its runs
+        register (`Served.kind`, "" for its main one), in the order `usecases serve` looks for a champion."""
         folder = Path(sys.modules[package].__file__).resolve().parent
         return cls(package.rsplit(".", 1)[-1], package, description, config, folder, primary_metric,
-                   summary_columns, tuple(requirements), dict(optional_requirements or {}), has_benchmark, scale)
+                   summary_columns, tuple(requirements), dict(optional_requirements or {}), has_benchmark, scale,
+                   tuple(served_kinds))
 
     @property
     def presets_dir(self) -> Path:
@@ -122,10 +126,12 @@ class UseCase:
 
 @dataclass(frozen=True)
 class Served:
-    """The model a run logged for serving: its name among the run's models, and where MLflow keeps it."""
+    """The model a run logged for serving: its name among the run's models, where MLflow keeps it, and its kind
+    where the use case serves more than one (each kind its own registered model: a champion never changes kind)."""
 
     model: str
     uri: str
+    kind: str = ""
 
 
 @dataclass(frozen=True)

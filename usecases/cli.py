@@ -405,7 +405,7 @@ def _served_model(name: str, model_uri: str | None, data_sha256: str | None) -> 
     how to name it in one line."""
     import mlflow
 
-    from common.tracking.registry import SYNTHETIC_ALIAS, registered_name, served_champion
+    from common.tracking.registry import SYNTHETIC_ALIAS, served_champion
     from common.tracking.runs import check_reachable, tracking_uri
 
     uri = tracking_uri()
@@ -415,13 +415,13 @@ def _served_model(name: str, model_uri: str | None, data_sha256: str | None) -> 
         return model_uri, model_uri
     if data_sha256 is not None and len(data_sha256) < 12:
         raise UserError(f"--data-sha256 {data_sha256}: give at least its first 12 hex digits")
-    found = served_champion(mlflow.MlflowClient(), name, data_sha256)
+    found = served_champion(mlflow.MlflowClient(), name, data_sha256, _usecase(name).served_kinds)
     if found is None:
         on = f" on data {data_sha256[:12]}" if data_sha256 else ""
         raise UserError(f"no champion of '{name}'{on} in {uri} yet (run `usecases run {name}` first, "
                         f"or pass --model-uri)")
     version, alias = found
-    model_uri = f"models:/{registered_name(name)}@{alias}"
+    model_uri = f"models:/{version.name}@{alias}"
     source = version.tags.get("data_source") or "data"
     fallback = "no run on real data has registered a model yet; " if alias == SYNTHETIC_ALIAS else ""
     return model_uri, (f"the champion of '{name}' on {source} ({fallback}data "

@@ -69,13 +69,14 @@ class ServedModel(mlflow.pyfunc.PythonModel):
 
 def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, *, name: str, package: str,
                requirements: list[str], optional_inputs: tuple[str, ...] = (),
-               metadata: dict | None = None, params: dict | None = None, entry: str = ENTRY) -> Served | None:
+               metadata: dict | None = None, params: dict | None = None, entry: str = ENTRY,
+               kind: str = "") -> Served | None:
     """Log `model` (loaded from `bundle`) as the run's `model`: `example` is probed through it and the signature
     inferred from its answer, the `optional_inputs` columns marked as not required, `params` (name: default) as
     MLflow inference params. `name` is the run's model this
     is, `package` the use case's, `requirements` the distributions it needs (pinned as installed here), `entry` the
     file beside the package's `__init__.py` that sets the served class (a use case serving two kinds of model has one
-    each).
+    each), `kind` the kind of model it is (`Served.kind`).
 
     Returns what was logged, or None where the tracker does not write (another rank, a test)."""
     if not tracker.active:
@@ -99,7 +100,7 @@ def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, *, n
             code_paths=[str(code), str(Path(sys.modules["common"].__file__).parent)],
             pip_requirements=public_requirements(requirements),
         )
-    return Served(name, info.model_uri)
+    return Served(name, info.model_uri, kind)
 
 
 def public_requirements(packages: list[str]) -> list[str]:

@@ -1,4 +1,5 @@
-"""The model registry: each run's model is a version of `gpu-usecases-<usecase>`, and aliases name the champion
+"""The model registry: each run's model is a version of `gpu-usecases-<usecase>` (`-<kind>` for a use case's other
+kinds of model, such as medical's whole-slide model: a champion never changes kind), and aliases name the champion
 of each data set, the champion of the real data trained on last (`champion`) and of the synthetic data trained on
 last (`champion-synthetic`), and the latest challenger. Versions compete on their validation value."""
 
@@ -12,8 +13,9 @@ from common.tracking.runs import EXPERIMENT_PREFIX, Tracker, is_unique_violation
 log = logging.getLogger(__name__)
 
 
-def registered_name(usecase: str) -> str:
-    return f"{EXPERIMENT_PREFIX}-{usecase}"
+def registered_name(usecase: str, kind: str = "") -> str:
+    """`gpu-usecases-<usecase>`, and `-<kind>` for a use case's other kinds of model (`Served.kind`)."""
+    return f"{EXPERIMENT_PREFIX}-{usecase}" + (f"-{kind}" if kind else "")
 
 
 def data_alias(data_sha256: str) -> str:
@@ -23,7 +25,7 @@ def data_alias(data_sha256: str) -> str:
 
 def register_champion(tracker: Tracker, model_uri: str, usecase: str, metric: str, mode: str, value: float,
                       data_sha256: str, *, test_value: float = math.nan, data_source: str = "",
-                      synthetic: bool = False) -> str:
+                      synthetic: bool = False, kind: str = "") -> str:
     """Register the run's model at `model_uri` as a new version of `gpu-usecases-<usecase>` and compare it with the
     models on the same data and primary metric only, by `value`, the metric on validation data (`test_value`, on
     test data, is a report: choosing by it would make the test set a selection set). The best of every version
@@ -39,7 +41,7 @@ def register_champion(tracker: Tracker, model_uri: str, usecase: str, metric: st
     The best is looked up among all the versions, not taken from the alias, and looked up again after the aliases
     are written, so that runs finishing at the same moment agree on the best of them."""
     client = mlflow.MlflowClient()
-    name = registered_name(usecase)
+    name = registered_name(usecase, kind)
     version = str(mlflow.register_model(model_uri, name).version)
     for key, tag in (("primary_metric", metric), ("validation_value", value), ("primary_value", test_value),
                      ("data_sha256", data_sha256), ("data_source", data_source), ("run_id", tracker.run_id)):
@@ -103,16 +105,16 @@ def _validation_value(model_version) -> float:
     return float(model_version.tags.get("validation_value", "nan")) if model_version else math.nan
 
 
-def served_champion(client, usecase: str, data_sha256: str | None = None):
-    """The version `usecases serve` serves, and the alias it found it by: the champion on the given data, else the
-    champion of the real data trained on last, else (before any run on real data) that of the synthetic data; None
-    when there is none."""
-    name = registered_name(usecase)
+def served_champion(client, usecase: str, data_sha256: str | None = None, kinds: tuple[str, ...] = ("",)):
+    """The version `usecases serve` serves (its `name` says which registered model), and the alias it found it by:
+    the champion on the given data, whatever its kind; else, kind by kind in `kinds`' order, the champion of the real
+    data trained on last, else (before any run on real data) that of the synthetic data; None when there is none."""
     aliases = [data_alias(data_sha256)] if data_sha256 else ["champion", SYNTHETIC_ALIAS]
-    for alias in aliases:
-        found = _version_by_alias(client, name, alias)
-        if found is not None:
-            return found, alias
+    for kind in kinds:
+        for alias in aliases:
+            found = _version_by_alias(client, registered_name(usecase, kind), alias)
+            if found is not None:
+                return found, alias
     return None
 
 

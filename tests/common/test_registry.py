@@ -17,14 +17,15 @@ class Constant(mlflow.pyfunc.PythonModel):
 
 
 def register(usecase: str, value: float, data: str, metric: str = "auc", test_value: float = 0.5,
-             source: str = "real") -> tuple[str, str]:
+             source: str = "real", kind: str = "") -> tuple[str, str]:
     """Register a model whose primary metric is `value` on validation data and `test_value` on test data."""
     with mlflow.start_run(nested=mlflow.active_run() is not None) as run:
         info = mlflow.pyfunc.log_model(name="model", python_model=Constant())
         tracker = Tracker(active=True, run_id=run.info.run_id)
         alias = registry.register_champion(tracker, info.model_uri, usecase, metric, "max", value, data,
-                                           test_value=test_value, data_source=source, synthetic=source == "synthetic")
-    return alias, mlflow.MlflowClient().get_registered_model(f"gpu-usecases-{usecase}").aliases
+                                           test_value=test_value, data_source=source, synthetic=source == "synthetic",
+                                           kind=kind)
+    return alias, mlflow.MlflowClient().get_registered_model(registry.registered_name(usecase, kind)).aliases
 
 
 def test_champions_are_compared_on_the_same_data_only_and_champion_follows_the_last_data():
@@ -133,3 +134,22 @@ def test_an_alias_two_runs_insert_at_once_is_set_on_the_second_try(monkeypatch):
     monkeypatch.setattr(client, "set_registered_model_alias", set_registered_model_alias)
     registry._set_alias(client, "gpu-usecases-x", "champion", 3)
     assert calls == [("gpu-usecases-x", "champion", 3)] * 2
+
+
+def test_each_kind_of_model_has_its_own_champion_and_serve_prefers_the_first_kind():
+    """A use case serving two kinds of model (medical: images, then whole slides): each kind is its own registered
+    model, so a slide model trained last never becomes the champion an image client is served; `usecases serve`
+    takes the first kind's champion, the next kind's where the first has none, and any kind's by its data."""
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    client = mlflow.MlflowClient()
+    kinds = ("", "slides")
+    register("two-kinds", 0.8, "3" * 64, source="synthetic", kind="slides")
+    version, alias = registry.served_champion(client, "two-kinds", kinds=kinds)  # no image model yet: the slides'
+    assert (version.name, alias) == ("gpu-usecases-two-kinds-slides", "champion-synthetic")
+    register("two-kinds", 0.7, "4" * 64, source="synthetic")
+    register("two-kinds", 0.9, "5" * 64, source="real slides", kind="slides")  # trained last, real data
+    version, alias = registry.served_champion(client, "two-kinds", kinds=kinds)
+    assert (version.name, alias) == ("gpu-usecases-two-kinds", "champion-synthetic")
+    version, alias = registry.served_champion(client, "two-kinds", "5" * 12, kinds=kinds)
+    assert (version.name, alias) == ("gpu-usecases-two-kinds-slides", f"champion-{'5' * 12}")
+    assert "champion" not in client.get_registered_model("gpu-usecases-two-kinds").aliases

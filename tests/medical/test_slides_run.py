@@ -54,7 +54,7 @@ def test_attention_mil_and_the_pooled_baseline_learn_the_slide_signal(slide_run)
     assert models["attention_mil"]["auc"] >= 0.9 and models["attention_mil"]["val_auc"] >= 0.9
     assert models["attention_mil"]["auc_ci_low"] <= models["attention_mil"]["auc"]
     assert run.data.metrics["tiles_per_s"] > 0 and models["attention_mil"]["tiles"] > 1000
-    assert run.data.tags["data_source"] == "slides:synthetic" and run.info.status == "FINISHED"
+    assert run.data.tags["data_source"] == "synthetic:slides" and run.info.status == "FINISHED"
 
 
 def test_each_test_slide_has_a_heatmap_and_the_slide_model_is_logged_to_serve(slide_run):

@@ -26,4 +26,5 @@ USECASE = UseCase.declare(
     has_benchmark=True,
     # the images as PNG files: 5,000, 20,000 and 80,000 for bench --scale, 80 % of them for training
     scale={"data.synthetic.train": 4_000, "data.synthetic.val": 500, "data.synthetic.test": 500},
+    served_kinds=("", "slides"),  # the image classifier, then the whole-slide model (gpu-usecases-medical-slides)
 )

@@ -95,7 +95,7 @@ def load_slides(config: Config, path: Path | None, client=None) -> SlideSet:
     digest = hashlib.sha256(labels_file.read_bytes())
     for slide_path in listing.files:
         digest.update(slide_digest(slide_path).encode())
-    source = f"slides:{'synthetic' if path is None else folder.name}"
+    source = "synthetic:slides" if path is None else f"slides:{folder.name}"
     return SlideSet(list(listing.files), labels, classes, patients, split, source, digest.hexdigest(), mpp, grids,
                     stored_bytes(labels_file, *listing.files), notices + listing.notices)
 

@@ -149,7 +149,7 @@ def log_slide_classifier(encoder: torch.nn.Module, encoder_architecture: dict, m
               "slides": slides_settings, "threshold": float(threshold),
               **({"stain_reference": reference} if reference is not None else {})}
     return log_served(SlideClassifierModel.from_bundle(bundle), bundle, pd.DataFrame({"slide": [str(example)]}),
-                      job.tracker, name="attention_mil", package="usecases.medical", entry="slides_entry.py",
+                      job.tracker, name="attention_mil", package="usecases.medical", entry="slides_entry.py", kind="slides",
                       requirements=["torch", "torchvision", "numpy", "pandas", "scipy", "mlflow", "openslide-python",
                                     "openslide-bin", "tifffile", "zarr", "imagecodecs"],
                       metadata=metadata)
