@@ -24,7 +24,8 @@ NOW = int(time.time())
 NOT_IDS = [True, False, 1.5, 2.0, -0.0, 1e300, "", [], [1], ["1"], {}, {"id": 1}]
 NOT_KS = [True, False, 0, -1, MAX_K + 1, 2**63, 2.5, 5.0, "4", "ten", "", [3], {"k": 3}]
 NOT_LISTS = ["abc", "", 5, 2.5, True, {"items": [1]}]  # for recent_items and recent_timestamps rows
-NOT_TIMESTAMPS = [True, 1.5, float(NOW), str(NOW), "2026-01-01", [NOW], {"ts": NOW}]
+RECENT = 1_764_806_400  # 2025-12-04, fixed: a parameter's id must be the same in every xdist worker
+NOT_TIMESTAMPS = [True, 1.5, float(RECENT), str(RECENT), "2026-01-01", [RECENT], {"ts": RECENT}]
 OUTSIDE_WINDOW = {  # (value, what the line says)
     "zero": (0, "before 1995-01-01"),
     "negative": (-1, "before 1995-01-01"),
