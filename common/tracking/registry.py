@@ -1,7 +1,7 @@
 """The model registry: each run's model is a version of `gpu-usecases-<usecase>` (`-<kind>` for a use case's other
-kinds of model, such as medical's whole-slide model: a champion never changes kind), and aliases name the champion
-of each data set, the champion of the real data trained on last (`champion`) and of the synthetic data trained on
-last (`champion-synthetic`), and the latest challenger. Versions compete on their validation value."""
+kinds of model, such as a whole-slide model beside an image classifier: a champion never changes kind), and aliases
+name the champion of each data set, the champion of the real data trained on last (`champion`) and of the synthetic
+data trained on last (`champion-synthetic`), and the latest challenger. Versions compete on their validation value."""
 
 import logging
 import math

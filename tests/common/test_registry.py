@@ -137,7 +137,7 @@ def test_an_alias_two_runs_insert_at_once_is_set_on_the_second_try(monkeypatch):
 
 
 def test_each_kind_of_model_has_its_own_champion_and_serve_prefers_the_first_kind():
-    """A use case serving two kinds of model (medical: images, then whole slides): each kind is its own registered
+    """A use case serving two kinds of model (images, then whole slides): each kind is its own registered
     model, so a slide model trained last never becomes the champion an image client is served; `usecases serve`
     takes the first kind's champion, the next kind's where the first has none, and any kind's by its data."""
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
