@@ -159,9 +159,6 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
             models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name],
                             "evaluate_seconds": time.perf_counter() - started}
             forms[name] = served_form(scorer, config, train)
-            for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
-                as_served = Recommender(bundle_at(forms[name], data, config, cuts[cut]))
-                models[name][key] = ranking(as_served, test, seen_before_test, config.evaluation.ks)["ndcg@10"]
         val_replay = None
         if runtime.is_main and "foldin_choices" in forms[name]:  # rank 0 serves: it alone replays the methods
             with job.phase(f"foldin/{name}"):
@@ -169,8 +166,13 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
                                                                 runtime.device)
             models[name].update(chosen)
         forms[name].pop("foldin_choices", None)
+        served = {}  # the served form at each cut, with the fold-in it serves
+        with job.phase(f"evaluate/{name}"):
+            for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
+                served[cut] = served.get(cut) or Recommender(bundle_at(forms[name], data, config, cuts[cut]))
+                models[name][key] = ranking(served[cut], test, seen_before_test, config.evaluation.ks)["ndcg@10"]
         if untrained is not None and runtime.is_main:  # by the fold-in served, which rank 0 alone chooses
-            as_served = Recommender(bundle_at(forms[name], data, config, cuts["test"]))
+            as_served = served["test"]
             models[name]["served_untrained_ndcg@10"] = full_ranking(
                 as_served, untrained, seen_before_test, config.evaluation.ks, runtime.device,
                 config.evaluation.batch_users)["ndcg@10"]
