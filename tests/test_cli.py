@@ -31,7 +31,7 @@ def test_list_names_every_use_case_with_its_presets(capsys):
     assert result.returncode == 0
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
     assert {"finance", "medical", "recsys"} <= set(lines)
-    assert "[presets: default, full, scale, smoke]" in lines["recsys"]
+    assert "[presets: default, full, million, scale, smoke]" in lines["recsys"]
 
 
 def test_unknown_use_case(capsys):
@@ -211,7 +211,7 @@ def test_serve_runs_a_use_cases_own_server_with_a_worker_per_core(monkeypatch, c
     assert "with %d worker(s)" % workers in announce, "said by the server once its store is checked"
     assert "Serving" not in capsys.readouterr().out
     assert cli.main(["serve", "finance", "--workers", "2"]) == 2  # MLflow's server: one line, no traceback
-    assert "--workers, --events, --device and --batch-ms need the use case's own server" in capsys.readouterr().err
+    assert "--workers, --events, --device, --batch-ms, --retrieval and --ann-index need the use case's own server" in capsys.readouterr().err
 
 
 def server_command(monkeypatch, *args):

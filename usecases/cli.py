@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-ms", type=float, metavar="MS",
                        help="with --serve: also measure our server micro-batching concurrent requests for up to MS "
                             "milliseconds (server ours+batch; ours then runs unbatched)")
+    bench.add_argument("--retrieval", metavar="MODES",
+                       help="with --serve: our server retrieving each way, e.g. exact,ann, instead of MLflow's server")
+    bench.add_argument("--p99-ms", type=_positive("--p99-ms"), default=30.0, metavar="MS",
+                       help="with --serve: the p99 target each server's capacity per core is stated at (default 30)")
     bench.add_argument("--slides", action="store_true",
                        help=f"the whole-slide benchmark (tiles/s of read + normalise + encode against a plain per-tile "
                             f"loop; a gigapixel slide's peak memory): --preset {SLIDES_PRESET} unless one is given")
@@ -123,6 +127,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-ms", type=float, metavar="MS",
                        help="the use case's own server: score concurrent requests together, the first waiting at most "
                             "MS milliseconds for others (default: 2 on a GPU, 0 (off) on the CPU)")
+    serve.add_argument("--retrieval", choices=["exact", "ann"],
+                       help="the use case's own server: rank every item, or retrieve candidates from the model's ANN "
+                            "index and score them (default: as the run chose, serving.retrieval)")
+    serve.add_argument("--ann-index", type=Path, metavar="FILE",
+                       help="the use case's own server: serve by two stages with this FAISS index (faiss.write_index) "
+                            "over the model's item vectors instead of the model's own")
 
     compare = commands.add_parser("compare", help="compare a use case's runs by hardware",
                                   description="The finished runs of a use case grouped by hardware, instance type "
@@ -163,6 +173,13 @@ def _parser() -> argparse.ArgumentParser:
     advise.add_argument("--tracking-uri", metavar="URI",
                         help="with --launch: the MLflow server the launched run logs to (default: "
                              "$MLFLOW_TRACKING_URI when it is a server)")
+    advise.add_argument("--serve", action="store_true",
+                        help="size a serving fleet instead, from the newest `usecases bench NAME --serve` run: "
+                             "instances and a month's cost on each catalogue row (--launch: Kubernetes manifests)")
+    advise.add_argument("--target-rps", type=_positive("--target-rps"), metavar="RATE",
+                        help="with --serve: the requests per second the fleet must carry")
+    advise.add_argument("--p99-ms", type=_positive("--p99-ms"), metavar="MS",
+                        help="with --serve: the p99 latency each server must keep (default: 30)")
 
     doctor = commands.add_parser("doctor", help="check that this machine can run every use case, and say why not",
                                  description="One line per check (Python, torch and its CUDA build, the driver, "
@@ -366,6 +383,8 @@ class ServerOptions:
     mlflow: bool = False
     device: str = "auto"
     batch_ms: float | None = None
+    retrieval: str | None = None
+    ann_index: Path | None = None
 
 
 def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: str | None = None,
@@ -379,9 +398,9 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
     if options.workers is not None and options.workers < 1:
         raise UserError(f"--workers must be at least 1, got {options.workers}")
     if own is None and (options.workers is not None or options.events is not None or options.batch_ms is not None
-                        or options.device != "auto"):
-        raise UserError(f"--workers, --events, --device and --batch-ms need the use case's own server ('{name}' is "
-                        "served by MLflow's scoring server here)")
+                        or options.device != "auto" or options.retrieval or options.ann_index):
+        raise UserError(f"--workers, --events, --device, --batch-ms, --retrieval and --ann-index need the use case's "
+                        f"own server ('{name}' is served by MLflow's scoring server here)")
     uri = tracking_uri()
     model_uri, what = _served_model(name, model_uri, data_sha256)
     if own is not None:
@@ -390,7 +409,10 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
         workers = options.workers or usable_cores()
         events = options.events or own.default_events(uri)
         os.environ["MLFLOW_TRACKING_URI"] = uri
+        retrieval = {key: value for key, value in (("retrieval", options.retrieval), ("ann_index", options.ann_index))
+                     if value}
         return own.serve(model_uri, host, port, workers, events, device=options.device, batch_ms=options.batch_ms,
+                         **retrieval,
                          announce=f"Serving {what} on http://{host}:{port}/invocations with {workers} worker(s), "
                                   f"events in {events}; Ctrl-C to stop")
     print(f"Serving {what} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
@@ -435,6 +457,23 @@ def _advise(args) -> int:
         raise UserError("advise needs a use case name (see `usecases list`) or --workload FILE.json")
     if args.tracking_uri and args.launch is None:
         raise UserError("--tracking-uri is for the launch files: give --launch DIR with it")
+    if args.serve or args.target_rps is not None or args.p99_ms is not None:
+        if not args.serve or args.target_rps is None:
+            raise UserError("a serving fleet is sized with --serve --target-rps RATE (and --p99-ms MS): give both")
+        given = [option for option, value in (("--workload", args.workload), ("--budget", args.budget),
+                                              ("--deadline", args.deadline), ("--data-gb", args.data_gb),
+                                              ("--requests-per-s", args.requests_per_s),
+                                              ("--spot-interruptions-per-hour", args.spot_interruptions_per_hour))
+                 if value is not None] + (["--task"] if args.task != "both" else [])
+        if given or args.name is None:
+            raise UserError(f"--serve sizes a use case's serving fleet from its bench run: give its name, without "
+                            f"{given[0] if given else '--workload'} (--target-rps is the load)")
+        from common.advisor.fleet import fleet_command
+
+        _usecase(args.name)
+        print(fleet_command(args.name, args.run_id, args.catalog, args.output_format, args.target_rps,
+                            args.p99_ms or 30.0, args.launch, args.tracking_uri))
+        return EXIT_OK
     if args.launch is not None and args.task == "serve":
         raise UserError("--launch writes the training instance's files: leave out --task serve")
     if args.name is not None:
@@ -497,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             return _server(args.host, args.port, args.backend_store_uri, args.artifacts_destination)
         if args.command == "serve":
             return _serve(args.name, args.model_uri, args.host, args.port, args.data_sha256,
-                          ServerOptions(args.workers, args.events, args.mlflow, args.device, args.batch_ms))
+                          ServerOptions(args.workers, args.events, args.mlflow, args.device, args.batch_ms,
+                                        args.retrieval, args.ann_index))
         if args.command == "compare":
             return _compare(args.name, args.output_format)
         if args.command == "demo":
@@ -523,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
 
             model_uri, _ = _served_model(args.name, args.model_uri, None)
             serve_bench(_usecase(args.name), model_uri, parse_list(args.concurrency, "--concurrency", int),
-                        args.seconds, args.serve_workers, args.batch_ms)
+                        args.seconds, args.serve_workers, args.batch_ms,
+                        parse_list(args.retrieval, "--retrieval") if args.retrieval else None, args.p99_ms)
             return EXIT_OK
         if args.command == "bench" and args.scale:
             from common.tools.scaling import parse_list, scale_bench

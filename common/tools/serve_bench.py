@@ -24,6 +24,7 @@ import pandas as pd
 
 from common.config import ConfigModel
 from common.errors import UserError
+from common.runtime.devices import usable_cores
 from common.usecase import UseCase
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,15 @@ log = logging.getLogger(__name__)
 BATCHED = "ours+batch"  # our server micro-batching, where --batch-ms asks for it
 START_TIMEOUT_S = 180
 REQUEST_BODIES = 512
+P99_MS = 30.0  # the latency target a server's capacity is stated at
 
 
 def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seconds: float,
-                workers: int | None, batch_ms: float | None = None) -> pd.DataFrame:
-    """Both servers at every concurrency (and ours micro-batching for `batch_ms`, ours then unbatched); returns
-    the table that was logged and printed."""
+                workers: int | None, batch_ms: float | None = None, retrievals: list[str] | None = None,
+                p99_ms: float = P99_MS) -> pd.DataFrame:
+    """Both servers at every concurrency (and ours micro-batching for `batch_ms`, ours then unbatched; or, with
+    `retrievals`, ours serving by each of them, e.g. exact and ann, instead of MLflow's); each server's capacity per
+    core at `p99_ms`. Returns the table that was logged and printed."""
     from common.tracking.runs import tracked_run
 
     own = usecase.server()
@@ -47,8 +51,16 @@ def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seco
                         f"{','.join(map(str, concurrencies))} and {seconds:g})")
     if batch_ms is not None and batch_ms <= 0:
         raise UserError(f"--batch-ms must be above 0 to compare micro-batching, got {batch_ms:g}")
+    if p99_ms <= 0:
+        raise UserError(f"--p99-ms must be above 0, got {p99_ms:g}")
     servers = {"ours": [] if batch_ms is None else ["--batch-ms", "0"],
                **({BATCHED: ["--batch-ms", f"{batch_ms:g}"]} if batch_ms is not None else {}), "mlflow": ["--mlflow"]}
+    if retrievals and (set(retrievals) - {"exact", "ann"} or len(set(retrievals)) < len(retrievals)):
+        raise UserError(f"--retrieval {','.join(retrievals)}: expected distinct modes of exact and ann, e.g. exact,ann")
+    if retrievals:  # the same server, retrieving one way each
+        servers = {mode: ["--retrieval", mode, *(["--batch-ms", f"{batch_ms:g}"] if batch_ms is not None else [])]
+                   for mode in retrievals}
+    workers = workers or usable_cores()
     bodies = own.bench_requests(mlflow.pyfunc.load_model(model_uri), REQUEST_BODIES, 0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as folder:
@@ -58,17 +70,19 @@ def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seco
             rows += _measure(usecase.name, server, options, model_uri, requests, concurrencies, seconds, workers,
                              Path(folder))
     table = pd.DataFrame(rows)
-    ratios = _ratios(table)
-    tags = {"preset": "serve", "model_uri": model_uri, "workers": str(workers or "per core"),
+    ratios = _ratios(table, *(retrievals[::-1] if retrievals and len(retrievals) == 2 else ("ours", "mlflow")))
+    capacity = capacity_per_core(table, p99_ms, workers)
+    tags = {"preset": "serve", "model_uri": model_uri, "workers": str(workers), "cpu_model": cpu_model(),
             "concurrency": ",".join(map(str, concurrencies))}
     settings = ServeBench(model_uri=model_uri, concurrency=concurrencies, seconds=seconds, workers=workers,
-                          batch_ms=batch_ms)
+                          batch_ms=batch_ms, retrieval=retrievals, p99_ms=p99_ms)
     with tracked_run(f"{usecase.name}-serve", settings, tags, run_name=f"{usecase.name}-serve",
                      description=f"{usecase.name}: its own server against MLflow's scoring server.") as tracker:
         for row in rows:
             tracker.log_metrics({f"serve/{row['server']}/c{row['concurrency']}/{name}": row[name]
                                  for name in ("requests_per_s", "p50_ms", "p99_ms", "errors")})
         tracker.log_metrics({f"serve/ratio/c{level}": ratio for level, ratio in ratios.items()})
+        tracker.log_metrics({f"serve/{server}/capacity_rps_per_core": value for server, value in capacity.items()})
         tracker.log_metrics({f"serve/batch_ratio/c{level}": ratio
                              for level, ratio in _ratios(table, BATCHED, "ours").items()})
         with tempfile.TemporaryDirectory() as out:
@@ -76,8 +90,11 @@ def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seco
             _plot(table, Path(out) / "serve.png")
             mlflow.log_artifacts(out)
     print(table.to_string(index=False), flush=True)
-    print("requests per second, ours over MLflow's: " +
+    over = f"{retrievals[-1]} over {retrievals[0]}" if retrievals and len(retrievals) == 2 else "ours over MLflow's"
+    print(f"requests per second, {over}: " +
           ", ".join(f"{ratio:.1f}x at concurrency {level}" for level, ratio in ratios.items()), flush=True)
+    print(f"capacity at p99 <= {p99_ms:g} ms, requests/s per core ({workers} worker(s), {cpu_model()}): " + ", ".join(
+        f"{server} {value:,.0f}" for server, value in capacity.items()), flush=True)
     if batch_ms is not None:
         print(f"micro-batched ({batch_ms:g} ms) over unbatched: " + ", ".join(
             f"{ratio:.2f}x at concurrency {level}" for level, ratio in _ratios(table, BATCHED, "ours").items()),
@@ -93,7 +110,24 @@ class ServeBench(ConfigModel):
     seconds: float
     workers: int | None
     batch_ms: float | None = None
+    retrieval: list[str] | None = None
+    p99_ms: float = P99_MS
     request_bodies: int = REQUEST_BODIES
+
+
+def capacity_per_core(table: pd.DataFrame, p99_ms: float, workers: int) -> dict[str, float]:
+    """Per server, the most requests per second at a concurrency whose p99 met `p99_ms` without errors, per worker
+    (a worker per core); 0 where none met it."""
+    met = table[(table["p99_ms"] <= p99_ms) & (table["errors"] == 0)]
+    best = met.groupby("server")["requests_per_s"].max()
+    return {server: float(best.get(server, 0.0)) / workers for server in table["server"].unique()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as the runs' tags give it."""
+    from common.runtime.devices import hardware_info
+
+    return hardware_info()["cpu_model"]
 
 
 def _ratios(table: pd.DataFrame, over: str = "ours", under: str = "mlflow") -> dict[int, float]:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from common.config import load_config
-from tests.cli_helpers import assert_rejected, runs, usecases
+from tests.cli_helpers import assert_rejected, runs, user_error, usecases
 from usecases.recsys import USECASE, Config
 from usecases.recsys.data import load_interactions
 
@@ -77,6 +77,37 @@ def test_the_run_times_each_models_phases_and_says_how_they_scale(smoke):
             assert run.data.metrics[f"time/{phase}/{name}_s"] >= 0, (phase, name)
     assert {"foldin/bpr", "foldin/lightgcn"} <= set(scales)  # the fold-in choice, on a sample of the validation users
     assert scales["serving_bundle"] == "serial" and scales["fit/ease"] == scales["replay/ease"] == "device"
+
+
+def test_models_with_item_vectors_are_also_served_by_two_stages_that_keep_the_exact_top_10(smoke, capsys, tmp_path,
+                                                                                           monkeypatch):
+    """Issue 33: each factor and sequence model is indexed (FAISS, its search effort tuned) and its two-stage form
+    ranked beside the exact one; the served model carries its index, `serving.retrieval: auto` serves ann only where
+    exact ranking's measured p95 is above 5 ms, and the server refuses an index of another model in one line."""
+    import faiss
+
+    uri, summary = smoke
+    for name in ("als", "bpr", "lightgcn", "sasrec"):
+        metrics = summary["models"][name]
+        assert metrics["ann_recall@10"] >= 0.95 and metrics["ann_index_mb"] > 0 and metrics["ann_search_effort"] >= 1
+        assert metrics["ann_served_ndcg@10"] == pytest.approx(metrics["served_ndcg@10"], abs=0.01), name
+    (run,) = runs("recsys", uri)
+    served = summary["models"][run.data.tags["served_model"]]
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model").unwrap_python_model()
+    index = model.recommender.index
+    chosen = "ann" if served["exact_latency_p95_ms"] > 5 and index.recall >= index.target else "exact"
+    assert run.data.tags["retrieval"] == chosen == model.recommender.retrieval
+    assert served["latency_p95_ms"] == served[f"{chosen}_latency_p95_ms"]
+    users = np.asarray(model.user_ids[1:60])
+    exact = model.recommender.use_retrieval("exact").top_k(np.arange(1, 60), 10)[0]
+    ann = model.recommender.use_retrieval("ann").top_k(np.arange(1, 60), 10)[0]
+    assert len(users) and np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ann, exact)]) >= 0.95
+    faiss.write_index(faiss.IndexFlatIP(3), str(tmp_path / "other.faiss"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    line = user_error(capsys, "serve", "recsys", "--model-uri", f"runs:/{run.info.run_id}/model", "--ann-index",
+                      str(tmp_path / "other.faiss"), "--port", "1")
+    assert "other.faiss: the index holds 0 vectors of dimension 3, the model" in line and "another model" in line
 
 
 def test_a_log_without_its_user_column_is_one_line(capsys, tmp_path):

@@ -387,14 +387,13 @@ def test_serve_stops_in_one_line_on_a_sqlite_store_it_cannot_use(capsys, monkeyp
 
 
 def test_a_usable_store_passes_the_check_and_keeps_its_events(capsys, monkeypatch, open_folder):
-    """A new file, and a store of earlier events: the server starts (uvicorn is called), the probe of the write
+    """A new file, and a store of earlier events: the server starts (its workers are run), the probe of the write
     check leaves no event behind, and the next append follows the last event."""
-    import uvicorn
-
+    from common.serving import workers
     from tests.cli_helpers import in_process
 
     started = []
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: started.append(args))
+    monkeypatch.setattr(workers, "run_workers", lambda *args, **kwargs: started.append(args))
     kept = sqlite_file(open_folder / "kept.db", events=20)
     for path in (open_folder / "new" / "events.db", kept):
         result = in_process(capsys, "serve", "recsys", "--model-uri", "runs:/0/model", "--events", str(path))

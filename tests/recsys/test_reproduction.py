@@ -45,3 +45,15 @@ def test_the_served_model_recommends_ten_unseen_movies(finished):
     code = int(list(data.user_ids).index(1))
     watched = set(data.item_ids[data.train.loc[data.train["user"] == code, "item"]])
     assert len(answer) == 10 and not watched & set(answer["item_id"]) and answer["title"].str.len().min() > 0
+
+
+def test_two_stage_serving_keeps_the_exact_top_10_and_its_ndcg(finished):
+    """Issue 33: every model with item vectors, served by an HNSW index and exact scoring of its candidates, keeps
+    >= 95 % of the exact top-10 and its served NDCG@10 within 0.005 (both logged in the run)."""
+    models = finished[0]["models"]
+    indexed = [name for name in ("als", "bpr", "lightgcn", "sasrec") if name in models]
+    assert indexed and all("ann_recall@10" in models[name] for name in indexed)
+    for name in indexed:
+        figures = models[name]
+        assert figures["ann_recall@10"] >= 0.95, (name, figures["ann_recall@10"])
+        assert abs(figures["ann_served_ndcg@10"] - figures["served_ndcg@10"]) <= 0.005, name

@@ -1,8 +1,10 @@
 """`usecases serve recsys`: the lean server on the smoke run's logged model, as a user starts it (two uvicorn workers,
-the SQLite event store), spoken to over HTTP in MLflow's scoring protocol and with `POST /events`."""
+the SQLite event store; and a fleet of two servers on one Redis), spoken to over HTTP in MLflow's scoring protocol and
+with `POST /events`."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +18,7 @@ import psutil
 import pytest
 
 from tests.cli_helpers import free_port, runs, stop, wait_until_up
+from tests.recsys.test_events import every_event
 from usecases.recsys.events import SQLiteEventStore
 
 pytestmark = pytest.mark.starts_first(3)  # the default suite's longest files first (tests/conftest.py)
@@ -187,34 +190,157 @@ def test_no_acknowledged_event_is_lost_when_a_worker_is_killed_mid_stream(server
     assert len(workers(process)) == 2 and victim.pid not in {worker.pid for worker in workers(process)}
 
 
-def test_events_go_through_redis_for_servers_on_several_machines(server, redis_url):
-    """One worker on Redis Streams: a posted event is in the user's stream, in the retraining consumer's page, and
-    gone from the user's next list."""
+class Fleet:
+    """Servers on one model and one Redis, as machines behind a load balancer run them: each `--workers 1` in a
+    process group of its own (killed as a whole, as a machine goes down), on a port of its own, its output in a file
+    of `folder`."""
+
+    def __init__(self, run_id: str, uri: str, events: str, folder, size: int = 2):
+        self.run_id, self.uri, self.events, self.folder = run_id, uri, events, folder
+        self.ports: list[int] = []
+        while len(self.ports) < size:
+            port = free_port()
+            if port not in self.ports:
+                self.ports.append(port)
+        self.processes: list[subprocess.Popen | None] = [None] * size
+        self.user = known_user(uri, run_id)
+
+    def start(self, *indices: int) -> None:
+        """Starts these servers at once, then waits until each answers /ping."""
+        for index in indices:
+            with (self.folder / f"server{index}.log").open("a") as log:
+                self.processes[index] = subprocess.Popen(
+                    [sys.executable, "-m", "usecases", "serve", "recsys", "--model-uri", f"runs:/{self.run_id}/model",
+                     "--workers", "1", "--events", self.events, "--port", str(self.ports[index])],
+                    env={**os.environ, "MLFLOW_TRACKING_URI": self.uri}, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True)
+        for index in indices:
+            try:
+                wait_until_up(f"http://127.0.0.1:{self.ports[index]}/ping", self.processes[index], READY_TIMEOUT_S)
+            except (AssertionError, TimeoutError) as error:
+                log = (self.folder / f"server{index}.log").read_text()[-3000:]
+                raise AssertionError(f"server {index}: {error}\n{log}") from None
+
+    def kill(self, index: int) -> None:
+        """SIGKILL to the whole server, as when its machine goes down."""
+        os.killpg(self.processes[index].pid, signal.SIGKILL)
+        self.processes[index].wait(30)
+
+    def stop_all(self) -> None:
+        """SIGTERM to every server first, so that they shut down together, then `stop` each (SIGKILL if it hangs)."""
+        running = [process for process in self.processes if process is not None and process.poll() is None]
+        for process in running:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for process in running:
+            stop(process)
+
+
+@pytest.fixture(scope="module")
+def fleet(smoke_runs, redis_url, tmp_path_factory):
+    """Two servers on the smoke run's model and the session's Redis, emptied first (the retraining consumer would
+    hand back first what earlier tests left pending)."""
     from usecases.recsys.events import open_event_store
 
-    _, _, _, run_id, uri = server
-    user = known_user(uri, run_id)
-    emptied = open_event_store(redis_url)  # the retraining consumer hands back what earlier tests left pending first
+    smoke = smoke_runs("recsys")
+    (run,) = runs("recsys", smoke.uri)
+    emptied = open_event_store(redis_url)
     emptied.client.flushdb()
     emptied.close()
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "usecases", "serve", "recsys", "--model-uri",
-                                f"runs:/{run_id}/model", "--workers", "1", "--events", redis_url, "--port", str(port)],
-                               env={**os.environ, "MLFLOW_TRACKING_URI": uri}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    servers = Fleet(run.info.run_id, smoke.uri, redis_url, tmp_path_factory.mktemp("fleet"))
     try:
-        wait_until_up(f"http://127.0.0.1:{port}/ping", process, READY_TIMEOUT_S)
-        top = call(port, "/invocations", {"dataframe_records": [{"user_id": user}]})[1]["predictions"][0]["item_id"]
-        assert call(port, "/events", {"user_id": user, "item_id": top})[1] == {"recorded": 1}
-        after = call(port, "/invocations", {"dataframe_records": [{"user_id": user}]})[1]["predictions"]
-        assert top not in [row["item_id"] for row in after]
-        store = open_event_store(redis_url)
-        assert store.recent(user, 5)[-1] == str(top)
-        events, _ = store.read_since("0", 100_000)
-        assert (str(user), str(top)) in {(event.user_id, event.item_id) for event in events}
-        store.close()
+        servers.start(0, 1)
+        yield servers
     finally:
-        stop(process)
+        servers.stop_all()
+
+
+def listed(port: int, user) -> list:
+    """The item ids of the user's top 5 from the server on `port`."""
+    status, answer = call(port, "/invocations", {"dataframe_records": [{"user_id": user}], "params": {"k": 5}})
+    assert status == 200, answer
+    return [row["item_id"] for row in answer["predictions"]]
+
+
+def test_an_event_posted_to_one_server_of_a_fleet_changes_the_answer_of_another(fleet):
+    """Several servers, one state: an event acknowledged by the first server is gone from the second's next list at
+    once (no retry: the acknowledgement comes after the write to Redis, which every server reads), and is in the
+    user's stream and in the retraining consumer's page."""
+    from usecases.recsys.events import open_event_store
+
+    first, second = fleet.ports
+    user = fleet.user
+    top = listed(first, user)[0]
+    assert listed(second, user)[0] == top  # the same model, the same events
+    assert call(first, "/events", {"user_id": user, "item_id": top}) == (200, {"recorded": 1})
+    assert top not in listed(second, user)
+    assert top not in listed(first, user)
+    store = open_event_store(fleet.events)
+    try:
+        assert store.recent(user, 5)[-1] == str(top)
+        assert (str(user), str(top)) in {(event.user_id, event.item_id) for event in every_event(store)}
+    finally:
+        store.close()
+
+
+def test_a_fleet_loses_no_acknowledged_event_when_a_server_is_killed_and_the_restarted_one_rejoins(fleet):
+    """Clients stream events to both servers; one server is killed whole (SIGKILL to its process group) mid-stream.
+    The other keeps answering, every event either acknowledged is in Redis, and the killed one, restarted on its
+    port, answers with the events posted to the other since."""
+    import http.client
+
+    from usecases.recsys.events import open_event_store
+
+    acknowledged: list[list[str]] = [[] for _ in fleet.ports]  # per server, the item ids it acknowledged
+    finished = threading.Event()
+
+    def stream(server: int, name: str):
+        sequence = 0
+        while not finished.is_set():
+            sequence += 1
+            try:
+                status, _ = call(fleet.ports[server], "/events", {"user_id": "fleet-streamer",
+                                                                   "item_id": f"{name}-{sequence}"})
+            except (OSError, http.client.HTTPException):  # the killed server: not acknowledged, a client retries
+                time.sleep(0.05)  # elsewhere; no busy loop on refused connections
+                continue
+            if status == 200:
+                acknowledged[server].append(f"{name}-{sequence}")
+
+    def reach(server: int, count: int) -> None:  # by count, not by time: a loaded CI machine answers slowly
+        deadline = time.monotonic() + 60
+        while len(acknowledged[server]) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(acknowledged[server]) >= count, f"server {server}: {len(acknowledged[server])} acknowledged"
+
+    threads = [threading.Thread(target=stream, args=(index % 2, f"s{index % 2}t{index}")) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        reach(0, 20)
+        reach(1, 20)
+        fleet.kill(0)
+        reach(1, len(acknowledged[1]) + 20)  # the survivor keeps acknowledging
+        assert listed(fleet.ports[1], fleet.user)
+    finally:
+        finished.set()
+        for thread in threads:
+            thread.join(60)
+    store = open_event_store(fleet.events)
+    try:
+        stored = {event.item_id for event in every_event(store) if event.user_id == "fleet-streamer"}
+    finally:
+        store.close()
+    for server, items in enumerate(acknowledged):
+        missing = set(items) - stored
+        assert not missing, f"server {server}: {len(missing)} of {len(items)} acknowledged events not in Redis"
+
+    fleet.start(0)  # on its port again: it rejoins with what the survivor recorded meanwhile
+    top = listed(fleet.ports[0], fleet.user)[0]
+    assert call(fleet.ports[1], "/events", {"user_id": fleet.user, "item_id": top}) == (200, {"recorded": 1})
+    assert top not in listed(fleet.ports[0], fleet.user)
 
 
 async def asgi_post(app, path: str, body) -> tuple[int, dict | list | str]:
@@ -279,7 +405,7 @@ def test_serving_options_a_machine_cannot_honour_are_one_line(capsys):
     line = user_error(capsys, "serve", "recsys", "--model-uri", "runs:/0/model", "--batch-ms", "-1")
     assert line == "error: --batch-ms must be at least 0, got -1"
     line = user_error(capsys, "serve", "recsys", "--model-uri", "runs:/0/model", "--mlflow", "--batch-ms", "2")
-    assert "--batch-ms need the use case's own server" in line
+    assert "--batch-ms, --retrieval and --ann-index need the use case's own server" in line
     if not torch.cuda.is_available():
         line = user_error(capsys, "serve", "recsys", "--model-uri", "runs:/0/model", "--device", "cuda")
         assert line.startswith("error: --device cuda: no CUDA GPU is visible")

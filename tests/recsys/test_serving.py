@@ -14,7 +14,8 @@ from usecases.recsys.baselines import EASE, ItemKNN, Popularity
 from usecases.recsys.data import load_interactions
 from usecases.recsys.pipeline import served_form, serving_bundle
 from common.serving.bundle import load_bundle, save_bundle
-from usecases.recsys.serving import Recommender, RecommenderModel, latency
+from usecases.recsys.publish import latency
+from usecases.recsys.serving import Recommender, RecommenderModel
 
 
 def bundle(kind="factors"):
@@ -65,7 +66,7 @@ def test_latency_times_one_user_requests_and_one_batch_through_predict(monkeypat
     """On a scripted clock: the single requests take 1..5 ms, the batch 2 s; the figures are theirs."""
     from types import SimpleNamespace
 
-    from usecases.recsys import serving
+    from usecases.recsys import publish
 
     model, now, requests = served("factors"), [0.0], []
     answer = model.predict
@@ -76,11 +77,11 @@ def test_latency_times_one_user_requests_and_one_batch_through_predict(monkeypat
         return answer(context, frame)
 
     monkeypatch.setattr(model, "predict", timed_predict)
-    monkeypatch.setattr(serving, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(publish, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     figures = latency(model, np.array([100, 200]), single=5)
-    assert requests == [1] * 5 + [serving.LATENCY_BATCH]
+    assert requests == [1] * 5 + [publish.LATENCY_BATCH]
     assert figures["latency_p50_ms"] == pytest.approx(3.0) and figures["latency_p95_ms"] == pytest.approx(4.8)
-    assert figures["batch_users_per_s"] == pytest.approx(serving.LATENCY_BATCH / 2.0)
+    assert figures["batch_users_per_s"] == pytest.approx(publish.LATENCY_BATCH / 2.0)
 
 
 @pytest.mark.parametrize("kind", ["factors", "item_item", "popularity"])

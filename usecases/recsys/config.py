@@ -131,8 +131,31 @@ class FoldInConfig(ConfigModel):
     max_events: int = Field(200, ge=1, description="the newest events of a user folded in")
 
 
+class ANN(ConfigModel):
+    """The first stage of two-stage serving for factor and sequence models: a FAISS index over the item vectors
+    retrieves `candidates` items per request, scored exactly, the best k served."""
+
+    index: str = Field("auto", description="a FAISS index_factory string on the inner product (HNSW32, "
+                                           "'IVF4096,Flat', 'HNSW32,SQ8'), or auto: an inverted file and "
+                                           "HNSW32 both built and tuned, the faster at target_recall served")
+    candidates: int = Field(50, ge=1, description="items retrieved per request and scored exactly (at least k)")
+    target_recall: float = Field(0.99, gt=0, le=1, description="the search effort (efSearch, nprobe) is the least "
+                                                               "whose top-10 holds this share of the exact top-10 "
+                                                               "on tune_users sampled users' vectors")
+    tune_users: int = Field(256, ge=8, description="users whose vectors tune the search effort (no labels read)")
+    recall_users: int = Field(1000, ge=1, description="test users on whom the ANN top-10 is compared with the "
+                                                      "exact top-10 (ann_recall@10)")
+    auto_above_ms: float = Field(5.0, gt=0, description="retrieval auto serves ann where exact ranking's p95 per "
+                                                        "request, measured in the run, is above this")
+
+
 class Serving(ConfigModel):
     k: int = Field(10, ge=1)
+    retrieval: Literal["exact", "ann", "auto"] = Field(
+        "auto", description="factor and sequence models: rank every item (exact), retrieve candidates from an ANN "
+                            "index and score them (ann), or auto: ann where exact's measured p95 per request is "
+                            "above ann.auto_above_ms; item-item models and popularity are always exact")
+    ann: ANN = ANN()
     select_by: Literal["val_ndcg", "val_replay"] = Field(
         "val_ndcg", description="the model served: the best validation NDCG@10 (frozen), or the best next-event "
                                 "NDCG@10 of the validation period's replay with its events folded in (what a "

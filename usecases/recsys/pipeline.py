@@ -36,8 +36,10 @@ from .foldin import FoldIn
 from .models import LightGCN, PairwiseRanker
 from .movielens import movielens_files, movielens_folder, movielens_format
 from .replay import replay
+from .retrieval import KINDS, ann_figures, build_index
 from .sasrec import SequenceScorer, fit_sasrec, sequences_by_user, served_sequence_form
-from .serving import Recommender, log_recommender
+from .publish import log_recommender
+from .serving import Recommender
 from .train import fit_ranker, seconds_per_epoch
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,10 @@ LEARNED = ("bpr", "lightgcn")
 def load_data(config: Config, path: Path | None, client=None) -> tuple[Interactions, dict[str, str]]:
     """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
     `client`, on its cluster."""
+    if path is None and config.data.source == "synthetic":  # before drawing a log too large to hold
+        check_memory(config, config.data.synthetic.users + 1, config.data.synthetic.items + 1, "data.synthetic")
     data = load_interactions(config, path, client)
+    check_memory(config, data.n_users, data.n_items, str(path or data.source))
     if data.n_items - 1 < max(config.evaluation.ks):
         raise UserError(f"{path or data.source}: evaluation.ks asks for the top {max(config.evaluation.ks)} of a "
                         f"catalogue of {data.n_items - 1} items (set evaluation.ks to K values up to that)")
@@ -59,6 +64,41 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[Interacti
                   "data_bytes": log_bytes(config, path, samples), "data_samples": samples,
                   **({"data_path": str(path)} if path else {}),
                   "data_schema": "user_id:string,item_id:string,rating:double,timestamp:long"}
+
+
+TABLE_COPIES = 4  # an embedding table, its gradient and Adam's two moments
+SCORE_COPIES = 3  # a batch's scores, their masked copy and top-k's work
+
+
+def memory_needed(config: Config, users: int, items: int) -> dict[str, float]:
+    """Bytes the largest parts of a run hold at once, from the catalogue's size: each learned model's tables while
+    it trains, a batch of full-ranking scores, the ANN index over the item vectors."""
+    parts = {}
+    for name in ("bpr", "lightgcn", "sasrec"):
+        if name in config.models:
+            rows = items if name == "sasrec" else users + items
+            parts[f"{name}'s embedding tables"] = rows * getattr(config, name).dim * 4 * TABLE_COPIES
+    if "als" in config.models:
+        parts["als's factors"] = (users + items) * config.als.factors * 4 * 2
+    parts["a batch of full-ranking scores (evaluation.batch_users)"] = \
+        config.evaluation.batch_users * items * 4 * SCORE_COPIES
+    if config.serving.retrieval != "exact":
+        dims = [getattr(config, name).dim for name in ("bpr", "lightgcn", "sasrec") if name in config.models]
+        parts["the ANN index"] = items * (max(dims, default=0) + 64) * 4  # vectors and HNSW's links
+    return parts
+
+
+def check_memory(config: Config, users: int, items: int, where: str) -> None:
+    """One line, before anything is trained, where the catalogue's largest part would not fit the memory free."""
+    import psutil
+
+    parts = memory_needed(config, users, items)
+    largest = max(parts, key=parts.get)
+    free = psutil.virtual_memory().available
+    if parts[largest] > free:
+        raise UserError(f"{where}: a catalogue of {items - 1:,} items is too large for this machine's memory: "
+                        f"{largest} alone take {parts[largest] / 2**30:,.1f} GB, {free / 2**30:,.1f} GB are free "
+                        f"(fewer items, a smaller dim or evaluation.batch_users, or a larger machine)")
 
 
 INTERACTION_BYTES = 32  # a row of the split frames: user, item and timestamp as int64, rating as float64
@@ -132,7 +172,7 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
     validation_period = data.val if data.val_events is None else data.val_events  # with the users first seen there
     seen_before_test = (train + data.matrix("val" if data.val_events is None else "val_events")).sign().tocsr()
     untrained = untrained_truth(data, seen_before_test, config)
-    models, forms, validation = {}, {}, {}
+    models, forms, validation, indices = {}, {}, {}, {}
     if data.prepare_seconds is not None:
         job.tracker.log_metrics({"time/preprocess_s": data.prepare_seconds})
 
@@ -171,6 +211,14 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
             for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
                 served[cut] = served.get(cut) or Recommender(bundle_at(forms[name], data, config, cuts[cut]))
                 models[name][key] = ranking(served[cut], test, seen_before_test, config.evaluation.ks)["ndcg@10"]
+        if forms[name]["kind"] in KINDS and config.serving.retrieval != "exact" and runtime.is_main:
+            with job.phase(f"index/{name}", "cores"):
+                indices[name] = build_index(served[evaluated], config)
+            job.tracker.set_tags({f"ann_index/{name}": indices[name].spec})
+            with job.phase(f"evaluate/{name}"):
+                models[name].update(ann_figures(
+                    served[evaluated], indices[name], test, config,
+                    lambda scorer: ranking(scorer, test, seen_before_test, config.evaluation.ks)))
         if untrained is not None and runtime.is_main:  # by the fold-in served, which rank 0 alone chooses
             as_served = served["test"]
             models[name]["served_untrained_ndcg@10"] = full_ranking(
@@ -194,8 +242,11 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
         return RunResult({})
     best = served_choice(models, validation, config)
     job.tracker.set_tags({"served_model": best})
+    bundle = bundle_at(forms[best], data, config, cuts["known"])
+    if best in indices:
+        bundle["ann"] = indices[best].stored()
     with job.phase("serving_bundle", "serial"):
-        figures, served = log_recommender(bundle_at(forms[best], data, config, cuts["known"]), best, job)
+        figures, served = log_recommender(bundle, best, job, config.serving.retrieval, config.serving.ann.auto_above_ms)
     models[best].update(figures)
     return RunResult(models, served)
 
@@ -345,4 +396,4 @@ def serving_bundle(form: dict, data: Interactions, config: Config, history: sp.c
             "trained": torch.from_numpy(np.diff(data.matrix("train").indptr) > 0),
             "user_ids": data.user_ids, "item_ids": data.item_ids, "titles": data.titles,
             "k": config.serving.k, "latency_users": config.serving.latency_users,
-            "max_events": config.serving.foldin.max_events}
+            "max_events": config.serving.foldin.max_events, "ann_candidates": config.serving.ann.candidates}

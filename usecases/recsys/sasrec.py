@@ -160,6 +160,16 @@ class SequenceScorer:
         sequences = self.user_sequences[users.to(self.device)]
         return self.network.scores(self.network.last_hidden(sequences)).float()
 
+    @torch.no_grad()
+    def hidden_states(self, users: torch.Tensor) -> torch.Tensor:
+        """(B, dim) last hidden states of user codes' sequences: the query vectors two-stage serving retrieves by."""
+        return self.network.last_hidden(self.user_sequences[users.to(self.device)]).float()
+
+    @torch.no_grad()
+    def sequence_states(self, sequences: Sequence[np.ndarray]) -> torch.Tensor:
+        """`hidden_states` of item-code sequences (a user's history and fresh events, newest last)."""
+        return self.network.last_hidden(left_padded(sequences, self.max_len).to(self.device)).float()
+
     def score_sequences(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
         """(len(sequences), n_items) float32 scores, each from the sequence's last `max_len` known items; a sequence
         with no known item scores every item 0 (nothing to go on: the caller falls back to popularity)."""

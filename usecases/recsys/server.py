@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,8 @@ MODEL_VARIABLE = "USECASES_SERVE_MODEL_URI"  # how the supervisor tells each wor
 EVENTS_VARIABLE = "USECASES_SERVE_EVENTS"
 DEVICE_VARIABLE = "USECASES_SERVE_DEVICE"
 BATCH_VARIABLE = "USECASES_SERVE_BATCH_MS"
+RETRIEVAL_VARIABLE = "USECASES_SERVE_RETRIEVAL"
+INDEX_VARIABLE = "USECASES_SERVE_ANN_INDEX"
 GPU_BATCH_MS = 2.0  # the queueing a request may spend waiting for others on a GPU
 JSON = "application/json"
 
@@ -149,7 +152,6 @@ def _error(status: int, code: str, line: str) -> Response:
 
 def app_from_environment() -> Starlette:
     """Each uvicorn worker's app: the model and event store the supervisor named in the environment."""
-    import mlflow
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -157,16 +159,41 @@ def app_from_environment() -> Starlette:
     threadpool_limits(1)  # NumPy's BLAS too: a one-user product on two threads of a busy machine took 7.7 ms, not 0.1
     from common.runtime.devices import select_device
 
-    loaded = mlflow.pyfunc.load_model(os.environ[MODEL_VARIABLE])
-    model = loaded.unwrap_python_model()
-    if not isinstance(model, RecommenderModel):
-        raise UserError(f"{os.environ[MODEL_VARIABLE]} is not a recsys model (it holds {type(model).__name__})")
+    model = loaded_recommender(os.environ[MODEL_VARIABLE])
     device = select_device(os.environ.get(DEVICE_VARIABLE, "auto"))
     model.recommender.to(device)
+    with_retrieval(model, os.environ.get(RETRIEVAL_VARIABLE), os.environ.get(INDEX_VARIABLE))
     batch_ms = os.environ.get(BATCH_VARIABLE)
     events = os.environ.get(EVENTS_VARIABLE)
     return create_app(model, open_event_store(events) if events else None,
                       float(batch_ms) if batch_ms else GPU_BATCH_MS if device.type != "cpu" else 0.0)
+
+
+def loaded_recommender(model_uri: str) -> RecommenderModel:
+    import mlflow
+
+    model = mlflow.pyfunc.load_model(model_uri).unwrap_python_model()
+    if not isinstance(model, RecommenderModel):
+        raise UserError(f"{model_uri} is not a recsys model (it holds {type(model).__name__})")
+    return model
+
+
+def with_retrieval(model: RecommenderModel, retrieval: str | None, index: str | None) -> RecommenderModel:
+    """The model serving by `retrieval` (None: as logged), with the FAISS index file `index` where given (two
+    stages)."""
+    if index:
+        from common.serving.ann import VectorIndex, faiss_module
+
+        faiss_module().omp_set_num_threads(1)
+        loaded = VectorIndex.read(index, model.recommender.item_vectors())
+        model.recommender.use_retrieval(retrieval or "ann", loaded)
+    elif retrieval:
+        model.recommender.use_retrieval(retrieval)
+    if model.recommender.two_stage is not None:
+        from common.serving.ann import faiss_module
+
+        faiss_module().omp_set_num_threads(1)  # one worker per core, as torch's threads
+    return model
 
 
 def bench_requests(loaded, count: int, seed: int) -> list[dict]:
@@ -198,13 +225,13 @@ def default_events(tracking_uri: str) -> str:
 
 
 def serve(model_uri: str, host: str, port: int, workers: int, events: str | None, device: str = "auto",
-          batch_ms: float | None = None, announce: str | None = None) -> int:
+          batch_ms: float | None = None, announce: str | None = None, retrieval: str | None = None,
+          ann_index: str | Path | None = None) -> int:
     """Run uvicorn with `workers` processes, each loading `model_uri` on `device`; concurrent requests are
     micro-batched for `batch_ms` (None: 2 ms on a GPU, off on the CPU); `announce` is printed once the store and the
     device are checked, before the port is bound; returns when it stops."""
-    import uvicorn
-
     from common.runtime.devices import select_device
+    from common.serving.workers import run_workers
 
     if events:  # a store that cannot be used is one line now, before the port is bound, not a 500 per request
         store = open_event_store(events)
@@ -215,14 +242,22 @@ def serve(model_uri: str, host: str, port: int, workers: int, events: str | None
     if batch_ms is not None and batch_ms < 0:
         raise UserError(f"--batch-ms must be at least 0, got {batch_ms:g}")
     select_device(device)  # a device this machine lacks is one line now
+    if retrieval or ann_index:  # a mode or an index the model cannot serve is one line now, not in every worker
+        path, modules = list(sys.path), dict(sys.modules)
+        try:
+            with_retrieval(loaded_recommender(model_uri), retrieval, str(ann_index) if ann_index else None)
+        finally:  # the model's copy of the code goes first on sys.path when it loads: the workers import this tree's
+            sys.path[:] = path
+            sys.modules.clear()
+            sys.modules.update(modules)
     settings = {MODEL_VARIABLE: model_uri, EVENTS_VARIABLE: events, DEVICE_VARIABLE: device,
-                BATCH_VARIABLE: None if batch_ms is None else str(batch_ms)}
+                BATCH_VARIABLE: None if batch_ms is None else str(batch_ms), RETRIEVAL_VARIABLE: retrieval,
+                INDEX_VARIABLE: str(ann_index) if ann_index else None}
     for name, value in settings.items():
         os.environ.pop(name, None)
         if value is not None:
             os.environ[name] = value
     if announce:
         print(announce, flush=True)
-    uvicorn.run(f"{__name__}:app_from_environment", factory=True, host=host, port=port, workers=workers,
-                log_level="warning", access_log=False)
+    run_workers(f"{__name__}:app_from_environment", host, port, workers, log_level="warning", access_log=False)
     return 0

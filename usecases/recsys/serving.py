@@ -16,8 +16,6 @@ most popular items unseen by them (under a factor form logged without fold-in, e
 from __future__ import annotations
 
 import threading
-import time
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,17 +23,17 @@ import pandas as pd
 import scipy.sparse as sp
 import torch
 
-from common.serving.pyfunc import ServedModel, log_served
-from common.usecase import Served
+from common.errors import UserError
+from common.serving.ann import VectorIndex
+from common.serving.pyfunc import ServedModel
 from .data import UNKNOWN
 from .evaluate import csr_tensor, top_k
 from .foldin import FactorFoldIn, FoldIn, excluded_items, item_item_scores, merged_history
 from .requests import UserRequest, parse_rows, requested_k
+from .retrieval import KINDS, TwoStage
 
-LATENCY_BATCH = 1000
 DEFAULT_MAX_EVENTS = 200
 KNOWN_CACHE_BYTES = 64 * 2**20  # item-item scores of the known histories of the last users served
-EXAMPLE_TIME = 1_700_000_000  # the logged example's recent events: 2023-11-14, seconds since the epoch
 
 
 class Recommender:
@@ -75,6 +73,82 @@ class Recommender:
         self._known_cache: dict[int, np.ndarray] = {}
         self._known_lock = threading.Lock()
         self._known_cache_size = max(1, KNOWN_CACHE_BYTES // (4 * self.history.shape[1]))
+        self.two_stage: TwoStage | None = None
+        self.index = None if bundle.get("ann") is None else \
+            VectorIndex.from_stored(bundle["ann"], self.item_vectors(), "the model's ANN index")
+        self.candidates = int(bundle.get("ann_candidates", 50))
+        self.use_retrieval(bundle.get("retrieval", "exact"))
+
+    def use_retrieval(self, mode: str, index: VectorIndex | None = None) -> Recommender:
+        """Serve by ranking every item (`exact`) or by two stages (`ann`: candidates from `index`, else the
+        bundle's, scored exactly); a form without item vectors, or without an index, is refused in one line."""
+        if mode not in ("exact", "ann"):
+            raise UserError(f"retrieval must be exact or ann, got {mode!r}")
+        if index is not None:
+            self.index = index
+        if mode == "exact":
+            self.two_stage = None
+        elif self.index is None:
+            raise UserError(f"this model ({self.kind}) has no ANN index: it is served exact"
+                            + ("" if self.kind in KINDS else " (only factor and sequence models have item vectors)"))
+        else:
+            self.two_stage = TwoStage(self.index, self.item_vectors(), self.popularity.numpy(), self.candidates)
+        return self
+
+    @property
+    def retrieval(self) -> str:
+        return "exact" if self.two_stage is None else "ann"
+
+    def item_vectors(self) -> np.ndarray:
+        """(items, dim) float32: what a user's query vector is multiplied by (factor and sequence forms)."""
+        if self.kind == "factors":
+            return self.item_table
+        if self.kind == "sequence":
+            return np.ascontiguousarray(self.sequences.network.items.weight.detach().float().cpu().numpy())
+        raise UserError(f"a {self.kind} model has no item vectors to index (serving.retrieval applies to factor "
+                        f"and sequence models)")
+
+    def query_vectors(self, users: np.ndarray) -> np.ndarray:
+        """(B, dim) float32 vectors of users with trained rows (or a sequence), as served without events; under a
+        factor form with a fold-in, then the vectors their histories fold into from zero (what a user's events
+        make of a query: (2B, dim))."""
+        if self.kind == "sequence":
+            return self.sequences.hidden_states(torch.from_numpy(users)).cpu().numpy()
+        vectors = np.ascontiguousarray(_numpy(self.users)[users], np.float32)
+        if self.foldin is None:
+            return vectors
+        histories = [merged_history(self._row(self.history, user), max_length=self.max_events) for user in users]
+        folded = self.foldin.users(histories, np.zeros((len(users), self.starts.shape[1]), np.float32))
+        return np.concatenate([vectors, np.asarray(folded, np.float32)])
+
+    def excluded(self, user: int) -> np.ndarray:
+        """The items never served back to the user without events: their seen items and the unknown item."""
+        return excluded_items(self._row(self.seen, user))
+
+    def _query(self, user: int, events: np.ndarray) -> np.ndarray | None:
+        """The user's vector with their events (as `_scores` ranks by it), or None where popularity serves them."""
+        fresh = (events != UNKNOWN).any()
+        if self.kind == "factors":
+            if fresh and self.foldin is not None:
+                history = merged_history(self._row(self.history, user), events, max_length=self.max_events)
+                start = self.starts[user:user + 1] if self.has_rows[user] else np.zeros((1, self.starts.shape[1]))
+                return np.asarray(self.foldin.users([history], start)[0], np.float32)
+            return None if self.cold[user] else np.asarray(_numpy(self.users)[user], np.float32)
+        own = self.sequences.user_sequences[user].numpy()
+        sequence = np.concatenate([own[own != UNKNOWN], events]) if fresh else own[own != UNKNOWN]
+        if not (sequence != UNKNOWN).any() or (not fresh and self.cold[user]):
+            return None
+        return self.sequences.sequence_states([sequence]).cpu().numpy()[0]
+
+    def _two_stage_top_k(self, users: np.ndarray, events: Sequence[np.ndarray] | None, k: int) \
+            -> tuple[np.ndarray, np.ndarray]:
+        """(B, k) item codes and scores of two-stage serving, -inf (and item 0) where fewer items are unseen."""
+        count = min(k, self.seen.shape[1] - 1)
+        items, scores = np.zeros((len(users), count), np.int64), np.full((len(users), count), -np.inf, np.float32)
+        for row, user in enumerate(users.tolist()):
+            best, values = self.recommend(user, np.zeros(0, np.int64) if events is None else events[row], count)
+            items[row, :len(best)], scores[row, :len(best)] = best, values
+        return items, scores
 
     def _fold_in_known_histories(self) -> None:
         """Users with a known history but no trained rows (first seen after the training cut) get the vector the
@@ -93,6 +167,10 @@ class Recommender:
 
     def score(self, users: torch.Tensor) -> torch.Tensor:
         codes = users.cpu().numpy()
+        if self.two_stage is not None:  # what two stages serve: their candidates' exact scores, -inf elsewhere
+            queries = [self._query(user, np.zeros(0, np.int64)) for user in codes.tolist()]
+            excludes = [self.excluded(user) for user in codes.tolist()]
+            return self.two_stage.dense_scores(queries, excludes, self.history.shape[1], 0).to(users.device)
         if self.kind == "factors":
             scores = self.users[users.cpu()] @ self.items.T
         elif self.kind == "item_item":
@@ -106,6 +184,8 @@ class Recommender:
 
     def top_k(self, users: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Item codes and scores, best first, the user's seen items and the unknown item left out."""
+        if self.two_stage is not None:
+            return self._two_stage_top_k(np.asarray(users, np.int64), None, k)
         items, scores = top_k(self, torch.from_numpy(users), self.seen, min(k, self.seen.shape[1] - 1),
                               torch.device("cpu"))
         return items.numpy(), scores.numpy()
@@ -114,6 +194,8 @@ class Recommender:
         """One user's top k (item codes, scores; fewer where fewer items are unseen) given their recent item codes,
         oldest first: numpy only, the serving hot path."""
         exclude = excluded_items(self._row(self.seen, user), events)
+        if self.two_stage is not None:
+            return self.two_stage.recommend(self._query(user, events), exclude, k)
         scores = self._scores(user, events)
         scores[exclude] = -np.inf
         count = min(k, len(scores) - len(exclude))
@@ -137,7 +219,10 @@ class Recommender:
     def recommend_batch(self, users: np.ndarray, events: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray,
                                                                                                 np.ndarray]]:
         """Each user's top k (item codes, scores) given their recent item codes, as `recommend` gives them, scored
-        together on `self.device`: one product and one top-k for a micro-batch of concurrent requests."""
+        together on `self.device`: one product and one top-k for a micro-batch of concurrent requests (two-stage
+        serving: one search per row, on the CPU)."""
+        if self.two_stage is not None:
+            return [self.recommend(int(user), np.asarray(row, np.int64), k) for user, row in zip(users, events)]
         best, best_scores = self.top_k_batch(users, events, k)
         return [(items[np.isfinite(values)], values[np.isfinite(values)]) for items, values in zip(best, best_scores)]
 
@@ -321,7 +406,7 @@ class RecommenderModel(ServedModel):
         codes = [np.asarray([self.item_codes.get(str(item), UNKNOWN) for item in row], np.int64) for row in events]
         users = np.asarray([self.user_codes.get(str(row.user_id), UNKNOWN) for row in rows], np.int64)
         unknown = [int((row == UNKNOWN).sum()) for row in codes]
-        if self.recommender.device.type != "cpu":
+        if self.recommender.device.type != "cpu" and self.recommender.two_stage is None:
             return [(*answer, count) for answer, count in zip(self.recommender.recommend_batch(users, codes, k),
                                                                unknown)]
         answers: list = [None] * len(rows)
@@ -337,10 +422,10 @@ class RecommenderModel(ServedModel):
         return [(*answer, count) for answer, count in zip(answers, unknown)]
 
     def _records(self, user_id, items: np.ndarray, scores: np.ndarray, unknown: int) -> list[dict]:
-        user_id = _plain(user_id)
+        user_id = python_value(user_id)
         records = []
         for rank, (item, score) in enumerate(zip(items.tolist(), scores.tolist()), start=1):
-            record = {"user_id": user_id, "rank": rank, "item_id": _plain(self.item_ids[item]), "score": score,
+            record = {"user_id": user_id, "rank": rank, "item_id": python_value(self.item_ids[item]), "score": score,
                       "unknown_recent_items": unknown}
             if self.titles is not None:
                 record["title"] = str(self.titles[item])
@@ -362,47 +447,6 @@ def _cut(answer: tuple, k: int) -> tuple:
     return items[:k], scores[:k], unknown
 
 
-def _plain(value):
+def python_value(value):
+    """A NumPy scalar as the Python value JSON and MLflow take."""
     return value.item() if isinstance(value, np.generic) else value
-
-
-def latency(model: RecommenderModel, users: np.ndarray, single: int) -> dict[str, float]:
-    """p50 and p95 of one-user requests, and users per second in batches, through the pyfunc's own predict."""
-    rng = np.random.default_rng(0)
-    timings = []
-    for user in rng.choice(users, size=single):
-        started = time.perf_counter()
-        model.predict(None, pd.DataFrame({"user_id": [user]}))
-        timings.append(time.perf_counter() - started)
-    batch = rng.choice(users, size=LATENCY_BATCH)
-    started = time.perf_counter()
-    model.predict(None, pd.DataFrame({"user_id": batch}))
-    batch_seconds = time.perf_counter() - started
-    return {"latency_p50_ms": float(np.percentile(timings, 50) * 1000),
-            "latency_p95_ms": float(np.percentile(timings, 95) * 1000),
-            "batch_users_per_s": LATENCY_BATCH / batch_seconds}
-
-
-def request_example(bundle: dict, users: np.ndarray) -> pd.DataFrame:
-    """Two known users, the second with two recent items (the most popular, oldest first): the logged input
-    example, whose columns and types the signature is inferred from."""
-    popular = np.argsort(-np.asarray(bundle["popularity"]), kind="stable")[:2]
-    recent = [_plain(bundle["item_ids"][code]) for code in popular if code != UNKNOWN][:2]
-    return pd.DataFrame({"user_id": users, "k": [bundle["k"]] * len(users),
-                         "recent_items": [recent[:1], recent],
-                         "recent_timestamps": [[EXAMPLE_TIME], [EXAMPLE_TIME, EXAMPLE_TIME + 60]][:len(users)]})
-
-
-def log_recommender(bundle: dict, model_name: str, job) -> tuple[dict[str, float], Served | None]:
-    """Log the served form of the best model as `model`; its latency figures, and what was logged."""
-    served = RecommenderModel.from_bundle(bundle)  # timed and scored as it will be loaded
-    known = np.asarray(bundle["user_ids"][1:])
-    figures = latency(served, known, bundle["latency_users"])
-    example = request_example(bundle, known[:2])
-    with warnings.catch_warnings():  # ids are never missing: MLflow's advice on integer columns does not apply
-        warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
-        logged = log_served(served, bundle, example, job.tracker, name=model_name, package=__package__,
-                            requirements=["torch", "numpy", "pandas", "scipy", "mlflow"],
-                            optional_inputs=("k", "recent_items", "recent_timestamps"), params={"k": bundle["k"]},
-                            metadata={"model": model_name, "kind": bundle["kind"]})
-    return figures, logged
