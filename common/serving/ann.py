@@ -212,7 +212,8 @@ class VectorIndex:
         try:
             index = faiss.read_index(str(path))
         except RuntimeError as error:
-            raise UserError(f"{path}: not a FAISS index ({str(error).strip().splitlines()[-1][:100]})") from None
+            reason = str(error).strip().splitlines()[-1].split(" failed: ")[-1]  # FAISS's words, not its C++ frame
+            raise UserError(f"{path}: not a FAISS index ({reason[:100]})") from None
         loaded = cls(index, spec, vectors_digest(vectors))
         loaded.check(vectors, str(path), None)
         return loaded
