@@ -43,6 +43,8 @@ SKIPPED = [
      "points at a tracking server; the commands after it run against the test's store"),
     (r"--preset (default|full|scale|gapped|medmnist-recipe)\b|--scale\b|usecases bench\b",
      "a run of minutes to hours (the default presets: `make demo`; scale and bench: the slow tests)"),
+    (r"usecases advise \w+ --serve\b", "sized from a serving bench, which is skipped above (tests/recsys/"
+                                        "test_million.py sizes the fleet so from a real one)"),
     (r"torchrun", "several processes or machines (tests/*/test_ddp.py run the smoke presets so)"),
     (r"pip install", "needs the network"),
     (r"\bdocker\b|\$EDITOR|mlflow/\.env", "the production server in Docker"),

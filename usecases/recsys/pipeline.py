@@ -218,7 +218,8 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
             with job.phase(f"evaluate/{name}"):
                 models[name].update(ann_figures(
                     served[evaluated], indices[name], test, config,
-                    lambda scorer: ranking(scorer, test, seen_before_test, config.evaluation.ks)))
+                    lambda scorer: full_ranking(scorer, test, seen_before_test, config.evaluation.ks, runtime.device,
+                                                config.evaluation.batch_users)))  # rank 0 alone: no collective
         if untrained is not None and runtime.is_main:  # by the fold-in served, which rank 0 alone chooses
             as_served = served["test"]
             models[name]["served_untrained_ndcg@10"] = full_ranking(
