@@ -4,13 +4,17 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-gpu test-no-bf16 gpu-check ui clean
+.PHONY: install demo test test-slow test-gpu test-no-bf16 gpu-check ui clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# Only the set-up: the virtual environment and the editable install with the dev extra (again when pyproject.toml
+# changes), as `demo` and `test` do first.
+install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/usecases demo

@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 
 Schema = TypeVar("Schema", bound="ConfigModel")
 
@@ -128,7 +128,7 @@ def load_config(schema: type[Schema], presets_dir: Path, preset: str, overrides:
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise UserError(f"{path}: not valid YAML ({one_line(exc)})") from None
     if not isinstance(tree, dict):
         raise UserError(f"{path}: expected a mapping of config sections at the top level")
     for item in overrides:

@@ -8,3 +8,10 @@ class UserError(Exception):
 class DataUnavailable(UserError):
     """A data set cannot be had here (offline, not downloaded); the demo falls back to synthetic data."""
 
+
+def one_line(error: BaseException, limit: int = 120) -> str:
+    """The first line of `error`'s message, cut to `limit` characters, to quote a library's reason inside a one-line
+    `UserError`; the error's type name when its message is empty."""
+    lines = str(error).strip().splitlines()
+    line = lines[0].strip() if lines else type(error).__name__
+    return line if len(line) <= limit else f"{line[:limit - 3]}..."

@@ -23,7 +23,7 @@ import pandas as pd
 import pyarrow as pa
 from pandas.io.common import get_handle
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")  # pandas decompresses these, by the suffix
@@ -179,7 +179,7 @@ def not_text(path: Path, separator: str, byte: int, position: int | None = None)
 
 
 def cannot_read(path: Path, exc: Exception, separator: str) -> UserError:
-    reason = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+    reason = one_line(exc)
     return UserError(f"{path}: cannot be read as a table ({reason}); expected a "
                      f"{SEPARATOR_NAMES.get(separator, repr(separator))}-separated file")
 
@@ -204,7 +204,7 @@ def read_csv_text(source, separator: str, path: Path, dtype=None, first_line: in
         raise not_text(path, separator, exc.object[exc.start]) from None
     except pd.errors.ParserError as exc:  # its line numbers count the header as line 1
         reason = re.sub(r"(?<=line )(\d+)", lambda found: str(first_line + int(found.group())),
-                        str(exc).splitlines()[0][:120])
+                        one_line(exc))
         raise UserError(f"{path}: cannot be read as a table ({reason}; line 1 is the header); expected the same "
                         f"number of {name}-separated fields on every line") from None
     except UNREADABLE as exc:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.config import ConfigModel
-from common.errors import UserError
+from common.errors import UserError, one_line
 
 ENTRY_POINT_GROUP = "gpu_usecases.usecases"
 DEVICES, FRAMES = ("auto", "cpu", "cuda"), ("auto", "pandas")
@@ -201,9 +201,8 @@ class Found:
             try:
                 return _declared(self.module)
             except Exception as exc:  # a broken plug-in is reported, never allowed to break the others
-                reason = (str(exc).splitlines() or [""])[0]
-                raise UserError(f"use case '{self.name}' ({self.origin}) cannot be loaded: "
-                                f"{type(exc).__name__}: {reason}") from None
+                reason = f"{type(exc).__name__}: {one_line(exc)}" if str(exc).strip() else type(exc).__name__
+                raise UserError(f"use case '{self.name}' ({self.origin}) cannot be loaded: {reason}") from None
         raise UserError(f"use case '{self.name}' ({self.origin}) cannot be used: {self.error}")
 
 

@@ -18,6 +18,7 @@ from common.config import TrainConfig
 from common.runtime.devices import make_runtime, shutdown
 from common.runtime.sharding import all_reduce_max, gather_objects, gather_rows, my_share, shared_predictions
 from common.training.loop import TensorBatches, Trainer, stop_if_any_rank_asked
+from common.training.spec import TrainSpec
 from usecases.recsys.evaluate import full_ranking
 from usecases.recsys.models import BPR, NegativeSampler
 from usecases.recsys.train import bpr_step, training_pairs
@@ -59,8 +60,8 @@ def bpr_fits(outdir: Path, runtime) -> dict:
 
     def trainer(model, log_metrics=None):
         return Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), bpr_step, runtime,
-                       TrainConfig(epochs=3, checkpoint_every_s=0), monitor="val/score", name="bpr",
-                       checkpoint_dir=outdir / f"machine{runtime.rank}", log_metrics=log_metrics)
+                       TrainSpec(TrainConfig(epochs=3, checkpoint_every_s=0), monitor="val/score", name="bpr",
+                                 checkpoint_dir=outdir / f"machine{runtime.rank}", log_metrics=log_metrics))
 
     def stop_after_first_epoch(metrics, step):  # the first epoch's checkpoint is written; the second's is not
         if step == 1:

@@ -218,6 +218,7 @@ def server_command(monkeypatch, *args):
     """The `mlflow server` command line `usecases server ARGS` would exec."""
     executed = []
     monkeypatch.setattr(os, "execv", lambda path, argv: executed.append(argv))
+    monkeypatch.setattr(cli, "_check_database", lambda uri, source: None)  # tests/test_team_server.py checks it
     cli.main(["server", *args])
     (argv,) = executed
     options = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--")}

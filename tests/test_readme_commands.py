@@ -24,18 +24,19 @@ from tests.cli_helpers import free_port, stop
 ROOT = Path(__file__).resolve().parents[1]
 # One reader reads them in turn, in one store: the use cases' smoke runs come first and stand in for `make demo`.
 PAGES = [*sorted(ROOT.glob("usecases/*/README.md")), ROOT / "mlflow" / "README.md", *sorted(ROOT.glob("docs/*.md")),
-         ROOT / "README.md"]
+         ROOT / "examples" / "README.md", ROOT / "README.md"]
 COMMAND_TIMEOUT_S = 600
 SERVER_START_S = 180
 BLOCK = re.compile(r"^\s*```(?:bash|sh)\s*\n(.*?)^\s*```", re.S | re.M)
 HERE_DOCUMENT = re.compile(r"<<-?\s*'?\"?(\w+)'?\"?")
 PORT = re.compile(r"\b50(0[1-9])\b")  # the served models' ports; 5000 (the tracking UI) is never started here
 SERVE = re.compile(r"(^|\s)(\S*usecases) serve \w+")
-RUNS_ONCE = re.compile(r"usecases run \w+ --preset smoke$")
+RUNS_ONCE = re.compile(r"usecases run \w+ (--preset smoke|--data examples/\S+( --preset [\w-]+)?)$")  # pages repeat them
 
 # (pattern, reason): a command that matches is not run.
 SKIPPED = [
     (r"^make (demo|ui)\b|usecases demo\b", "every use case's default preset: minutes (the smoke runs stand in)"),
+    (r"^make install\b|^git clone\b", "sets up the clone the test already runs in"),
     (r"^make test|pytest", "the test suite itself"),
     (r"^make gpu-check|--device cuda|gpu-check", "needs a GPU"),
     (r"usecases (ui|server)\b|^dask (scheduler|worker)", "a server that stays up"),
@@ -111,10 +112,12 @@ class Reader:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         (folder / ".venv").symlink_to(Path(sys.executable).parent.parent)
+        (folder / "examples").symlink_to(ROOT / "examples")  # the own-data steps run on the clone's example files
         (folder / ".curlrc").write_text("--fail-with-body\n--show-error\n--max-time 120\n")
         scripts = str(Path(sys.executable).parent)
         self.env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}",
                     "USECASES_CHECKPOINT_DIR": str(folder / "checkpoints"), "CURL_HOME": str(folder),
+                    "USECASES_HOME": str(folder),  # `usecases report` writes the reader's docs/results/, not this clone's
                     "PATH": os.pathsep.join([scripts, os.environ.get("PATH", "")]), "PYTHONUNBUFFERED": "1",
                     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
         self.done: set[str] = set()
@@ -235,3 +238,12 @@ def test_every_link_to_another_page_or_section_resolves(page):
         assert linked.exists(), f"{page.relative_to(ROOT)}: the link to {target} names no file"
         if anchor and linked.suffix == ".md":
             assert anchor in anchors(linked), f"{page.relative_to(ROOT)}: {target}#{anchor} names no heading"
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *sorted(ROOT.glob("usecases/*/README.md"))],
+                         ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_readme_is_a_guide_of_at_most_180_lines(page):
+    """What it does, two commands, own data, serve, make it yours, limits: the rest is in docs/."""
+    lines = page.read_text().count("\n")
+    assert lines <= 180, f"{page.relative_to(ROOT)}: {lines} lines (move detail to docs/)"
+    assert "docs/results/" in page.read_text(), f"{page.relative_to(ROOT)}: no link to its results page"

@@ -264,3 +264,16 @@ def test_the_clone_installs_what_every_use_case_declares():
         optional = {re.split(r"[<>=!~; \[]", spec)[0] for specs in declared.optional_requirements.values()
                     for spec in specs}
         assert optional <= extras, name
+
+
+@pytest.mark.parametrize("name", USECASES)
+def test_an_exports_readme_links_resolve_to_the_pages_and_examples_it_carries(exports, name):
+    """The use case's guide becomes the export's README: its links re-aimed from usecases/NAME/ to the root, and the
+    docs/ pages and examples/ files it links to or names carried along."""
+    readme = exports[name] / "README.md"
+    targets = re.findall(r"\]\(((?!https?:|#)[^)#\s]+)", readme.read_text())
+    assert any(target.startswith("docs/results/") for target in targets)
+    missing = [target for target in targets if not (exports[name] / target).exists()]
+    assert missing == []
+    assert [found for found in re.findall(r"\bexamples/[\w./-]+", readme.read_text())
+            if not (exports[name] / found.rstrip(".")).exists()] == []

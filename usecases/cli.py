@@ -1,5 +1,6 @@
-"""`usecases`: list, run, bench, demo, new, export, ui, server, serve, compare and advise: argument parsing and printing;
-the work is in common/ (runner, scaffold, tracking). Exit 0 on success, 2 on a user error, 1 on an internal failure.
+"""`usecases`: list, run, bench, demo, new, export, ui, server, serve, compare, report and advise: argument parsing
+and printing; the work is in common/ (runner, scaffold, tracking). Exit 0 on success, 2 on a user error, 1 on an
+internal failure.
 
 Only the standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
 """
@@ -141,6 +142,18 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("name", help="use case (see `usecases list`)")
     compare.add_argument("--format", default="table", choices=["table", "markdown", "csv"], dest="output_format")
 
+    report = commands.add_parser("report", help="write a use case's results page, docs/results/NAME.md, from the store",
+                                 description="Merge the store's newest finished run per machine, preset and data set "
+                                             "into docs/results/NAME.json (the rows of past machines stay) and render "
+                                             "docs/results/NAME.md from it. Without NAME: every use case.")
+    report.add_argument("name", nargs="?", help="use case (see `usecases list`); default: every one")
+    report.add_argument("--store", metavar="URI", help="the tracking store to read (default: MLFLOW_TRACKING_URI, "
+                                                       "else the local store)")
+    report.add_argument("--check", action="store_true", help="only render from the JSON and exit 2 when the page "
+                                                             "differs (a hand edit)")
+    report.add_argument("--out", type=Path, metavar="DIR", help="the results folder (default: docs/results/ of the "
+                                                                "clone)")
+
     advise = commands.add_parser("advise", help="which GPU instance to rent to train and serve a use case, and its cost",
                                  description="Estimate, from a run's measured workload and phases, the time and cost "
                                              "of the whole run (training one part of it) and of serving on each GPU "
@@ -225,6 +238,18 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--artifacts-destination", metavar="DIR_OR_URI",
                         help="where the server keeps artifacts: a folder or s3://bucket/path (default: artifacts/ "
                              "beside a SQLite store)")
+    server.add_argument("--workers", type=int, help="worker processes of the server (default: MLflow's, 4)")
+    server.add_argument("--auth", action="store_true",
+                        help="require a login (MLflow's basic-auth app): the admin user (MLFLOW_AUTH_ADMIN_USERNAME, "
+                             "default admin) is created on the first start with the password in "
+                             "MLFLOW_AUTH_ADMIN_PASSWORD, never on the command line; clients log in with "
+                             "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
+    server.add_argument("--auth-database-uri", metavar="URI",
+                        help="with --auth: the database of users and permissions (default: the backend store's, "
+                             "in tables of their own)")
+    server.add_argument("--default-permission", choices=("READ", "USE", "EDIT", "MANAGE", "NO_PERMISSIONS"),
+                        help="with --auth: what every user may do with experiments and models that nobody granted "
+                             "them (default: READ; EDIT lets a team log runs into each other's experiments)")
     return parser
 
 
@@ -505,16 +530,193 @@ def _compare(name: str, output_format: str) -> int:
     return EXIT_OK
 
 
-def _server(host: str, port: int, backend_store_uri: str | None, artifacts_destination: str | None) -> int:
-    """Replace this process with `mlflow server`, so that Ctrl-C and SIGTERM reach it directly."""
+def _report(name: str | None, store: str | None, check_only: bool, folder: Path | None) -> int:
+    """Every use case's page without `name`; one with no finished run in the store keeps the page it has."""
+    from common.tracking import results
+    from common.tracking.runs import tracking_uri
+
+    folder = folder or results.results_folder()
+    chosen = {name: _usecase(name)} if name else None
+    if check_only:
+        names = [name] if name else results.pages(folder)
+        for page in names:
+            results.check(page, folder)
+        print(f"current: {', '.join(f'{folder / page}.md' for page in names) or 'no pages'}")
+        return EXIT_OK
+    store = store or tracking_uri()
+    chosen = chosen or {other: usecase for other, usecase in _loaded().items() if not isinstance(usecase, UserError)}
+    for other, usecase in chosen.items():
+        page = results.report(other, usecase.primary_metric, store, folder, required=name is not None)
+        print(f"{other}: {page or f'no finished run in {store}, and no page yet'}", flush=True)
+    return EXIT_OK
+
+
+def _server(args: argparse.Namespace) -> int:
+    """Replace this process with `mlflow server`, so that Ctrl-C and SIGTERM reach it directly; its databases are
+    checked first, so that a wrong address or password is one line here rather than a traceback of every worker."""
     from common.tracking.runs import server_stores
 
-    store, artifacts = server_stores(backend_store_uri, artifacts_destination)
-    print(f"MLflow tracking server on http://{host}:{port} (store: {store}, artifacts: {artifacts})\n"
-          f"Track into it from any shell with: export MLFLOW_TRACKING_URI=http://{host}:{port}", flush=True)
-    os.execv(sys.executable, [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store,
-                              "--artifacts-destination", str(artifacts), "--serve-artifacts", "--host", host,
-                              "--port", str(port)])
+    store, artifacts = server_stores(args.backend_store_uri, args.artifacts_destination)
+    if not args.auth and (args.auth_database_uri or args.default_permission):
+        raise UserError("--auth-database-uri and --default-permission go with --auth")
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers {args.workers}: expected at least 1")
+    _check_database(store, "--backend-store-uri" if args.backend_store_uri else "MLFLOW_TRACKING_URI")
+    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store, "--artifacts-destination",
+               str(artifacts), "--serve-artifacts", "--host", args.host, "--port", str(args.port)]
+    if args.workers:
+        command += ["--workers", str(args.workers)]
+    login = ""
+    if args.auth:
+        username = _basic_auth(store, args.auth_database_uri, args.default_permission, args.port)
+        command += ["--app-name", "basic-auth"]
+        login = f" MLFLOW_TRACKING_USERNAME={username} MLFLOW_TRACKING_PASSWORD=<your password>"
+    print(f"MLflow tracking server on http://{args.host}:{args.port} (store: {_without_password(store)}, artifacts: "
+          f"{artifacts}{', login required' if args.auth else ''})\n"
+          f"Track into it from any shell with: export MLFLOW_TRACKING_URI=http://{args.host}:{args.port}{login}",
+          flush=True)
+    os.execv(sys.executable, command)
+
+
+AUTH_PASSWORD_MIN_LENGTH = 12  # MLflow's rule for every password of its basic-auth app
+
+
+def _basic_auth(store: str, auth_database_uri: str | None, default_permission: str | None, port: int) -> str:
+    """Set up the environment of MLflow's basic-auth app (its configuration file, the admin's password, the key of
+    its forms) and check its database; returns the admin's user name. The password is only read from
+    MLFLOW_AUTH_ADMIN_PASSWORD, and only matters on the first start, when the admin user is created.
+
+    The configuration, which may hold the database's password, is a file of this user only (0600) that the server
+    reads at each start of a worker: ~/.cache/gpu-usecases/server/auth-PORT.ini, written again at each start."""
+    import configparser
+    import importlib.util
+    import secrets
+    import tempfile
+
+    from common.paths import cache_dir
+
+    if importlib.util.find_spec("flask_wtf") is None:
+        raise UserError("--auth needs MLflow's basic-auth app: pip install 'gpu-usecases[team]' (or 'mlflow[auth]')")
+    username = os.environ.get("MLFLOW_AUTH_ADMIN_USERNAME") or "admin"
+    own_config = os.environ.get("MLFLOW_AUTH_CONFIG_PATH")
+    if own_config:
+        if auth_database_uri or default_permission:
+            raise UserError(f"MLFLOW_AUTH_CONFIG_PATH {own_config} is read instead of --auth-database-uri and "
+                            f"--default-permission: give one or the other")
+        config = configparser.ConfigParser()
+        if not config.read(own_config) or not config.has_option("mlflow", "database_uri"):
+            raise UserError(f"MLFLOW_AUTH_CONFIG_PATH {own_config}: not an MLflow basic-auth configuration (no "
+                            f"[mlflow] database_uri)")
+        database = config["mlflow"]["database_uri"]
+        username = os.environ.get("MLFLOW_AUTH_ADMIN_USERNAME") or config["mlflow"].get("admin_username") or "admin"
+        source = f"MLFLOW_AUTH_CONFIG_PATH {own_config}: database_uri"
+    else:
+        database = auth_database_uri or store
+        source = "--auth-database-uri" if auth_database_uri else "--backend-store-uri (the users of --auth)"
+    if database != store:
+        _check_database(database, source)
+    password = os.environ.get("MLFLOW_AUTH_ADMIN_PASSWORD")
+    if not password and not _has_user(database, username):
+        raise UserError(f"--auth: set MLFLOW_AUTH_ADMIN_PASSWORD to the password of the admin user '{username}', "
+                        f"created on this first start (at least {AUTH_PASSWORD_MIN_LENGTH} characters)")
+    if password and len(password) < AUTH_PASSWORD_MIN_LENGTH:
+        raise UserError(f"MLFLOW_AUTH_ADMIN_PASSWORD: the admin's password needs at least "
+                        f"{AUTH_PASSWORD_MIN_LENGTH} characters, it has {len(password)}")
+    if not own_config:
+        settings = {"default_permission": default_permission or "READ", "database_uri": database,
+                    "admin_username": username,
+                    "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth"}
+        folder = cache_dir("server")
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor, written = tempfile.mkstemp(dir=folder, prefix=f".auth-{port}-", suffix=".ini")  # mode 0600
+        with os.fdopen(descriptor, "w") as file:
+            # MLflow reads it with interpolation, where a % (of a URL-encoded password) is written %%
+            file.write("[mlflow]\n" + "".join(f"{key} = {value.replace('%', '%%')}\n"
+                                                for key, value in settings.items()))
+        path = folder / f"auth-{port}.ini"
+        os.replace(written, path)
+        os.environ["MLFLOW_AUTH_CONFIG_PATH"] = str(path)
+    # The key of the auth app's forms (CSRF): one for all the workers of this server, which inherit it.
+    os.environ.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", secrets.token_hex(32))
+    return username
+
+
+def _without_password(uri: str) -> str:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(uri).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return uri
+
+
+def _database_engine(uri: str, source: str):
+    """An engine on `uri` that gives up on an unreachable host within seconds, or a one-line error."""
+    import sqlalchemy
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+    from sqlalchemy.pool import NullPool
+
+    try:
+        url = sqlalchemy.engine.make_url(uri)
+    except (ArgumentError, ValueError):
+        raise UserError(f"{source} {uri}: not a database URI (e.g. postgresql://user@host:5432/mlflow)") from None
+    connect_args = {"connect_timeout": 5} if url.get_backend_name() in ("postgresql", "mysql") else {}
+    try:
+        return url, sqlalchemy.create_engine(url, connect_args=connect_args, poolclass=NullPool)
+    except (ImportError, NoSuchModuleError) as exc:
+        shown = url.render_as_string(hide_password=True)
+        raise UserError(f"{source} {shown}: no driver for this database here ({exc}); for PostgreSQL: "
+                        f"pip install 'gpu-usecases[team]'") from None
+
+
+def _check_database(uri: str, source: str) -> None:
+    """Connect to the database the server would use: an unreachable host, a wrong password or a missing database
+    is one line naming the host and port, and why."""
+    if uri.startswith("sqlite:"):
+        return  # a file, made if missing
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    url, engine = _database_engine(uri, source)
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except DBAPIError as exc:
+        port = url.port or {"postgresql": 5432, "mysql": 3306}.get(url.get_backend_name(), "")
+        where = f"{url.host or 'localhost'}:{port}"
+        raise UserError(f"{source} {url.render_as_string(hide_password=True)}: cannot use the database at {where} "
+                        f"({_database_reason(exc)})") from None
+    finally:
+        engine.dispose()
+
+
+def _database_reason(exc) -> str:
+    """What the database's driver said, in one line: 'Connection refused', 'password authentication failed for
+    user "mlflow"', 'database "mlflow" does not exist'."""
+    import re
+
+    said = " ".join(str(getattr(exc, "orig", None) or exc).split("\n")[0].split())
+    said = re.sub(r"^(connection failed: )?connection to server at [^,]+, port \d+ failed: ", "", said)
+    return re.sub(r"^FATAL: +", "", said).strip() or type(exc).__name__
+
+
+def _has_user(uri: str, username: str) -> bool:
+    """Whether the basic-auth app's database already holds `username` (its admin, made on the first start)."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return False
+    _, engine = _database_engine(uri, "--auth-database-uri")
+    try:
+        with engine.connect() as connection:
+            return connection.execute(text("SELECT 1 FROM users WHERE username = :name"),
+                                      {"name": username}).first() is not None
+    except SQLAlchemyError:  # no users table yet
+        return False
+    finally:
+        engine.dispose()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -533,11 +735,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ui":
             return _ui(args.port)
         if args.command == "server":
-            return _server(args.host, args.port, args.backend_store_uri, args.artifacts_destination)
+            return _server(args)
         if args.command == "serve":
             return _serve(args.name, args.model_uri, args.host, args.port, args.data_sha256,
                           ServerOptions(args.workers, args.events, args.mlflow, args.device, args.batch_ms,
                                         args.retrieval, args.ann_index))
+        if args.command == "report":
+            return _report(args.name, args.store, args.check, args.out)
         if args.command == "compare":
             return _compare(args.name, args.output_format)
         if args.command == "demo":

@@ -7,10 +7,9 @@ run's own figures are measured and labelled so.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from common.advisor.budget import serving_month, spot_run, within
-from common.advisor.catalog import GPU, Instance, Link, load_gpus, load_instances, load_links
+from common.advisor.catalog import GPU, Instance, Link, load_links
 from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts
 from common.advisor.formats import duration, money
@@ -184,8 +183,3 @@ def _cheaper_alike(rows: list[Row], here: Row) -> Row | None:
              row.run_seconds.expected <= 1.1 * here.run_seconds.expected and
              row.instance.price_per_hour < here.instance.price_per_hour]
     return min(alike, key=lambda row: row.instance.price_per_hour) if alike else None
-
-
-def load_catalogue(catalog: Path | None) -> tuple[dict[str, GPU], list[Instance]]:
-    gpus = load_gpus()
-    return gpus, load_instances(gpus, catalog)

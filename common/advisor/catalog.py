@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 
 FOLDER = Path(__file__).with_name("catalog")
 GPU_COLUMNS = ("gpu", "aliases", "memory_gb", "bandwidth_gbs", "fp32_tflops", "tf32_tflops", "fp16_tflops",
@@ -91,7 +91,7 @@ def _read(path: Path, columns: tuple[str, ...], what: str) -> pd.DataFrame:
     try:
         table = pd.read_csv(path, dtype=str, keep_default_na=False)
     except (OSError, ValueError, pd.errors.ParserError) as exc:
-        raise UserError(f"{path}: cannot be read as a {what} CSV ({str(exc).splitlines()[0][:120]})") from None
+        raise UserError(f"{path}: cannot be read as a {what} CSV ({one_line(exc)})") from None
     missing = [name for name in columns if name not in table.columns]
     if missing:
         raise UserError(f"{path}: missing column '{missing[0]}' (the {what} CSV has the columns {', '.join(columns)})")
@@ -157,6 +157,13 @@ def load_instances(gpus: dict[str, GPU], path: Path | None = None) -> list[Insta
                                                               for column in HARDWARE_COLUMNS[:5]),
                                   table["interconnect"].iloc[row].strip(), table["hardware_source"].iloc[row]))
     return instances
+
+
+def load_catalogue(instances: Path | None = None) -> tuple[dict[str, GPU], list[Instance]]:
+    """The GPUs and the instances (the shipped ones, or a user's file): what both the run and the fleet advice
+    price."""
+    gpus = load_gpus()
+    return gpus, load_instances(gpus, instances)
 
 
 @functools.cache

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.advisor.budget import HOURS_PER_MONTH
-from common.advisor.catalog import Instance
+from common.advisor.catalog import Instance, load_catalogue
 from common.advisor.estimate import Range
 from common.advisor.formats import money, span
-from common.advisor.serve_launch import BATCHED, RETRIEVALS
+from common.advisor.serve_launch import BATCHED, RETRIEVALS, write_serve_files
 from common.errors import UserError
 
 # Requests/s a cloud vCPU serves, over one of the bench machine's cores (low, expected, high). A cloud vCPU is one
@@ -222,8 +222,6 @@ def fleet_command(usecase: str, run_id: str | None, catalog: Path | None, output
                   p99_ms: float, launch: Path | None = None, tracking: str | None = None) -> str:
     """The fleet report as printed (table, Markdown or JSON); with `launch`, the Kubernetes manifests of the
     cheapest row are written there."""
-    from common.advisor.advise import load_catalogue
-
     _, instances = load_catalogue(catalog)
     run = find_bench(usecase, run_id)
     bench = read_bench(run, p99_ms)
@@ -247,8 +245,6 @@ def fleet_command(usecase: str, run_id: str | None, catalog: Path | None, output
     if launch is not None:
         if cheapest is None:
             raise UserError("--launch: no row of the catalogue has a price, so none is the cheapest to launch")
-        from common.advisor.serve_launch import write_serve_files
-
         extra = ["--retrieval", sized.server] if sized.server in RETRIEVALS else []
         if (sized.server in BATCHED or sized.server in RETRIEVALS) and bench.batch_ms:
             extra += ["--batch-ms", bench.batch_ms]

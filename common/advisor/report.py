@@ -10,7 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from common.advisor.advise import actions, advise, load_catalogue, recommend
+from common.advisor.advise import actions, advise, recommend
+from common.advisor.catalog import load_catalogue
 from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts, calibrated, facts_from_file, facts_from_run
 from common.advisor.formats import duration, money, span

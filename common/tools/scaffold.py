@@ -31,6 +31,7 @@ COMMANDS = "run|bench|serve|compare|export|new|list"
 # Project files an export takes from the clone as they are (they name no use case).
 PROJECT_FILES = ("Makefile", ".gitignore", ".github/workflows/ci.yml", "mlflow/README.md",
                  "mlflow/docker-compose.yml", "mlflow/Dockerfile.server", "mlflow/.env.example", "mlflow/.dockerignore")
+SHARED_PAGES = ("docs", "examples")  # an export copies what its README links there
 SHARED_TESTS = ("tests/__init__.py", "tests/conftest.py", "tests/cli_helpers.py", "tests/common",
                 "tests/cpu_without_bf16")
 
@@ -250,8 +251,32 @@ def _git_commit(root: Path) -> dict[str, str]:
             "uncommitted_changes": bool(git(root, "status", "--porcelain"))}
 
 
+LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)#\s]+)(#[^)\s]*)?\)")
+EXAMPLE_PATH = re.compile(r"\bexamples/[\w.-]+")
+
+
+def _linked_pages(readme: Path, root: Path) -> list[Path]:
+    """The clone's pages and example files the use case's README links to or names, relative to the clone: what its
+    guide needs beside it to still resolve in an export."""
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    wanted = {(readme.parent / target).resolve() for target, _ in LINK.findall(text)}
+    wanted |= {root / found for found in EXAMPLE_PATH.findall(text)}
+    root = root.resolve()
+    return sorted(path.relative_to(root) for path in wanted
+                  if path.exists() and path.is_relative_to(root) and path.relative_to(root).parts[0] in SHARED_PAGES)
+
+
+def _rebased_links(text: str, written_in: str) -> str:
+    """The README of `written_in` (`usecases/NAME`) as the export's root README: its relative links re-aimed."""
+    def rebased(match: re.Match) -> str:
+        target = os.path.normpath(os.path.join(written_in, match.group(1)))
+        return f"]({target}{match.group(2) or ''})"
+    return LINK.sub(rebased, text)
+
+
 def _export_readme(usecase: UseCase, origin: dict) -> str:
     body = usecase.readme.read_text(encoding="utf-8") if usecase.readme.is_file() else f"# {usecase.name}\n"
+    body = _rebased_links(body, f"usecases/{usecase.name}")
     title, _, rest = body.partition("\n")
     return (f"{title}\n\n"
             f"A project of its own, exported from gpu-usecases ({usecase.name} use case, commit "
@@ -294,7 +319,7 @@ def export_usecase(usecase: UseCase, others: list[UseCase], folder: Path, force:
         shutil.copytree(usecase.folder, staged / "usecases" / usecase.name, ignore=IGNORED)
         for relative in (*SHARED_TESTS, f"tests/{usecase.name}"):
             _copy(root / relative, staged / relative)
-        for relative in PROJECT_FILES:
+        for relative in (*PROJECT_FILES, *_linked_pages(usecase.readme, root)):
             _copy(root / relative, staged / relative)
         for other in others:  # the shared docs' examples name the other use cases: point them at this one
             _rewrite_tree(staged / "mlflow", other.name, usecase.name)

@@ -82,6 +82,25 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise UserError(f"MLFLOW_TRACKING_URI {uri}: the tracking server cannot be reached ({reason})") from None
+    check_login(uri, timeout_s)
+
+
+def check_login(uri: str, timeout_s: float = 5.0) -> None:
+    """A server with a login (`usecases server --auth`) answers 401 to a client without the right one: one line,
+    before any training, instead of MLflow's traceback at the run's first call."""
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
+                                max_retries=0, timeout=timeout_s, params={"max_results": 1})
+    except Exception:  # anything else is MLflow's to report, on its first call
+        return
+    if response.status_code == 401:
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        who = f"the login of MLFLOW_TRACKING_USERNAME={user}" if user else "a client without a login"
+        raise UserError(f"MLFLOW_TRACKING_URI {uri}: the tracking server refused {who} (401: set "
+                        f"MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of the server)")
 
 
 def experiment_name(usecase: str) -> str:
@@ -119,6 +138,11 @@ def ensure_experiment(usecase: str, description: str | None = None) -> str:
 
 def git_commit() -> str:
     return git(project_root(), "rev-parse", "HEAD") or "unknown"
+
+
+def git_dirty() -> str:
+    """Whether tracked files differ from the commit: a run of uncommitted code does not claim the commit's results."""
+    return str(bool(git(project_root(), "status", "--porcelain", "--untracked-files=no"))).lower()
 
 
 def metric_name(key: str) -> str:
@@ -261,7 +285,7 @@ def tracked_run(
     tags = {**tags, **process_tags()}
     try:
         if run_id is None:
-            tracker.set_tags({"usecase": usecase, "git_commit": git_commit(), **tags})
+            tracker.set_tags({"usecase": usecase, "git_commit": git_commit(), "git_dirty": git_dirty(), **tags})
             mlflow.log_params(flatten(config))
             tracker.log_dict(config.model_dump(mode="json"), "config.json")
             if "data_sha256" in tags and "data_source" in tags:

@@ -14,32 +14,58 @@ The hooks, in the order a fit calls them; every rank of a DDP job calls every ho
 
 The trainer's own callbacks run first (random streams, early stopping, progress), then those passed as
 `callbacks=[...]`, then the checkpoint (which so holds every callback's state after the epoch) and the workload probe.
+
+A hook gets the trainer as a `FitState`: what a callback may read and set of the fit, so that the callbacks depend on
+this module and not on the loop that calls them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from torch import nn
 
-    from common.training.loop import Trainer
+from common.runtime.devices import Runtime
+from common.training.spec import LogMetrics, Predict, Step, TrainSpec
+
+
+class FitState(Protocol):
+    """The trainer as its callbacks see it (`common.training.loop.Trainer` is one)."""
+
+    spec: TrainSpec
+    runtime: Runtime
+    module: nn.Module  # the model trained, without its DDP or compiled wrapper
+    optimizer: torch.optim.Optimizer
+    step: Step
+    predict: Predict | None  # the spec's, or the step's own
+    log_metrics: LogMetrics  # the spec's, or one that drops them
+    batches: Iterable  # the fit's
+    history: list[dict[str, float]]  # each epoch's metrics so far
+    epoch: int  # the last epoch done, -1 before the first
+    resumed_from: int | None  # the first epoch after the checkpoint resumed from; None on a fresh start
+    should_stop: bool  # set to end the fit after this epoch
+    samples_per_epoch: int  # of the last epoch, over every rank
+
+    def state_dict(self, finished: bool) -> dict:
+        """The checkpoint after `epoch`: the trainer's state and every callback's; every rank calls it together."""
 
 
 class Callback:
     """A concern of the fit; every hook does nothing unless overridden."""
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: FitState) -> None:
         pass
 
-    def on_train_batch_end(self, trainer: Trainer, index: int, batch: tuple[torch.Tensor, ...],
+    def on_train_batch_end(self, trainer: FitState, index: int, batch: tuple[torch.Tensor, ...],
                            loss: torch.Tensor) -> None:
         pass
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+    def on_epoch_end(self, trainer: FitState, epoch: int, metrics: dict[str, float]) -> None:
         pass
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: FitState) -> None:
         pass
 
     def state_dict(self) -> dict:

@@ -11,16 +11,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from common.runtime.devices import Runtime
-from common.training.callbacks import Callback
-
-if TYPE_CHECKING:
-    from common.training.loop import Trainer
+from common.training.callbacks import Callback, FitState
 
 CHECKPOINT_NAME = "last.pt"
 RANK_SEED_STRIDE = 0x9E3779B97F4A7C15  # far-apart seeds for the ranks' random streams
@@ -54,7 +50,7 @@ class RankRandomStreams(Callback):
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: FitState) -> None:
         if trainer.resumed_from is None and self.runtime.distributed and self.runtime.rank:
             torch.manual_seed((torch.initial_seed() + RANK_SEED_STRIDE * self.runtime.rank) % 2**63)
 
@@ -106,15 +102,15 @@ class Checkpoint(Callback):
     def load_state_dict(self, checkpoint: dict) -> None:
         self.holds_state = True
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: FitState) -> None:
         self.started = self.last = self._now()
         self.holds_state = trainer.resumed_from is not None
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+    def on_epoch_end(self, trainer: FitState, epoch: int, metrics: dict[str, float]) -> None:
         if not trainer.should_stop and self._now() - self.last >= self.every_s:
             self._write(trainer.state_dict(finished=False))
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: FitState) -> None:
         if self.holds_state or self._now() - self.started >= self.every_s:
             self._write(trainer.state_dict(finished=True))
 

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING
 
-from common.training.callbacks import Callback
-
-if TYPE_CHECKING:
-    from common.training.loop import Trainer
+from common.training.callbacks import Callback, FitState
 
 
 class EarlyStopping(Callback):
@@ -29,7 +25,7 @@ class EarlyStopping(Callback):
         self.best_epoch = self.bad_epochs = 0
         self.best_state: dict = {}
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: FitState) -> None:
         if trainer.resumed_from is None:
             self.best = math.inf if self.mode == "min" else -math.inf
             self.best_tie = math.inf
@@ -44,7 +40,7 @@ class EarlyStopping(Callback):
             return metrics[self.tie_break] < self.best_tie
         return value < self.best if self.mode == "min" else value > self.best
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+    def on_epoch_end(self, trainer: FitState, epoch: int, metrics: dict[str, float]) -> None:
         """Only validated epochs count; the epochs since the best one, validated or not, are what `patience` is."""
         if self.monitor not in metrics:
             return
@@ -56,7 +52,7 @@ class EarlyStopping(Callback):
         if self.patience is not None and self.bad_epochs >= self.patience:
             trainer.should_stop = True
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: FitState) -> None:
         trainer.module.load_state_dict(self.best_state)
 
     def state_dict(self) -> dict:

@@ -1,10 +1,11 @@
 """The training loop every torch model goes through.
 
-A use case gives it a step function (model, batch) -> loss; the loop trains and validates each epoch with mixed
-precision, gradient clipping, throughput and data-wait share, and DDP when started by torchrun, and resumes from
-a checkpoint. Everything else it does around the epochs is a callback (`common.training.callbacks`): early stopping
-with the best weights kept, checkpoints and the ranks' random streams, progress, the workload probe, and whatever a
-use case passes as `callbacks=[...]`.
+A use case gives it a model, its optimizer, a step function (model, batch) -> loss, the runtime and a `TrainSpec`
+(`common.training.spec`: epochs, the metric to monitor, checkpoints, logging); the loop trains and validates each
+epoch with mixed precision, gradient clipping, throughput and data-wait share, and DDP when started by torchrun, and
+resumes from a checkpoint. Everything else it does around the epochs is a callback (`common.training.callbacks`):
+early stopping with the best weights kept, checkpoints and the ranks' random streams, progress, the workload probe,
+and whatever a use case passes as `callbacks=[...]`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, WeightedRandomSampler
 
-from common.config import TrainConfig
 from common.errors import UserError
 from common.runtime.interrupt import Terminated, stop_point, stop_requested
 from common.runtime.devices import Runtime
@@ -32,11 +31,10 @@ from common.training.callbacks import Callback
 from common.training.checkpoint import CHECKPOINT_NAME, Checkpoint, RankRandomStreams
 from common.training.early_stopping import EarlyStopping
 from common.training.progress import Progress
-from common.training.workload import Predict, WorkloadProbe
+from common.training.spec import Step, TrainSpec
+from common.training.workload import WorkloadProbe
 
 log = logging.getLogger(__name__)
-
-Step = Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
 
 
 def supervised(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Step:
@@ -180,11 +178,9 @@ class FitResult:
 
 
 class Trainer:
-    """`settings` gives epochs, patience, gradient clipping and the checkpoint interval; `monitor` names the
-    validation metric that picks the best epoch, `mode` whether lower (min) or higher (max) is better, `tie_break`
-    the loss that decides between epochs of equal `monitor` (`EarlyStopping`). With `checkpoint_dir` the fit writes
-    checkpoints there and can resume from them. `callbacks` are added to the trainer's own (see
-    `common.training.callbacks` for the hooks and their order); `trainer.callbacks` is the list a fit calls."""
+    """Fits `model` with `optimizer` (and `scheduler`, stepped after each epoch) through `step` as `spec` says.
+    `callbacks` are added to the trainer's own (see `common.training.callbacks` for the hooks and their order);
+    `trainer.callbacks` is the list a fit calls."""
 
     def __init__(
         self,
@@ -192,21 +188,13 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         step: Step,
         runtime: Runtime,
-        settings: TrainConfig,
+        spec: TrainSpec,
         *,
-        monitor: str,
-        mode: str = "min",
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        checkpoint_dir: Path | None = None,
-        log_metrics: Callable[[dict[str, float], int], None] | None = None,
-        step_offset: int = 0,
-        name: str = "train",
-        predict: Predict | None = None,
-        model_name: str | None = None,
-        tie_break: str | None = None,
         callbacks: Iterable[Callback] = (),
     ):
-        early_stopping = EarlyStopping(monitor, mode, settings.patience, tie_break)
+        settings = spec.settings
+        early_stopping = EarlyStopping(spec.monitor, spec.mode, settings.patience, spec.tie_break)
         self.runtime = runtime
         self.model = synchronised_batch_norm(model, runtime).to(runtime.device)
         self.module = self.model
@@ -217,21 +205,17 @@ class Trainer:
             self.model = torch.compile(self.model)  # trains compiled; validation and checkpoints use `module`
         self.optimizer = optimizer
         self.step = step
-        self.settings = settings
-        self.monitor = monitor
-        self.tie_break = tie_break
+        self.spec = spec
         self.scheduler = scheduler
-        self.log_metrics = log_metrics or (lambda metrics, step: None)
-        self.step_offset = step_offset
-        self.name = name
-        self.predict = predict or getattr(step, "predict", None)
-        self.model_name = model_name or name  # of the workload facts, shared by the fits of one model
+        self.log_metrics = spec.log_metrics or (lambda metrics, step: None)
+        self.predict = spec.predict or getattr(step, "predict", None)
         fp16 = runtime.amp_dtype == torch.float16
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=fp16)
-        self.callbacks: list[Callback] = [RankRandomStreams(runtime), early_stopping, Progress(monitor, early_stopping),
-                                          *callbacks]
-        if checkpoint_dir is not None:
-            self.callbacks.append(Checkpoint(checkpoint_dir / CHECKPOINT_NAME, settings.checkpoint_every_s, runtime))
+        self.callbacks: list[Callback] = [RankRandomStreams(runtime), early_stopping,
+                                          Progress(spec.monitor, early_stopping), *callbacks]
+        if spec.checkpoint_dir is not None:
+            self.callbacks.append(Checkpoint(spec.checkpoint_dir / CHECKPOINT_NAME, settings.checkpoint_every_s,
+                                             runtime))
         self.callbacks.append(WorkloadProbe())
         # what a fit is at, for the callbacks
         self.batches: Iterable = ()
@@ -281,7 +265,7 @@ class Trainer:
         self.model.train()
         device, amp_dtype = self.runtime.device, self.runtime.amp_dtype
         autocast = partial(torch.autocast, device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext
-        scaled, clip = self.scaler.is_enabled(), self.settings.grad_clip
+        scaled, clip = self.scaler.is_enabled(), self.spec.settings.grad_clip
         parameters = list(self.model.parameters()) if clip else []
         # A model of independent members (an ensemble with stacked parameters) clips each member's gradient alone.
         clip_gradients = getattr(self.module, "clip_grad_norm_", None) or partial(nn.utils.clip_grad_norm_, parameters)
@@ -336,13 +320,14 @@ class Trainer:
 
     def fit(self, batches: Iterable, validate: Callable[[nn.Module], dict[str, float]],
             resume: bool = False) -> FitResult:
-        """Train for `settings.epochs`, or until a callback stops the fit (by default `EarlyStopping`, after
-        `settings.patience` epochs without improvement, with the best weights in the model at the end).
+        """Train for the spec's `settings.epochs`, or until a callback stops the fit (by default `EarlyStopping`,
+        after `settings.patience` epochs without improvement, with the best weights in the model at the end).
 
-        `validate(model)` returns metrics named as logged (for example `val/qlike`), one of them `monitor`; it runs
-        after every `settings.validate_every`-th epoch and after the last one, and the callbacks get the other epochs'
-        metrics without it.
+        `validate(model)` returns metrics named as logged (for example `val/qlike`), one of them the spec's `monitor`;
+        it runs after every `settings.validate_every`-th epoch and after the last one, and the callbacks get the other
+        epochs' metrics without it.
         """
+        spec, settings = self.spec, self.spec.settings
         self.batches, self.history, self.epoch = batches, [], -1
         self.resumed_from, self.should_stop = None, False
         state = self._checkpoint_to_resume() if resume else None
@@ -350,11 +335,11 @@ class Trainer:
             self.load_state_dict(state)
             if state["finished"]:  # its model is the best epoch's: the fit put them in before writing it
                 return self._result()
-            log.info("%s: resumed from the checkpoint after epoch %d", self.name, state["epoch"] + 1)
+            log.info("%s: resumed from the checkpoint after epoch %d", spec.name, state["epoch"] + 1)
         for callback in self.callbacks:
             callback.on_fit_start(self)
         start_epoch = self.epoch + 1
-        for epoch in range(start_epoch, self.settings.epochs):
+        for epoch in range(start_epoch, settings.epochs):
             stop_if_any_rank_asked(self.runtime)
             if hasattr(batches, "set_epoch"):
                 batches.set_epoch(epoch)
@@ -363,7 +348,7 @@ class Trainer:
             metrics = self._train_epoch(batches)
             if self.runtime.compile and epoch == start_epoch:  # compilation time is not the model's speed
                 metrics.pop("throughput/samples_per_s")
-            validating = (epoch + 1) % self.settings.validate_every == 0 or epoch + 1 == self.settings.epochs
+            validating = (epoch + 1) % settings.validate_every == 0 or epoch + 1 == settings.epochs
             if validating:
                 self.model.eval()
                 with torch.no_grad(), torch.autocast(self.runtime.device.type, dtype=self.runtime.amp_dtype,
@@ -372,12 +357,12 @@ class Trainer:
             if self.scheduler is not None:
                 self.scheduler.step()
             metrics = {key: float(value) for key, value in all_reduce_mean(metrics, self.runtime).items()}
-            for required in (self.monitor, self.tie_break) if validating else ():
+            for required in (spec.monitor, spec.tie_break) if validating else ():
                 if required is not None and required not in metrics:
                     raise KeyError(f"validate() returned no '{required}' (got {sorted(metrics)})")
             self.epoch = epoch
             self.history.append({"epoch": epoch, **metrics})
-            self.log_metrics(metrics, self.step_offset + epoch)
+            self.log_metrics(metrics, spec.step_offset + epoch)
             for callback in self.callbacks:
                 callback.on_epoch_end(self, epoch, metrics)
             if self.should_stop:
@@ -391,6 +376,8 @@ class Trainer:
         best = next((callback for callback in self.callbacks if isinstance(callback, EarlyStopping)), None)
         if best is not None:
             best_metric, best_epoch = best.best, best.best_epoch
+        elif self.history:
+            best_metric, best_epoch = self.history[-1][self.spec.monitor], self.epoch
         else:
-            best_metric, best_epoch = (self.history[-1][self.monitor], self.epoch) if self.history else (math.nan, -1)
+            best_metric, best_epoch = math.nan, -1
         return FitResult(best_metric, best_epoch, self.epoch + 1, self.resumed_from, self.history)

@@ -29,24 +29,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.training.callbacks import Callback
+from common.training.callbacks import Callback, FitState
+from common.training.spec import Predict
 from common.training.syncs import HostSyncs
-
-if TYPE_CHECKING:
-    from common.training.loop import Trainer
 
 LOADER_BATCHES = 8
 LOADER_SECONDS = 2.0
 PREDICT_SAMPLES = 256  # of the batch, for a prediction: a recommender's scores are users x every item
-
-Predict = Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
 
 
 class OpCounter(TorchDispatchMode):
@@ -165,9 +160,10 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
 class WorkloadProbe(Callback):
     """At the end of a fit that trained, the model's facts, measured on one batch of the fit's batches with the random
     state restored after, so that the run goes on as it would have without them, and logged by rank 0 under
-    `model/<trainer.model_name>/`. Every rank measures: SyncBatchNorm's forward is a collective under DDP."""
+    `model/<model_name>/` (the spec's `model_name`, else its `name`). Every rank measures: SyncBatchNorm's forward
+    is a collective under DDP."""
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: FitState) -> None:
         if not trainer.history:
             return
         device = trainer.runtime.device
@@ -184,5 +180,7 @@ class WorkloadProbe(Callback):
                      train_samples_per_s=last.get("throughput/samples_per_s", math.nan),
                      data_wait_share=last.get("time/data_wait_share", math.nan))
         if trainer.runtime.is_main:
-            trainer.log_metrics({f"model/{trainer.model_name}/{key}": value for key, value in facts.items()
-                                 if not math.isnan(value)}, trainer.step_offset + trainer.epoch)
+            spec = trainer.spec
+            model_name = spec.model_name or spec.name
+            trainer.log_metrics({f"model/{model_name}/{key}": value for key, value in facts.items()
+                                 if not math.isnan(value)}, spec.step_offset + trainer.epoch)

@@ -19,6 +19,7 @@ from common.runtime.devices import make_runtime, shutdown
 from common.config import TrainConfig
 from common.training.callbacks import Callback
 from common.training.loop import TensorBatches, Trainer, supervised
+from common.training.spec import TrainSpec
 
 
 class EpochMetrics(Callback):
@@ -56,7 +57,7 @@ def main(outdir: Path, signal_rank: int | None = None) -> None:
     batches = TensorBatches(x, y, batch_size=16, seed=0, rank=runtime.rank, world_size=runtime.world_size)
     epoch_metrics = EpochMetrics()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                      supervised(nn.functional.mse_loss), runtime, TrainConfig(epochs=4), monitor="val/mse",
+                      supervised(nn.functional.mse_loss), runtime, TrainSpec(TrainConfig(epochs=4), monitor="val/mse"),
                       callbacks=[epoch_metrics])
     outcome = {"world_size": runtime.world_size, "backend": dist.get_backend(), "initial": initial,
                "loss_start": loss_start}

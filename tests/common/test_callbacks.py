@@ -14,6 +14,7 @@ from common.training.callbacks import Callback
 from common.training.checkpoint import CHECKPOINT_NAME, Checkpoint
 from common.training.early_stopping import EarlyStopping
 from common.training.loop import TensorBatches, Trainer, supervised
+from common.training.spec import TrainSpec
 
 CPU = Runtime(torch.device("cpu"), None)
 X = torch.linspace(-1, 1, 64).unsqueeze(1)
@@ -27,9 +28,10 @@ def val_mse(model: nn.Module) -> dict[str, float]:
 def make_trainer(*, callbacks=(), checkpoint_dir=None, log_metrics=None, seed=0, **settings) -> Trainer:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    settings = TrainConfig(**{"epochs": 6, "patience": 100, "checkpoint_every_s": 0, **settings})
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), supervised(nn.functional.mse_loss), CPU,
-                   TrainConfig(**{"epochs": 6, "patience": 100, "checkpoint_every_s": 0, **settings}), monitor="val/mse",
-                   checkpoint_dir=checkpoint_dir, log_metrics=log_metrics, callbacks=callbacks)
+                   TrainSpec(settings, monitor="val/mse", checkpoint_dir=checkpoint_dir, log_metrics=log_metrics),
+                   callbacks=callbacks)
 
 
 def batches() -> TensorBatches:

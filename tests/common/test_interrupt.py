@@ -13,6 +13,7 @@ from common.runtime.devices import Runtime
 from common.config import TrainConfig
 from common.training.checkpoint import CHECKPOINT_NAME
 from common.training.loop import TensorBatches, Trainer, supervised
+from common.training.spec import TrainSpec
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +65,9 @@ def test_training_stops_after_the_checkpoint_of_the_epoch_in_which_the_signal_ca
     epochs = []
     model = nn.Linear(1, 1)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), supervised(nn.functional.mse_loss),
-                      Runtime(torch.device("cpu"), None), TrainConfig(epochs=10, checkpoint_every_s=0),
-                      monitor="val/mse", checkpoint_dir=tmp_path)
+                      Runtime(torch.device("cpu"), None),
+                      TrainSpec(TrainConfig(epochs=10, checkpoint_every_s=0), monitor="val/mse",
+                                checkpoint_dir=tmp_path))
     with pytest.raises(Terminated):
         trainer.fit(data, validate)
     assert epochs == [0, 1]

@@ -78,3 +78,22 @@ def test_the_check_catches_an_upward_import(tmp_path):
     imports = imported_modules(bad, "common.runtime.bad")
     assert (2, "common.tracking.runs") in imports
     assert LAYERS.index(layer_of("common.tracking.runs")) > LAYERS.index(layer_of("common.runtime.bad"))
+
+
+def readme_rows() -> dict[str, str]:
+    """The modules cell of each layer's row in the table of common/README.md."""
+    rows = {}
+    for line in (COMMON / "README.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 3 and cells[0] in LAYERS:
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_the_readme_names_every_module_in_its_layer_row():
+    """common/README.md is the map of common/: a module it does not name is one a reader cannot find."""
+    rows = readme_rows()
+    assert set(rows) == set(LAYERS), f"common/README.md: layers without a row: {set(LAYERS) - set(rows)}"
+    unnamed = [f"{path.relative_to(COMMON.parent)} (row {layer_of(module)})" for path, module in common_modules()
+               if path.name != "__init__.py" and f"`{path.stem}`" not in rows[layer_of(module)]]
+    assert not unnamed, "common/README.md does not say what these modules do: " + ", ".join(unnamed)

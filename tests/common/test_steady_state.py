@@ -17,6 +17,7 @@ from common.training import checkpoint as checkpoint_module
 from common.training.callbacks import Callback
 from common.training.checkpoint import CHECKPOINT_NAME
 from common.training.loop import TensorBatches, Trainer, make_optimizer, supervised
+from common.training.spec import TrainSpec
 from common.training.syncs import HostSyncs
 from common.tracking import runs
 
@@ -34,8 +35,9 @@ def fit(rows: int, *, epochs: int = 1, batch_size: int = 8, callbacks=(), checkp
     model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
     trainer = Trainer(model, make_optimizer("adam", model.parameters(), CPU, lr=0.01),
                       supervised(nn.functional.mse_loss), CPU,
-                      TrainConfig(**{"epochs": epochs, "patience": 100, "grad_clip": 1.0, **settings}), monitor="val/mse",
-                      checkpoint_dir=checkpoint_dir, callbacks=callbacks)
+                      TrainSpec(TrainConfig(**{"epochs": epochs, "patience": 100, "grad_clip": 1.0, **settings}),
+                                monitor="val/mse", checkpoint_dir=checkpoint_dir),
+                      callbacks=callbacks)
     x, y = line(rows)
     validate = validate or (lambda network: {"val/mse": nn.functional.mse_loss(network(x), y)})
     return trainer, trainer.fit(TensorBatches(x, y, batch_size=batch_size), validate)
@@ -80,7 +82,7 @@ def one_parameter_loops(steps: int) -> tuple[float, float]:
     def ours() -> float:
         model = nn.Linear(1, 1, bias=False)
         trainer = Trainer(model, make_optimizer("adam", model.parameters(), CPU, lr=1e-3),
-                          supervised(nn.functional.mse_loss), CPU, TrainConfig(epochs=1), monitor="val/mse")
+                          supervised(nn.functional.mse_loss), CPU, TrainSpec(TrainConfig(epochs=1), monitor="val/mse"))
         trainer.callbacks = [callback for callback in trainer.callbacks
                              if type(callback).__name__ != "WorkloadProbe"]  # a fit's one-off measurement
         started = time.perf_counter()

@@ -17,6 +17,7 @@ from common.runtime.devices import Runtime
 from common.config import TrainConfig
 from common.training.checkpoint import CHECKPOINT_NAME, save_atomic
 from common.training.loop import TensorBatches, Trainer, supervised
+from common.training.spec import TrainSpec
 
 CPU = Runtime(torch.device("cpu"), None)
 
@@ -41,9 +42,9 @@ def make_trainer(model, runtime=CPU, *, lr=0.1, momentum=0.0, scheduler=False, c
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scheduler else None
     settings = {"epochs": 10, "patience": 100, "checkpoint_every_s": 0, **settings}
-    return Trainer(model, optimizer, supervised(nn.functional.mse_loss), runtime, TrainConfig(**settings),
-                   monitor=monitor, mode=mode, scheduler=sched, checkpoint_dir=checkpoint_dir, log_metrics=log_metrics,
-                   tie_break=tie_break)
+    spec = TrainSpec(TrainConfig(**settings), monitor=monitor, mode=mode, tie_break=tie_break,
+                     checkpoint_dir=checkpoint_dir, log_metrics=log_metrics)
+    return Trainer(model, optimizer, supervised(nn.functional.mse_loss), runtime, spec, scheduler=sched)
 
 
 def linear(seed: int = 0) -> nn.Linear:
@@ -315,8 +316,8 @@ def test_data_wait_share_and_throughput_logged(monkeypatch):
     logged = []
     model = linear()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), supervised(slow_loss), CPU,
-                      TrainConfig(epochs=2), monitor="val/mse", step_offset=10,
-                      log_metrics=lambda metrics, step: logged.append((step, metrics)))
+                      TrainSpec(TrainConfig(epochs=2), monitor="val/mse", step_offset=10,
+                                log_metrics=lambda metrics, step: logged.append((step, metrics))))
     trainer.fit(SlowBatches(X, Y, batch_size=32, seed=0), val_mse)
     epochs = [(step, metrics) for step, metrics in logged if "train/loss" in metrics]
     assert [step for step, _ in epochs] == [10, 11]

@@ -9,6 +9,7 @@ from torch import nn
 from common.config import TrainConfig
 from common.runtime.devices import Runtime
 from common.training.loop import TensorBatches, Trainer, supervised
+from common.training.spec import TrainSpec
 from common.training.workload import WorkloadProbe, loader_rate, measure_model
 
 CPU = Runtime(torch.device("cpu"), None)
@@ -53,8 +54,8 @@ def test_the_loop_logs_the_facts_under_the_models_name_and_the_run_goes_on_alike
         model = nn.Linear(4, 1)
         logged = {}
         trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), supervised(nn.MSELoss()), CPU,
-                          TrainConfig(epochs=2), monitor="val/loss", model_name="tiny",
-                          log_metrics=lambda metrics, step: logged.update(metrics))
+                          TrainSpec(TrainConfig(epochs=2), monitor="val/loss", model_name="tiny",
+                                    log_metrics=lambda metrics, step: logged.update(metrics)))
         if not measure:
             trainer.callbacks = [callback for callback in trainer.callbacks if not isinstance(callback, WorkloadProbe)]
         batches = TensorBatches(torch.randn(64, 4), torch.randn(64, 1), batch_size=16, seed=0)

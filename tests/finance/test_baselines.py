@@ -1,16 +1,19 @@
 """Each baseline against the library or formula it stands for, and against the published reference numbers."""
 
 import numpy as np
+import pandas as pd
 import pytest
 from arch import arch_model
 from scipy.stats import norm
 
+from usecases.finance import gas
 from usecases.finance.baselines import BASELINES, ewma, garch, har
 from usecases.finance.config import Baselines, Config, Data, Evaluation, Synthetic
 from usecases.finance.data import load_panel
 from usecases.finance.evaluate import evaluate
 from usecases.finance.features import add_features
 from usecases.finance.pipeline import baseline_forecasts, evaluation_window
+from usecases.finance.tails import evt_columns
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +72,41 @@ def test_har_is_ols_on_pairs_known_at_the_origin(series, proxy, column, target, 
 def test_every_baseline_gives_one_positive_forecast_per_test_origin(series):
     for name, forecast in BASELINES.items():
         result = forecast(series, BLOCKS, 5, Baselines())
-        assert list(result.index) == list(range(700, 742)), name
-        assert (result["variance"] > 0).all() and (result["variance_h"] > result["variance"]).all(), name
+        models = result["model"].fillna(name) if "model" in result else pd.Series(name, result.index)
+        for model, rows in result.groupby(models):
+            assert list(rows.index) == list(range(700, 742)), model
+            assert (rows["variance"] > 0).all() and (rows["variance_h"] > rows["variance"]).all(), model
+            assert (rows["es975"] < rows["es975_q"]).all() and (rows["es975_q"] < 0).all(), model
+
+
+def test_gjr_t_with_evt_is_gjr_t_s_variance_with_a_gpd_tail_of_its_own_residuals(series):
+    result = BASELINES["gjr_garch_t"](series, BLOCKS, 5, Baselines())
+    t_rows, evt_rows = (result[result["model"].fillna("gjr_garch_t") == name] for name in ("gjr_garch_t",
+                                                                                           "gjr_garch_t_evt"))
+    np.testing.assert_array_equal(evt_rows["variance"], t_rows["variance"])
+    model = arch_model(series["ret"], mean="Constant", vol="GARCH", p=1, o=1, q=1, dist="t", rescale=False)
+    residuals = model.fit(last_obs=701, disp="off").std_resid.to_numpy()
+    assert evt_rows.loc[700, "q01"] == pytest.approx(evt_columns(residuals)["q01"], rel=1e-3)
+    assert not np.isclose(evt_rows.loc[700, "q01"], t_rows.loc[700, "q01"])
+
+
+def test_gas_is_the_fz0_fitted_one_factor_model_filtered_through_each_block(series):
+    """PZC's recursion by hand on the first block, its VaR and ES a·exp(κ) and b·exp(κ), its fit no worse in FZ0
+    than its start."""
+    result = BASELINES["gas"](series, BLOCKS, 5, Baselines())
+    returns = np.nan_to_num(series["ret"].to_numpy())
+    params = gas.fit(returns[:701])
+    beta, gamma, a, b = params
+    kappa = 0.0
+    for value in returns[:701]:
+        var, shortfall = a * np.exp(kappa), b * np.exp(kappa)
+        kappa = beta * kappa + gamma * ((value / (0.025 * shortfall) if value <= var else 0.0) - 1)
+    assert np.sqrt(result.loc[700, "variance"]) == pytest.approx(np.exp(kappa), rel=1e-9)
+    assert (result.loc[700, "es975_q"], result.loc[700, "es975"]) == pytest.approx((a, b))
+    quantile = np.quantile(returns[:701], 0.025)
+    start = [0.95, 0.02, quantile, returns[:701][returns[:701] <= quantile].mean()]
+    assert gas.mean_fz0(params, returns[:701]) < gas.mean_fz0(start, returns[:701])
+    assert (result["mu"] == 0).all() and (result["es99"] < result["q01"]).all()
 
 
 def test_on_a_gapped_panel_a_model_of_range_variance_is_caught_and_the_return_scale_ones_are_not():

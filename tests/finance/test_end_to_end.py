@@ -14,14 +14,20 @@ import pandas as pd
 import pytest
 
 from tests.cli_helpers import assert_rejected, runs, usecases
+from usecases.finance.config import Config
+from usecases.finance.data import synthetic_panel
+from usecases.finance.evaluate import FZ0_REFERENCE
 from usecases.finance.features import add_features
+from usecases.finance.serving import SERVED_TAILS
 
 pytestmark = pytest.mark.starts_first(10)  # the default suite's longest files first (tests/conftest.py)
 
-MODELS = {"ewma", "garch", "gjr_garch_t", "har", "har_rv", "neural"}
-METRICS = {"qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p", "christoffersen_cc_p",
-           "basel_green_windows", "es975_mcneil_frey_p", "es975_z2", "es975_z2_p", "qlike_true", "qlike_sq_oracle",
-           "var1_h5_breaches", "var1_h5_sqrt_time_kupiec_p", "es975_h5_z2"}
+MODELS = {"ewma", "garch", "gjr_garch_t", "gjr_garch_t_evt", "har", "har_rv", "gas", "neural", "neural_training",
+          "neural_out_of_sample", "neural_fz"}
+TAIL_METRICS = {"var1_breach_rate", "kupiec_p", "christoffersen_cc_p", "basel_green_windows", "es975_mcneil_frey_p",
+                "es975_z2", "es975_z2_p", "var1_h5_breaches", "var1_h5_sqrt_time_kupiec_p", "es975_h5_z2", "es975_fz0",
+                "es99_fz0", "dm_t_fz0_es975"}
+METRICS = TAIL_METRICS | {"qlike_parkinson", "qlike_sq", "mse_parkinson", "qlike_true", "qlike_sq_oracle"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +44,10 @@ def test_summary_holds_every_model_per_series_and_averaged(smoke_run):
     assert set(summary["models"]) == MODELS
     tickers = ["SYN000", "SYN001", "SYN002"]
     for model, metrics in summary["models"].items():
-        for metric in METRICS:
+        if model == "gas":  # a model of the tails alone
+            assert not {"qlike_sq", "dm_t_vs_gjr_garch_t"} & set(metrics)
+        for metric in (TAIL_METRICS if model == "gas" else METRICS) - ({"dm_t_fz0_es975"} if model == FZ0_REFERENCE
+                                                                      else set()):
             values = [metrics[f"{metric}/{ticker}"] for ticker in tickers]
             assert metrics[metric] == pytest.approx(np.mean(values)), (model, metric)
     assert "qlike_sq" in result.stdout and "neural" in result.stdout
@@ -100,6 +109,29 @@ def test_the_logged_model_loads_and_forecasts(smoke_run):
         model.predict(example.tail(10))
     with pytest.raises(mlflow.exceptions.MlflowException, match="no rows"):
         model.predict(example.head(0))
+
+
+def test_serving_gives_the_var_and_es_evaluated_on_the_last_test_day(smoke_run):
+    """The served model, given each ticker's prices up to the origin of the last test day, answers the VaR and ES
+    that the run scored for that day: the chosen tail rule (tag `tails_rule`) as evaluated, nothing recomputed."""
+    _, summary, run, uri = smoke_run
+    mlflow.set_tracking_uri(uri)
+    folder = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="forecasts.csv"))
+    evaluated = pd.read_csv(folder, parse_dates=["date"])
+    evaluated = evaluated[evaluated["model"] == "neural"].sort_values("date").groupby("ticker").tail(1)
+    prices = synthetic_panel(Config.model_validate({"data": {"synthetic": {"tickers": 3, "days": 1200,
+                                                                           "seed": 7}}}).data.synthetic).frame
+    rows = prices[prices["date"] < evaluated["date"].max()][["date", "ticker", "high", "low", "close"]]
+    answer = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model").predict(
+        rows.assign(date=rows["date"].dt.strftime("%Y-%m-%d")))
+    assert run.data.tags["tails_rule"] in ("training", "out_of_sample", "fz")
+    both = answer.merge(evaluated, on="ticker", suffixes=("_served", ""))
+    assert len(both) == 3
+    sigma = np.sqrt(both["variance"])
+    np.testing.assert_allclose(both["variance_served"], both["variance"], rtol=1e-5)
+    for output, column in SERVED_TAILS:
+        np.testing.assert_allclose(both[output], both["mu"] + sigma * both[column], rtol=1e-5, err_msg=output)
+    assert (both["es_1pct"] < both["var_1pct"]).all() and (both["es_2_5pct"] < both["var_2_5pct"]).all()
 
 
 def test_a_csv_without_high_is_one_line_and_exit_2(capsys, tmp_path):

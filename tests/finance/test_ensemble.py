@@ -7,6 +7,7 @@ import torch
 
 from common.runtime.devices import Runtime
 from common.training.loop import Trainer, make_optimizer, supervised
+from common.training.spec import TrainSpec
 from common.training.syncs import steady_step_syncs
 from usecases.finance.config import Config
 from usecases.finance.ensemble import Fit, FitBatches, ensemble_step, train_ensemble
@@ -76,7 +77,7 @@ def fit_alone(fit, index, batches, config, grad_clip):
     optimizer = make_optimizer("adamw", model.parameters(), CPU, lr=config.train.lr,
                                weight_decay=config.train.weight_decay)
     settings = config.train.model_copy(update={"grad_clip": grad_clip})
-    trainer = Trainer(model, optimizer, supervised(qlike_loss), CPU, settings, monitor="val/qlike")
+    trainer = Trainer(model, optimizer, supervised(qlike_loss), CPU, TrainSpec(settings, monitor="val/qlike"))
     val_x, val_y = batches.features[fit.val_rows], batches.targets[fit.val_rows]
     result = trainer.fit(OneFit(batches, index), lambda network: {"val/qlike": float(qlike(network(val_x), val_y)[0])})
     return model, result.epochs_run

@@ -18,9 +18,11 @@ def summary(tmp_path_factory):
 
 
 def test_every_model_has_every_metric_per_series(summary):
-    assert set(summary["models"]) == {"ewma", "garch", "gjr_garch_t", "har", "har_rv", "neural"}
-    for metrics in summary["models"].values():
-        for metric in ("qlike_parkinson", "qlike_sq", "mse_parkinson", "var1_breach_rate", "kupiec_p"):
+    assert set(summary["models"]) == {"ewma", "garch", "gjr_garch_t", "gjr_garch_t_evt", "har", "har_rv", "gas",
+                                      "neural", "neural_training", "neural_out_of_sample", "neural_fz"}
+    for model, metrics in summary["models"].items():
+        for metric in ("var1_breach_rate", "kupiec_p", "es975_fz0", "es99_fz0",
+                       *(() if model == "gas" else ("qlike_parkinson", "qlike_sq", "mse_parkinson"))):
             assert {metric, f"{metric}/sp500", f"{metric}/nasdaq"} <= set(metrics)
 
 
@@ -62,3 +64,38 @@ def test_the_nasdaq_var_chosen_before_the_test_window_breaches_too_often(summary
     neural, gjr = summary["models"]["neural"], summary["models"]["gjr_garch_t"]
     assert 20 < neural["var1_breaches/nasdaq"] < gjr["var1_breaches/nasdaq"]
     assert neural["kupiec_p/nasdaq"] < 0.05
+
+
+def test_the_tails_are_chosen_on_validation_and_the_served_ones_still_fail_the_nasdaq_var(summary):
+    """Issue 35: of the neural model's three tail rules only `out_of_sample` passes every validation backtest on
+    2009-2010, so it is served (the rows `neural` and `neural_out_of_sample` agree); on the test window its NASDAQ
+    1 % VaR still fails Kupiec and conditional coverage and McNeil-Frey rejects its ES on both series."""
+    models = summary["models"]
+    neural = models["neural"]
+    for metric in ("var1_breaches/nasdaq", "es975_fz0/sp500", "es975_mcneil_frey_p/nasdaq"):
+        assert neural[metric] == models["neural_out_of_sample"][metric]
+    assert neural["kupiec_p/nasdaq"] < 0.05 and neural["christoffersen_cc_p/nasdaq"] < 0.05
+    assert neural["es975_mcneil_frey_p/sp500"] < 0.05 and neural["es975_mcneil_frey_p/nasdaq"] < 0.05
+
+
+@pytest.mark.parametrize("series", ["sp500", "nasdaq"])
+def test_the_gas_tails_pass_every_backtest_and_fhs_evt_beats_gjr_t_s_own(summary, series):
+    """Reported, not served: the one-factor GAS model passes Kupiec, conditional coverage, Z2 and McNeil-Frey on both
+    series (an ES on the safe side: Z2 > 0, and the worst FZ0 of the tail models); FHS with a GPD tail on GJR-t's
+    residuals breaches less and scores a lower FZ0 than GJR-t's Student-t tail."""
+    gas, evt, gjr = (summary["models"][name] for name in ("gas", "gjr_garch_t_evt", "gjr_garch_t"))
+    for test in ("kupiec_p", "christoffersen_cc_p", "es975_z2_p", "es975_mcneil_frey_p"):
+        assert gas[f"{test}/{series}"] > 0.05, test
+    assert gas[f"es975_z2/{series}"] > 0 and gas[f"dm_t_fz0_es975/{series}"] > 0
+    assert evt[f"var1_breaches/{series}"] < gjr[f"var1_breaches/{series}"]
+    assert evt[f"es975_fz0/{series}"] < gjr[f"es975_fz0/{series}"]
+
+
+@pytest.mark.parametrize("series", ["sp500", "nasdaq"])
+def test_the_neural_fz0_at_97_5_is_below_fhs_evt_s_but_not_significantly(summary, series):
+    """The served tails and the joint FZ0 head both score a lower 97.5 % FZ0 than FHS-EVT on GJR-t, with
+    Diebold-Mariano t between -1.5 and 0 (not significant at 5 %)."""
+    for model in ("neural", "neural_fz"):
+        metrics = summary["models"][model]
+        assert metrics[f"es975_fz0/{series}"] < summary["models"]["gjr_garch_t_evt"][f"es975_fz0/{series}"], model
+        assert -1.5 < metrics[f"dm_t_fz0_es975/{series}"] < 0 and metrics[f"dm_p_fz0_es975/{series}"] > 0.05, model

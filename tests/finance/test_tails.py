@@ -5,11 +5,13 @@ import numpy as np
 import pandas as pd
 import pytest
 from scipy import integrate
-from scipy.stats import norm, t
+import torch
+from scipy.stats import genpareto, norm, t
 
 from usecases.finance.evaluate import acerbi_szekely_z2, mcneil_frey
-from usecases.finance.tails import (ES_LEVELS, MIN_RESIDUALS, TAIL_COLUMNS, empirical_columns, empirical_tails,
-                                    es_name, normal_tails, recalibrate, student_t_tails)
+from usecases.finance.tails import (ES_LEVELS, EVT_THRESHOLD, MIN_RESIDUALS, TAIL_COLUMNS, empirical_columns,
+                                    empirical_tails, es_name, evt_columns, evt_tails, fz0_loss, normal_tails,
+                                    recalibrate, student_t_tails)
 
 
 def shortfall_by_integration(pdf, quantile: float, level: float) -> float:
@@ -96,3 +98,84 @@ def test_recalibration_takes_each_block_s_tails_from_the_residuals_before_it_onl
         "returns on or after a block start never reach its tails"
     late = frame["date"] >= starts[11]
     assert (out.loc[late, "q01"] < out.loc[block, "q01"].min()).all(), "the wider residuals after day 300 widen it"
+
+
+def test_fz0_by_hand_in_numpy_and_torch():
+    """L = −1{y ≤ v}(v − y) / (α e) + v / e + log(−e) − 1, Patton, Ziegel and Chen (2019)."""
+    returns, var, shortfall = np.array([-3.0, 0.5]), np.array([-2.0, -2.0]), np.array([-2.5, -2.5])
+    breach = -1 * (-2 + 3) / (0.025 * -2.5) + (-2 / -2.5) + np.log(2.5) - 1  # 16 + 0.8 + 0.916 − 1
+    calm = -2 / -2.5 + np.log(2.5) - 1
+    np.testing.assert_allclose(fz0_loss(returns, var, shortfall, 0.025), [breach, calm])
+    assert breach == pytest.approx(16.716290731874155)
+    as_tensors = fz0_loss(*(torch.tensor(values) for values in (returns, var, shortfall)), 0.025)
+    np.testing.assert_allclose(as_tensors.numpy(), [breach, calm])
+
+
+def test_fz0_is_smallest_in_expectation_at_the_true_var_and_es():
+    sample = np.random.default_rng(1).standard_normal(400_000)
+    (quantile, shortfall), _ = normal_tails()
+    right = fz0_loss(sample, quantile, shortfall, 0.025).mean()
+    for factor in (0.8, 1.2):
+        assert fz0_loss(sample, quantile * factor, shortfall, 0.025).mean() > right
+        assert fz0_loss(sample, quantile, shortfall * factor, 0.025).mean() > right
+
+
+def test_evt_tails_of_a_pareto_tailed_sample_are_its_own():
+    """Below its 10 % quantile the sample is exactly generalised Pareto (ξ = 0.2, β = 0.6): the fitted tail gives the
+    distribution's quantile and ES, which the empirical ones match too."""
+    rng = np.random.default_rng(2)
+    body = rng.uniform(-1, 3, 180_000)
+    tail = -1 - genpareto.rvs(0.2, scale=0.6, size=20_000, random_state=rng)
+    sample = np.concatenate([body, tail])
+    for (quantile, shortfall), level in zip(evt_tails(sample, ES_LEVELS), ES_LEVELS):
+        beyond = genpareto.isf(level / EVT_THRESHOLD, 0.2, scale=0.6)
+        assert quantile == pytest.approx(-1 - beyond, rel=0.02)
+        assert shortfall == pytest.approx(-1 - beyond - (0.6 + 0.2 * beyond) / 0.8, rel=0.03)
+    empirical = empirical_tails(sample)
+    for (quantile, shortfall), (expected_q, expected_es) in zip(evt_tails(sample, ES_LEVELS), empirical):
+        assert quantile == pytest.approx(expected_q, rel=0.02) and shortfall == pytest.approx(expected_es, rel=0.03)
+    assert list(evt_columns(sample)) == TAIL_COLUMNS
+
+
+def validation_rows(tail_scale: float, seed: int = 4) -> pd.DataFrame:
+    """504 days of one ticker's normal returns, forecast with unit variance and normal tails times `tail_scale`."""
+    returns = np.random.default_rng(seed).standard_normal(504)
+    columns = {name: value * tail_scale for name, value in empirical_columns(
+        np.random.default_rng(0).standard_normal(200_000), np.random.default_rng(1).standard_normal(200_000)).items()}
+    return pd.DataFrame({"ticker": "a", "date": pd.bdate_range("2009-01-01", periods=504), "ret": returns,
+                         "mu": 0.0, "variance": 1.0, **columns})
+
+
+def test_the_rule_chosen_is_the_lowest_fz0_of_those_the_backtests_pass():
+    from usecases.finance.evaluate import choose_tail_rule
+
+    right, wide, narrow = validation_rows(1.0), validation_rows(1.3), validation_rows(0.6)
+    rule, scores = choose_tail_rule({"training": wide, "out_of_sample": right, "fz": narrow})
+    assert scores["fz/passes"] == 0 and scores["out_of_sample/passes"] == 1
+    assert scores["out_of_sample/fz0"] < scores["training/fz0"]
+    assert rule == "out_of_sample"
+    assert choose_tail_rule({"training": narrow, "fz": validation_rows(0.5)})[0] == "training", \
+        "none passes: the nearest to passing"
+
+
+def test_the_joint_head_learns_tails_that_move_with_an_input_and_keeps_es_below_var_below_zero():
+    """Standardised returns whose tail is twice as wide when the (scaled) input is high: the FZ0-trained head moves
+    its VaR and ES with it, from the pooled empirical start."""
+    from usecases.finance.joint import fit_heads
+
+    rng = np.random.default_rng(6)
+    signal = rng.choice([-1.0, 1.0], 20_000)
+    returns = rng.standard_normal(20_000) * np.where(signal > 0, 1.4, 0.7)
+    standardised = np.column_stack([returns, returns])
+    start = empirical_columns(returns, returns)
+    head, other = fit_heads([torch.tensor(signal[:, None], dtype=torch.float32), torch.zeros(300, 1)],
+                            [standardised, standardised[:300]], [start, start])
+    columns = head.columns(torch.tensor([[-1.0], [1.0]]))
+    (quantile, shortfall), (quantile_99, shortfall_99) = normal_tails()
+    assert columns["es975_q"] == pytest.approx([0.7 * quantile, 1.4 * quantile], rel=0.15)
+    assert columns["es975"] == pytest.approx([0.7 * shortfall, 1.4 * shortfall], rel=0.15)
+    assert columns["q01"] == pytest.approx(columns["es99_q"]) and (columns["es99"] < columns["q01"]).all()
+    for level in ("es975", "es99", "es975_h", "es99_h"):
+        assert (columns[level] < columns[f"{level}_q"]).all() and (columns[f"{level}_q"] < 0).all()
+    others = other.columns(torch.tensor([[-1.0], [1.0]]))
+    assert others["es975_q"][0] != pytest.approx(columns["es975_q"][0], rel=0.1), "a refit beside it learns its own"

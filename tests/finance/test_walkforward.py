@@ -28,6 +28,11 @@ def config():
     })
 
 
+def served(neural, latest):
+    """The served model's rows of `neural_forecasts` (the others: each tail rule's), and its `latest`."""
+    return neural[neural["model"] == "neural"], latest
+
+
 def forecasts(panel, config, job):
     frame = add_features(panel)
     mask = evaluation_window(frame, config)
@@ -76,14 +81,14 @@ def test_the_neural_model_beats_its_untrained_start(panel, config, cpu_job):
     frame = add_features(panel)
     mask = evaluation_window(frame, config)
     config.neural.target = "parkinson"
-    neural, latest = neural_forecasts(frame, mask, config, cpu_job)
+    neural, latest = served(*neural_forecasts(frame, mask, config, cpu_job))
     proxy = frame.loc[neural.index, "target"].to_numpy()
     trained = qlike(proxy, neural["variance"].to_numpy())
     untrained = qlike(proxy, frame.loc[neural.index, "rv_m"].to_numpy())
     assert trained < untrained - 0.005
     proxy_h = frame.loc[neural.index, "target_h"].to_numpy()
     assert qlike(proxy_h, neural["variance_h"].to_numpy()) < qlike(proxy_h, 5 * frame.loc[neural.index, "rv_m"])
-    assert latest["quantiles"][0] < latest["quantiles"][1] < 0
+    assert latest["training_tails"]["q01"] < latest["training_tails"]["q05"] < 0
     assert latest["overnight_factors"] == {}
 
 
@@ -93,10 +98,10 @@ def test_scaled_range_forecasts_are_the_range_ones_times_each_ticker_s_overnight
     mask = evaluation_window(frame, config)
     config.neural.target = "parkinson"
     cpu_job.checkpoint_dir = tmp_path / "range"
-    ranged, _ = neural_forecasts(frame, mask, config, cpu_job)
+    ranged, _ = served(*neural_forecasts(frame, mask, config, cpu_job))
     config.neural.target = "scaled_range"
     cpu_job.checkpoint_dir = tmp_path / "scaled"
-    scaled, latest = neural_forecasts(frame, mask, config, cpu_job)
+    scaled, latest = served(*neural_forecasts(frame, mask, config, cpu_job))
     last = frame.loc[scaled.index, "target_date"] >= pd.Timestamp(latest["trained_until"])
     ratio = (scaled["variance"] / ranged["variance"])[last]
     tickers = frame.loc[ratio.index, "ticker"]
@@ -104,7 +109,7 @@ def test_scaled_range_forecasts_are_the_range_ones_times_each_ticker_s_overnight
     assert all(1.1 < factor < 2.5 for factor in latest["overnight_factors"].values()), "30 % of it is overnight"
     config.neural.target, config.train.lr = "returns", 1e-2  # the offset to learn is large: a faster start
     cpu_job.checkpoint_dir = tmp_path / "returns"
-    squared, latest = neural_forecasts(frame, mask, config, cpu_job)
+    squared, latest = served(*neural_forecasts(frame, mask, config, cpu_job))
     assert latest["overnight_factors"] == {}
     assert squared["variance"].mean() > 1.4 * ranged["variance"].mean(), "trained on squared returns: their scale"
 
@@ -244,20 +249,45 @@ def tail_choice(panel, config, job, folder):
 
 
 def test_the_tail_rule_is_chosen_before_the_test_window_and_logged(panel, config, cpu_job, perturb_after, tmp_path):
-    """It was chosen on the test window (issue 19): now test prices cannot move it, validation prices can."""
+    """It was chosen on the test window (issue 19): now test prices cannot move it, validation prices can. Of the
+    rules that pass the validation backtests, the lowest FZ0 wins; with none passing, the nearest to passing."""
     config.train.epochs, config.train.refit_every = 2, 200  # three walk-forwards: the fewest refits that show it
     frame = add_features(panel)
     mask = evaluation_window(frame, config)
     rule, metrics = tail_choice(panel, config, cpu_job, tmp_path / "base")
-    assert rule in ("training", "out_of_sample")
-    for name in ("training", "out_of_sample"):
-        assert {f"tails_val/{name}/{test}/SYN000" for test in ("var1_breaches", "kupiec_p", "christoffersen_cc_p",
-                                                               "es975_z2_p")} <= set(metrics)
-    assert metrics[f"tails_val/{rule}/worst_p"] >= max(metrics["tails_val/training/worst_p"],
-                                                        metrics["tails_val/out_of_sample/worst_p"])
+    rules = ("training", "out_of_sample", "fz")
+    assert rule in rules
+    for name in rules:
+        tests = ("var1_breaches", "kupiec_p", "christoffersen_cc_p", "es975_z2_p", "es975_mcneil_frey_p", "fz0")
+        assert {f"tails_val/{name}/{test}/SYN000" for test in tests} <= set(metrics)
+    passing = [name for name in rules if metrics[f"tails_val/{name}/passes"]]
+    if passing:
+        assert metrics[f"tails_val/{rule}/fz0"] == min(metrics[f"tails_val/{name}/fz0"] for name in passing)
+    else:
+        assert metrics[f"tails_val/{rule}/worst_p"] == max(metrics[f"tails_val/{name}/worst_p"] for name in rules)
     test_start = frame.loc[mask, "target_date"].min()
     last_before_test = frame.loc[frame["date"] < test_start, "date"].max()
     assert tail_choice(perturb_after(panel, last_before_test), config, cpu_job, tmp_path / "test") == (rule, metrics)
     validation_start = frame.loc[validation_window(frame, mask, config), "target_date"].min()
     _, moved = tail_choice(perturb_after(panel, validation_start), config, cpu_job, tmp_path / "validation")
     assert moved != metrics
+
+
+def test_the_joint_head_is_served_as_it_was_evaluated_on_the_last_test_day(panel, config, cpu_job):
+    """With the `fz` rule, the served model's VaR and ES are those `neural_fz` was scored with on the last test day:
+    the last refit's head on that day's inputs (the smoke run's end-to-end test covers the rule it chooses)."""
+    from usecases.finance.serving import SERVED_TAILS, VolatilityForecaster, forecaster_bundle
+    from usecases.finance.tails import TAIL_COLUMNS
+
+    frame = add_features(panel)
+    neural, latest = neural_forecasts(frame, evaluation_window(frame, config), config, cpu_job)
+    joint = neural[neural["model"] == "neural_fz"].join(frame[["ticker", "date"]])
+    last = joint.sort_values("date").groupby("ticker").tail(1).set_index("ticker")
+    latest["tails"] = {"rule": "fz", "by_ticker": last[TAIL_COLUMNS].to_dict("index")}
+    model = VolatilityForecaster.from_bundle(forecaster_bundle(latest))
+    rows = panel[panel["date"] <= last["date"].max()]
+    answer = model.answer(rows.assign(date=rows["date"].dt.strftime("%Y-%m-%d"))).set_index("ticker")
+    sigma = np.sqrt(last["variance"])
+    for output, column in SERVED_TAILS:
+        np.testing.assert_allclose(answer[output], last["mu"] + sigma * last[column], rtol=1e-5, err_msg=output)
+    assert not np.allclose(last["q01"], latest["training_tails"]["q01"]), "the head's, not the window's constant"

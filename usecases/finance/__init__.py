@@ -8,7 +8,7 @@ from .config import Config
 def summary_columns(config: Config) -> list[str]:
     """The metrics printed at the end of a run; summary.json holds them all."""
     return ["qlike_sq", "qlike_parkinson", f"qlike_sq_h{config.evaluation.horizon}", "var1_breaches",
-            "christoffersen_cc_p", "es975_z2", "es975_mcneil_frey_p", "dm_t_vs_gjr_garch_t"]
+            "christoffersen_cc_p", "es975_z2", "es975_mcneil_frey_p", "es975_fz0", "dm_t_vs_gjr_garch_t"]
 
 
 USECASE = UseCase.declare(

@@ -22,7 +22,8 @@ from sklearn.linear_model import LinearRegression
 from threadpoolctl import threadpool_limits
 
 from common.runtime.interrupt import stop_point
-from .tails import VAR_LEVELS, normal_tails, student_t_tails, tail_columns
+from . import gas
+from .tails import VAR_LEVELS, empirical_tails, evt_columns, normal_tails, student_t_tails, tail_columns
 
 HAR_INPUTS = ["rv_d", "rv_w", "rv_m"]
 MIN_VARIANCE = 1e-6
@@ -54,16 +55,19 @@ def ewma(frame: pd.DataFrame, blocks: Blocks, horizon: int, lam: float = 0.94) -
 
 
 def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = False,
-          dist: str = "normal") -> pd.DataFrame:
+          dist: str = "normal", evt: str | None = None) -> pd.DataFrame:
     """GARCH(1,1) or GJR-GARCH(1,1,1) with a constant mean, fitted by `arch` on percent returns.
 
     At each block start the parameters are estimated on all returns up to the origin; within the block
     the variance is filtered forward with those parameters, so a forecast made at t uses returns up to t.
+    With `evt` (a model name), the same forecasts again as that model's rows, with the tails of a generalised
+    Pareto fit to the fit's standardised residuals (filtered historical simulation with EVT, `tails.evt_columns`):
+    one walk-forward of fits gives both models.
     """
     returns = frame["ret"].reset_index(drop=True)
     model = arch_model(returns, mean="Constant", vol="GARCH", p=1, o=1 if asymmetric else 0, q=1, dist=dist,
                        rescale=False)
-    parts, start_values = [], None
+    parts, evt_parts, start_values = [], [], None
     for first, last in blocks:
         stop_point()  # each fit takes a moment: a requested stop need not wait for all of them
         with warnings.catch_warnings():  # a warm start outside the constraints just falls back to arch's own
@@ -75,9 +79,12 @@ def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = 
         shape = result.params[model.distribution.parameter_names()].to_numpy()
         quantiles = model.distribution.ppf(np.array(VAR_LEVELS), shape)
         tails = student_t_tails(float(shape[0])) if dist == "t" else normal_tails()
-        parts.append(forecast_frame(frame, np.arange(first, last + 1), path[:, 0], path.sum(axis=1),
-                                    result.params["mu"], tail_columns(quantiles, tails)))
-    return pd.concat(parts)
+        positions = np.arange(first, last + 1)
+        parts.append(forecast_frame(frame, positions, path[:, 0], path.sum(axis=1), result.params["mu"],
+                                    tail_columns(quantiles, tails)))
+        if evt:
+            evt_parts.append(parts[-1].assign(**evt_columns(result.std_resid.to_numpy()), model=evt))
+    return pd.concat(parts + evt_parts)
 
 
 def har(frame: pd.DataFrame, blocks: Blocks, horizon: int, proxy: str = "returns") -> pd.DataFrame:
@@ -111,17 +118,39 @@ def har(frame: pd.DataFrame, blocks: Blocks, horizon: int, proxy: str = "returns
     return pd.concat(parts)
 
 
+def gas_model(frame: pd.DataFrame, blocks: Blocks, horizon: int) -> pd.DataFrame:
+    """The one-factor GAS model of VaR and ES (`gas.py`), refit at each block on the returns up to its origin and
+    filtered through the block. Its rows hold its scale exp(κ) squared as `variance` (its H-day one times H: the
+    1-day tails scaled by √H), zero `mu`, and as tails the fitted (a, b) at 97.5 % and the constants of the other
+    levels; it forecasts no variance, and `evaluate` scores its tails only."""
+    returns = np.nan_to_num(frame["ret"].to_numpy())  # the first day has no return: no breach, κ decays
+    parts, params = [], None
+    for first, last in blocks:
+        stop_point()
+        params = gas.fit(returns[: first + 1], params)
+        kappa = gas.log_scale(returns[: last + 1], params)
+        standardised = returns[: first + 1] / np.exp(kappa[: first + 1])
+        shortfall_99 = empirical_tails(standardised)[1][1]
+        quantiles = np.quantile(standardised, VAR_LEVELS)
+        tails = tail_columns(quantiles, [(params[2], params[3]), (quantiles[0], shortfall_99)])
+        scale = np.exp(2 * kappa[first + 1 : last + 2])  # κ(i + 1) is made at origin i
+        parts.append(forecast_frame(frame, np.arange(first, last + 1), scale, horizon * scale, 0.0, tails))
+    return pd.concat(parts)
+
+
 BASELINES = {
     "ewma": lambda frame, blocks, horizon, config: ewma(frame, blocks, horizon, config.ewma_lambda),
     "garch": lambda frame, blocks, horizon, config: garch(frame, blocks, horizon),
-    "gjr_garch_t": lambda frame, blocks, horizon, config: garch(frame, blocks, horizon, asymmetric=True, dist="t"),
+    "gjr_garch_t": lambda frame, blocks, horizon, config: garch(frame, blocks, horizon, asymmetric=True, dist="t",
+                                                                evt="gjr_garch_t_evt"),
     "har": lambda frame, blocks, horizon, config: har(frame, blocks, horizon),
     "har_rv": lambda frame, blocks, horizon, config: har(frame, blocks, horizon, proxy="parkinson"),
+    "gas": lambda frame, blocks, horizon, config: gas_model(frame, blocks, horizon),
 }
 
 
 # Seconds of one ticker's 96 refits in `default` (2 cores, one thread), to start the longest first
-FIT_COST = {"gjr_garch_t": 4.4, "garch": 3.0, "har": 0.5, "har_rv": 0.5, "ewma": 0.0}
+FIT_COST = {"gjr_garch_t": 5.0, "gas": 5.0, "garch": 3.0, "har": 0.5, "har_rv": 0.5, "ewma": 0.0}
 
 
 def fit_baselines(rows: pd.DataFrame, blocks: Blocks, horizon: int, settings, models: list[str]) -> list[pd.DataFrame]:
@@ -137,7 +166,9 @@ def fit_baselines(rows: pd.DataFrame, blocks: Blocks, horizon: int, settings, mo
     with ONE_BLAS_THREAD, threadpool_limits(1, user_api="blas"):
         for name in models:
             stop_point()
-            parts.append(BASELINES[name](rows, blocks, horizon, settings).assign(model=name))
+            forecasts = BASELINES[name](rows, blocks, horizon, settings)
+            named = forecasts["model"].fillna(name) if "model" in forecasts else name  # GJR-t's EVT rows are named
+            parts.append(forecasts.assign(model=named))
     return parts
 
 

@@ -64,8 +64,9 @@ class Evaluation(ConfigModel):
 
 
 class Baselines(ConfigModel):
-    models: list[Literal["ewma", "garch", "gjr_garch_t", "har", "har_rv"]] = [
-        "ewma", "garch", "gjr_garch_t", "har", "har_rv"]
+    models: list[Literal["ewma", "garch", "gjr_garch_t", "har", "har_rv", "gas"]] = Field(
+        ["ewma", "garch", "gjr_garch_t", "har", "har_rv", "gas"], description="gjr_garch_t brings gjr_garch_t_evt, "
+        "the same fits with tails by filtered historical simulation with a generalised Pareto tail")
     ewma_lambda: float = Field(0.94, gt=0, lt=1)
 
 

@@ -20,8 +20,9 @@ import torch
 from common.job import Job
 from common.runtime.devices import Runtime
 from common.runtime.sharding import all_reduce_sum
-from common.training.callbacks import Callback
+from common.training.callbacks import Callback, FitState
 from common.training.loop import Trainer, make_optimizer
+from common.training.spec import TrainSpec
 from .config import Config
 from .models import VolatilityEnsemble, VolatilityMLP, fit_qlike
 
@@ -156,14 +157,14 @@ class FitEarlyStopping(Callback):
                 f"val/qlike_h{self.horizon}": float(self.latest[:, 1].mean()),
                 "val/best_qlike": float(best.mean()), "val/fits_training": float(len(fits))}
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: FitState) -> None:
         if trainer.resumed_from is None:
             self.training.fill_(True)
             self.best.fill_(math.inf)
             self.best_epoch.fill_(-1)
             self.best_state = {name: value.detach().clone() for name, value in trainer.module.state_dict().items()}
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+    def on_epoch_end(self, trainer: FitState, epoch: int, metrics: dict[str, float]) -> None:
         """As `EarlyStopping.on_epoch_end`, per fit: validated epochs count, and a NaN is no improvement."""
         if self.latest is not None:
             fits = self.training.nonzero().flatten()
@@ -181,7 +182,7 @@ class FitEarlyStopping(Callback):
             if not self.training.any():
                 trainer.should_stop = True
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: FitState) -> None:
         """Each fit's best weights; every fit counted as training again, so that the workload probe after this
         measures a step of all of them."""
         trainer.module.load_state_dict(self.best_state)
@@ -219,9 +220,10 @@ def train_ensemble(fits: list[Fit], features: torch.Tensor, targets: torch.Tenso
     optimizer = make_optimizer("adamw", ensemble.parameters(), runtime, lr=settings.lr,
                                weight_decay=settings.weight_decay)
     # the trainer's own early stopping sees only the mean over the fits: FitEarlyStopping stops and restores them
-    trainer = Trainer(ensemble, optimizer, ensemble_step, runtime, settings.model_copy(update={"patience": None}),
-                      monitor="val/best_qlike", checkpoint_dir=job.checkpoint_dir / "neural",
-                      log_metrics=job.tracker.log_metrics, name=f"neural ({len(fits)} fits)", model_name="neural",
-                      predict=served_prediction(config.neural.ensemble), callbacks=[stopping])
+    spec = TrainSpec(settings.model_copy(update={"patience": None}), monitor="val/best_qlike",
+                     checkpoint_dir=job.checkpoint_dir / "neural", log_metrics=job.tracker.log_metrics,
+                     name=f"neural ({len(fits)} fits)", model_name="neural",
+                     predict=served_prediction(config.neural.ensemble))
+    trainer = Trainer(ensemble, optimizer, ensemble_step, runtime, spec, callbacks=[stopping])
     trainer.fit(batches, stopping.validate, resume=job.resume)
     return trainer.module.eval()

@@ -1,6 +1,6 @@
 """Forecast evaluation on the test window: losses against two variance proxies, VaR backtests (Kupiec,
-Christoffersen, the Basel traffic light), Expected Shortfall backtests (McNeil-Frey, Acerbi-Székely Z2),
-Diebold-Mariano tests, and plots.
+Christoffersen, the Basel traffic light), Expected Shortfall backtests (McNeil-Frey, Acerbi-Székely Z2), the FZ0
+loss of each VaR and ES pair (`tails.fz0_loss`), Diebold-Mariano tests, and plots.
 
 QLIKE(proxy, forecast) = x − ln x − 1 with x = proxy / forecast (Patton 2011): robust to the noise in the
 proxy, so models rank the same as they would against the true variance. Days where a proxy is zero are left out,
@@ -15,11 +15,14 @@ from arch.covariance.kernel import Bartlett
 from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
-from .tails import ES_LEVELS, TAIL_RULES, VAR_LEVELS, es_columns, es_name, quantile_column
+from .tails import ES_LEVELS, TAIL_RULES, VAR_LEVELS, es_columns, es_name, fz0_loss, quantile_column
 
 # Diebold-Mariano tests: each model's QLIKE against a proxy, paired with a reference model's on the same days. The
 # headline is the return scale against GJR-t; HAR-RV on Parkinson variance is the published protocol's.
 DM_TESTS = {"gjr_garch_t": "sq", "har_rv": "parkinson"}
+FZ0_REFERENCE = "gjr_garch_t_evt"  # the industry's tails (FHS with EVT on GJR-t): each model's FZ0 is tested against it
+TAIL_ONLY = ("gas",)  # models of the tails alone: no variance metrics
+PASS_P = 0.05  # a tail model passes the validation backtests when none rejects it at this level
 BASEL_WINDOW = 250  # trading days of the Basel traffic-light backtest
 ES_RESAMPLES = 10_000  # of the McNeil-Frey bootstrap
 
@@ -125,10 +128,22 @@ def _forward_sum(values: np.ndarray, days: int) -> np.ndarray:
     return pd.Series(values).rolling(days).sum().shift(-(days - 1)).to_numpy()
 
 
-def series_metrics(forecasts: pd.DataFrame, horizon: int) -> dict[str, float]:
+def tail_pair(forecasts: pd.DataFrame, level: float) -> tuple[np.ndarray, np.ndarray]:
+    """The VaR and ES at tail probability `level` (one of ES_LEVELS) of each day."""
+    sigma = np.sqrt(forecasts["variance"].to_numpy())
+    quantile, shortfall = (forecasts["mu"].to_numpy() + sigma * forecasts[column].to_numpy()
+                           for column in es_columns(level))
+    return quantile, shortfall
+
+
+def fz0_losses(forecasts: pd.DataFrame, level: float) -> np.ndarray:
+    return fz0_loss(forecasts["ret"].to_numpy(), *tail_pair(forecasts, level), level)
+
+
+def series_metrics(forecasts: pd.DataFrame, horizon: int, variance_metrics: bool = True) -> dict[str, float]:
     """Metrics of one model on one ticker, its rows in date order; `forecasts` holds the realised `parkinson`
     and `ret` of each target day beside the forecasts (and `true_variance` for a synthetic panel). H-day proxies
-    sum H consecutive target days."""
+    sum H consecutive target days. Without `variance_metrics` (a model of the tails alone) the backtests only."""
     variance = forecasts["variance"].to_numpy()
     parkinson = forecasts["parkinson"].to_numpy()
     returns = forecasts["ret"].to_numpy()
@@ -148,6 +163,8 @@ def series_metrics(forecasts: pd.DataFrame, horizon: int) -> dict[str, float]:
     if "true_variance" in forecasts:
         truth = forecasts["true_variance"].to_numpy()
         metrics.update({"qlike_true": qlike(truth, variance), "qlike_sq_oracle": qlike(squared, truth)})
+    if not variance_metrics:
+        metrics = {}
     for level in VAR_LEVELS:
         name = f"var{round(level * 100)}"
         hits = (returns < value_at_risk(forecasts, level)).to_numpy()
@@ -175,11 +192,13 @@ def shortfall_metrics(returns: np.ndarray, mu: np.ndarray, sigma: np.ndarray, fo
         quantile_name, shortfall_name = es_columns(level, suffix)
         name = es_name(level) + name_suffix
         shortfall = mu + sigma * forecasts[shortfall_name].to_numpy()
-        hits = returns < mu + sigma * forecasts[quantile_name].to_numpy()
+        quantile = mu + sigma * forecasts[quantile_name].to_numpy()
+        hits = returns < quantile
         metrics[f"{name}_mean"] = float(shortfall.mean())
         metrics[f"{name}_breaches"] = float(hits.sum())
         metrics[f"{name}_z2"], metrics[f"{name}_z2_p"] = acerbi_szekely_z2(returns, shortfall, hits, level)
         metrics[f"{name}_mcneil_frey_p"] = mcneil_frey(returns, shortfall, sigma, hits)
+        metrics[f"{name}_fz0"] = float(fz0_loss(returns, quantile, shortfall, level).mean())
     return metrics
 
 
@@ -206,38 +225,48 @@ def horizon_metrics(forecasts: pd.DataFrame, returns: np.ndarray, mu: np.ndarray
 
 
 def tail_backtests(rows: pd.DataFrame) -> dict[str, float]:
-    """The backtests a tail rule is chosen by, on one ticker's forecasts in date order (with the realised `ret`):
-    the 1 % VaR's breaches, Kupiec and conditional coverage p-values, the 97.5 % ES's Z2 and its p-value, and
-    `worst_p`, the smallest of those p-values (Z2's is NaN under 2 breaches): how near the rule comes to being
-    rejected."""
-    returns, mu = rows["ret"].to_numpy(), rows["mu"].to_numpy()
+    """The scores a tail rule is chosen by, on one ticker's forecasts in date order (with the realised `ret`): the
+    1 % VaR's breaches, Kupiec and conditional coverage p-values, the 97.5 % ES's Z2 and McNeil-Frey p-values,
+    `worst_p`, the smallest of those p-values (NaN ones left out): how near the rule comes to being rejected, and
+    `fz0`, the mean FZ0 loss of the 97.5 % and the 99 % VaR and ES pairs together."""
+    returns = rows["ret"].to_numpy()
     hits = (rows["ret"] < value_at_risk(rows, 0.01)).to_numpy()
     metrics = {"var1_breaches": float(hits.sum()), "kupiec_p": kupiec_pof(int(hits.sum()), len(hits), 0.01)[1],
                "christoffersen_cc_p": christoffersen(hits, 0.01)[3], "days": float(len(hits))}
     sigma = np.sqrt(rows["variance"].to_numpy())
-    quantile, shortfall = (mu + sigma * rows[column].to_numpy() for column in es_columns(0.025))
+    quantile, shortfall = tail_pair(rows, 0.025)
     metrics["es975_z2"], metrics["es975_z2_p"] = acerbi_szekely_z2(returns, shortfall, returns < quantile, 0.025)
-    metrics["worst_p"] = float(np.nanmin([metrics[name] for name in ("kupiec_p", "christoffersen_cc_p", "es975_z2_p")]))
+    metrics["es975_mcneil_frey_p"] = mcneil_frey(returns, shortfall, sigma, returns < quantile)
+    metrics["worst_p"] = float(np.nanmin([metrics[name] for name in ("kupiec_p", "christoffersen_cc_p", "es975_z2_p",
+                                                                    "es975_mcneil_frey_p")]))
+    metrics["fz0"] = float(sum(fz0_losses(rows, level).mean() for level in ES_LEVELS))
     return metrics
 
 
 def choose_tail_rule(candidates: dict[str, pd.DataFrame]) -> tuple[str, dict[str, float]]:
-    """The tail rule whose forecasts pass the validation backtests best: the largest `worst_p` averaged over the
-    tickers; a tie (as when the validation period is too short for out-of-sample residuals to take over) goes to
-    the first of TAIL_RULES. `candidates` are each rule's validation forecasts (`ticker`, `date`, `ret`, `mu`,
-    `variance` and the tail columns; NaN variance for a ticker not yet listed at a refit); returns the rule and every
-    candidate's backtests as `RULE/METRIC/TICKER`, with `RULE/worst_p` their mean."""
-    backtests, scores = {}, {}
-    for rule in TAIL_RULES:
+    """The tail rule chosen on the validation period: of the rules that no backtest rejects at PASS_P on any ticker
+    (`worst_p`), the one with the lowest FZ0 (averaged over the tickers), the score that ranks VaR and ES pairs;
+    when every rule is rejected somewhere, the one that comes nearest to passing (the largest mean `worst_p`). A
+    tie goes to the first of TAIL_RULES. `candidates` are each rule's validation forecasts (`ticker`, `date`,
+    `ret`, `mu`, `variance` and the tail columns; NaN variance for a ticker not yet listed at a refit); returns the
+    rule and every candidate's scores as `RULE/METRIC/TICKER`, with `RULE/worst_p`, `RULE/fz0` their means and
+    `RULE/passes` 1 or 0."""
+    backtests, passing = {}, {}
+    for rule in candidates:
         forecasts = candidates[rule]
         forecasts = forecasts[np.isfinite(forecasts["variance"])]
-        worst = []
+        scores = []
         for ticker, rows in forecasts.groupby("ticker", sort=False):
             metrics = tail_backtests(rows.sort_values("date"))
             backtests.update({f"{rule}/{name}/{ticker}": value for name, value in metrics.items()})
-            worst.append(metrics["worst_p"])
-        scores[rule] = backtests[f"{rule}/worst_p"] = float(np.mean(worst))
-    return max(TAIL_RULES, key=scores.__getitem__), backtests
+            scores.append((metrics["worst_p"], metrics["fz0"]))
+        worst, fz0 = np.array(scores).T
+        backtests[f"{rule}/worst_p"], backtests[f"{rule}/fz0"] = float(worst.mean()), float(fz0.mean())
+        passing[rule] = backtests[f"{rule}/passes"] = float((worst >= PASS_P).all())
+    rules = [rule for rule in TAIL_RULES if rule in candidates]
+    if any(passing.values()):
+        return min((rule for rule in rules if passing[rule]), key=lambda rule: backtests[f"{rule}/fz0"]), backtests
+    return max(rules, key=lambda rule: backtests[f"{rule}/worst_p"]), backtests
 
 
 def validation_qlike(forecasts: pd.DataFrame) -> dict[str, float]:
@@ -255,18 +284,22 @@ def evaluate(forecasts: pd.DataFrame, horizon: int = 5, dm_lags: int = 5) -> dic
     """Per model: each metric per ticker as `METRIC/ticker`, and its mean over tickers as `METRIC`.
 
     Every model is also tested against the DM_TESTS references (Diebold-Mariano on QLIKE against their proxy) as
-    `dm_t_vs_REFERENCE` and `dm_p_vs_REFERENCE`.
+    `dm_t_vs_REFERENCE` and `dm_p_vs_REFERENCE`, and on its FZ0 at each of ES_LEVELS against FZ0_REFERENCE's as
+    `dm_t_fz0_es975` and `dm_p_fz0_es975` (`es99`); the TAIL_ONLY models on their FZ0 alone.
     """
     results: dict[str, dict[str, float]] = {}
-    references = {name: forecasts[forecasts["model"] == name].set_index(["ticker", "date"]) for name in DM_TESTS}
+    references = {name: forecasts[forecasts["model"] == name].set_index(["ticker", "date"])
+                  for name in (*DM_TESTS, FZ0_REFERENCE)}
     for model, by_model in forecasts.groupby("model", sort=False):
         per_ticker: dict[str, dict[str, float]] = {}
         for ticker, rows in by_model.groupby("ticker", sort=False):
-            metrics = series_metrics(rows.sort_values("date"), horizon)
+            metrics = series_metrics(rows.sort_values("date"), horizon, model not in TAIL_ONLY)
             for name, proxy in DM_TESTS.items():
-                if model != name and len(references[name]):
+                if model != name and len(references[name]) and model not in TAIL_ONLY:
                     metrics[f"dm_t_vs_{name}"], metrics[f"dm_p_vs_{name}"] = _paired_dm(
                         rows, references[name], proxy, dm_lags)
+            if model != FZ0_REFERENCE and len(references[FZ0_REFERENCE]):
+                metrics.update(_paired_fz0_dm(rows, references[FZ0_REFERENCE], dm_lags))
             per_ticker[ticker] = metrics
         names = list(next(iter(per_ticker.values())))
         combined = {name: float(np.mean([metrics[name] for metrics in per_ticker.values()])) for name in names}
@@ -288,6 +321,19 @@ def _paired_dm(rows: pd.DataFrame, reference: pd.DataFrame, proxy: str, lags: in
     losses = qlike_losses(values[keep], paired["variance"].to_numpy()[keep])
     reference_losses = qlike_losses(values[keep], paired["variance_reference"].to_numpy()[keep])
     return diebold_mariano(losses, reference_losses, lags)
+
+
+def _paired_fz0_dm(rows: pd.DataFrame, reference: pd.DataFrame, lags: int) -> dict[str, float]:
+    """DM of one model's FZ0 against the reference's at each of ES_LEVELS, on the days both forecast."""
+    columns = ["ret", "mu", "variance", *[name for level in ES_LEVELS for name in es_columns(level)]]
+    paired = rows.set_index(["ticker", "date"])[columns].join(reference[columns].add_suffix("_reference"), how="inner")
+    theirs = paired[[f"{name}_reference" for name in columns]].set_axis(columns, axis=1)
+    metrics = {}
+    for level in ES_LEVELS:
+        name = es_name(level)
+        metrics[f"dm_t_fz0_{name}"], metrics[f"dm_p_fz0_{name}"] = diebold_mariano(
+            fz0_losses(paired, level), fz0_losses(theirs, level), lags)
+    return metrics
 
 
 def forecast_figure(forecasts: pd.DataFrame, ticker: str, models: list[str]):

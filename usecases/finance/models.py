@@ -47,11 +47,15 @@ class VolatilityMLP(nn.Module):
         self.mean.copy_(mean)
         self.scale.copy_(torch.where(scale > 0, scale, torch.ones_like(scale)))
 
+    def scaled(self, features: torch.Tensor) -> torch.Tensor:
+        """The inputs standardised as the network sees them (a missing exogenous input at its training mean): the
+        joint VaR/ES head (`joint.py`) reads them too."""
+        return torch.nan_to_num((features - self.mean) / self.scale, nan=0.0) * self.seen
+
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """Log variance forecasts (next day, next H days): the log 22-day average (the first feature) plus a
-        learned correction, as a (batch, 2) tensor. A missing exogenous input counts as its training mean."""
-        scaled = torch.nan_to_num((features - self.mean) / self.scale, nan=0.0) * self.seen
-        return features[:, :1] + self.log_days + self.head(self.body(scaled))
+        learned correction, as a (batch, 2) tensor."""
+        return features[:, :1] + self.log_days + self.head(self.body(self.scaled(features)))
 
 
 def qlike(log_forecast: torch.Tensor, proxy: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ from .evaluate import choose_tail_rule, evaluate, forecast_figure, risk_figure, 
 from .features import add_features, feature_names, usable
 from .parallel import BaselineRuns, BaselineTask
 from .serving import log_forecaster
-from .tails import VAR_LEVELS, empirical_columns, quantile_column, recalibrate
+from .joint import fit_heads
+from .tails import TAIL_COLUMNS, empirical_columns, recalibrate
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +250,12 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     Every member of every refit trains at once, as one batched ensemble (`ensemble.py`); each still sees only the
     rows its refit's `training_window` gives, from its own seed. With `neural.target=scaled_range` the network
     learns Parkinson variance and its forecasts are multiplied by each ticker's `overnight_factors` in that window.
-    Its VaR quantiles and Expected Shortfalls are those of its own standardised returns (filtered historical
-    simulation), by the tail rule whose validation forecasts backtest best (`choose_tail_rule`): the training
-    window's, or its own earlier out-of-sample residuals (`tails.recalibrate`). The choice sees no test day; the
-    run's tag `tails_rule` names it and the metrics `tails_val/RULE/...` show why.
+    Its VaR and Expected Shortfall come from one of three tail rules, chosen on the validation period
+    (`choose_tail_rule`): filtered historical simulation on its training window's standardised returns
+    (`training`) or on its own earlier out-of-sample ones (`out_of_sample`, `tails.recalibrate`), or the joint
+    VaR/ES head trained with FZ0 (`fz`, `joint.py`). The choice sees no test day; the run's tag `tails_rule` names
+    it and the metrics `tails_val/RULE/...` show why. The test forecasts are the chosen rule's as `neural`, and every
+    rule's as `neural_RULE`.
     """
     device, horizon, target = job.runtime.device, config.evaluation.horizon, config.neural.target
     names = feature_names(config.data.exogenous)
@@ -273,8 +276,8 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
             for block, (train_rows, val_rows) in zip(blocks, windows) for member in range(members)]
     with job.phase("fit/neural", "device"):
         ensemble = train_ensemble(fits, features, targets, config, job)
-    features = features.to(device)
-    parts, latest, refit = [], {}, None
+    inputs, features = features, features.to(device)
+    parts, windows_seen, inputs_ahead, latest, refit = [], [], [], {}, None
     for position, (start, (train_rows, val_rows)) in enumerate(zip(starts, windows)):
         end = starts[position + 1] if position + 1 < len(starts) else pd.Timestamp.max
         refit = torch.arange(position * members, (position + 1) * members, device=device)  # its fits in `fits`
@@ -285,19 +288,27 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
                                     frame["ticker"].to_numpy()[rows], factors) for rows in (fitted_rows, predict_rows))
         realised = frame[["target_ret", "target_ret_h"]].to_numpy()[fitted_rows]
         mu = float(realised[:, 0].mean())
-        tails = empirical_columns((realised[:, 0] - mu) / np.sqrt(fitted[:, 0]),
-                                  (realised[:, 1] - horizon * mu) / np.sqrt(fitted[:, 1]))
+        standardised = np.column_stack([realised[:, 0] - mu, realised[:, 1] - horizon * mu]) / np.sqrt(fitted)
+        tails = empirical_columns(standardised[:, 0], standardised[:, 1])
         parts.append(forecast_frame(frame, predict_rows, forecast[:, 0], forecast[:, 1], mu, tails))
+        scaler = ensemble.member(int(refit[0]))  # a refit's members share its window's scaler
+        windows_seen.append((scaler.scaled(inputs[fitted_rows]), standardised, tails))
+        inputs_ahead.append(scaler.scaled(inputs[predict_rows]))
         latest = {"features": names, "exogenous": config.data.exogenous,
                   "architecture": {**config.neural.model_dump(exclude={"ensemble", "target"}), "horizon": horizon},
                   "overnight_factors": {} if factors is None else factors.to_dict(),
-                  "mu": mu, "trained_until": str(start.date()),
-                  "quantiles": [tails[quantile_column(level)] for level in VAR_LEVELS]}
+                  "mu": mu, "trained_until": str(start.date()), "training_tails": tails}
     latest["models"] = [ensemble.member(fit) for fit in refit.tolist()]  # the last refit's members: served
-    forecasts = pd.concat(parts).join(frame[["ticker", "target_date", "target_date_h", "target_ret", "target_ret_h"]]
-                                      .set_axis(["ticker", "date", "date_h", "ret", "ret_h"], axis=1))
+    with job.phase("fit/tails", "serial"):  # every refit's joint VaR/ES head, on its own window (`joint.py`)
+        heads = fit_heads(*map(list, zip(*windows_seen)))
+    latest["head"] = heads[-1].state_dict()
+    joint_parts = [part.assign(**head.columns(scaled)) for part, head, scaled in zip(parts, heads, inputs_ahead)]
+    outcomes = frame[["ticker", "target_date", "target_date_h", "target_ret", "target_ret_h"]].set_axis(
+        ["ticker", "date", "date_h", "ret", "ret_h"], axis=1)
+    forecasts = pd.concat(parts).join(outcomes)
     renewals = walk_starts(frame, validation, mask, config.evaluation.refit_every)
-    candidates = {"training": forecasts, "out_of_sample": recalibrate(forecasts, renewals, horizon)}
+    candidates = {"training": forecasts, "out_of_sample": recalibrate(forecasts, renewals, horizon),
+                  "fz": pd.concat(joint_parts).join(outcomes)}
     in_validation = validation[forecasts.index].to_numpy()
     rule, backtests = choose_tail_rule({name: rows[in_validation] for name, rows in candidates.items()})
     log.info("neural: tail rule %s, chosen on %d validation days (worst backtest p %s)", rule,
@@ -305,13 +316,14 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
              ", ".join(f"{name} {backtests[f'{name}/worst_p']:.3f}" for name in candidates))
     job.tracker.set_tags({"tails_rule": rule})
     job.tracker.log_metrics({f"tails_val/{name}": value for name, value in backtests.items()})
-    forecasts = candidates[rule]
-    latest["validation"] = validation_qlike(forecasts[in_validation])
-    if rule == "out_of_sample":  # served: the quantiles its next renewal would give, of every residual so far
-        residuals = ((forecasts["ret"] - forecasts["mu"]) / np.sqrt(forecasts["variance"])).to_numpy()
-        latest["quantiles"] = np.quantile(residuals[np.isfinite(residuals)], VAR_LEVELS).tolist()
-    in_test = forecasts[mask[forecasts.index].to_numpy()]
-    return in_test.drop(columns=["ticker", "date", "date_h", "ret", "ret_h"]).assign(model="neural"), latest
+    latest["validation"] = validation_qlike(candidates[rule][in_validation])
+    # served: the rule's tails of each ticker's last test day, as evaluated (the head's, for `fz`, on top)
+    last_days = candidates[rule][np.isfinite(candidates[rule]["variance"])].groupby("ticker", sort=False).tail(1)
+    latest["tails"] = {"rule": rule, "by_ticker": last_days.set_index("ticker")[TAIL_COLUMNS].to_dict("index")}
+    in_test = mask[forecasts.index].to_numpy()
+    test = [candidates[rule][in_test].assign(model="neural")]
+    test += [rows[in_test].assign(model=f"neural_{name}") for name, rows in candidates.items()]
+    return pd.concat(test).drop(columns=["ticker", "date", "date_h", "ret", "ret_h"]), latest
 
 
 def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None) -> np.ndarray:

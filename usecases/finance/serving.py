@@ -11,11 +11,15 @@ import torch
 from common.serving.pyfunc import BadInput, ServedModel, log_served
 from common.usecase import Served
 from .features import HAR_WINDOWS, HISTORY_DAYS, add_features
+from .joint import TailHead
 from .models import VolatilityMLP, ensemble_forecast
 
 INPUT_COLUMNS = ["date", "ticker", "high", "low", "close"]
 EXAMPLE_DAYS = HISTORY_DAYS + 3
 MONTH = HAR_WINDOWS["rv_m"]
+# The served VaR and ES: output column, and the tail column (`tails.TAIL_COLUMNS`) that gives it as μ + σ·value
+SERVED_TAILS = [("var_1pct", "q01"), ("var_2_5pct", "es975_q"), ("var_5pct", "q05"), ("es_2_5pct", "es975"),
+                ("es_1pct", "es99")]
 
 
 class VolatilityForecaster(ServedModel):
@@ -23,9 +27,12 @@ class VolatilityForecaster(ServedModel):
     with, such as vix), at least 67 consecutive days per ticker.
 
     Output: one row per ticker with the variance forecast of the close-to-close return of the day after its last
-    row (percent²), the summed variance of the next H days, the volatility, and the 1% and 5% one-day VaR of the
-    percent return. A network trained on range variance (`neural.target=scaled_range`) is scaled by the ticker's
-    overnight factor from its training window, or, for a ticker it was not trained on, by that of the rows given.
+    row (percent²), the summed variance of the next H days, the volatility, and the one-day VaR (1 %, 2.5 %, 5 %)
+    and ES (97.5 % and 99 %, as `es_2_5pct` and `es_1pct`) of the percent return, by the run's tail rule as it was
+    evaluated on the last test day: a ticker's own tails there (`by_ticker`; a ticker the run did not test takes the
+    last training window's), and for `fz` the joint head's VaR and ES from the day's inputs. A network trained on
+    range variance (`neural.target=scaled_range`) is scaled by the ticker's overnight factor from its training
+    window, or, for a ticker it was not trained on, by that of the rows given.
     """
 
     def load(self, bundle: dict) -> None:
@@ -35,7 +42,11 @@ class VolatilityForecaster(ServedModel):
             model = VolatilityMLP(len(self.features), **bundle["architecture"])
             model.load_state_dict(state)
             self.members.append(model.eval())
-        self.mu, self.quantiles = bundle["mu"], bundle["quantiles"]
+        self.mu, self.tails, self.training_tails = bundle["mu"], bundle["tails"], bundle["training_tails"]
+        self.head = None
+        if self.tails["rule"] == "fz":
+            self.head = TailHead(len(self.features))
+            self.head.load_state_dict(bundle["head"])
         self.overnight_factors = bundle["overnight_factors"]
         self.horizon = bundle["architecture"]["horizon"]
 
@@ -70,14 +81,18 @@ class VolatilityForecaster(ServedModel):
         forecast = ensemble_forecast(self.members, features).numpy() * self._factors(history, latest)[:, None]
         variance = forecast[:, 0]
         volatility = np.sqrt(variance)
+        tails = pd.DataFrame([self.tails["by_ticker"].get(ticker, self.training_tails) for ticker in latest["ticker"]])
+        if self.head is not None:
+            joint = self.head.columns(self.members[0].scaled(features))
+            tails = tails.assign(**{name: joint[name] for name in ("q01", "es975_q", "es975", "es99")})
+        risk = {name: (self.mu + volatility * tails[column].to_numpy()).astype(float) for name, column in SERVED_TAILS}
         return pd.DataFrame({
             "ticker": latest["ticker"].to_numpy(),
             "origin_date": latest["date"].dt.strftime("%Y-%m-%d").to_numpy(),
             "variance": variance.astype(float),
             f"variance_{self.horizon}d": forecast[:, 1].astype(float),
             "volatility": volatility.astype(float),
-            "var_1pct": (self.mu + volatility * self.quantiles[0]).astype(float),
-            "var_5pct": (self.mu + volatility * self.quantiles[1]).astype(float),
+            **risk,
         })
 
     def _factors(self, history: pd.DataFrame, latest: pd.DataFrame) -> np.ndarray:
@@ -89,6 +104,10 @@ class VolatilityForecaster(ServedModel):
         return np.array([self.overnight_factors.get(ticker, given[ticker]) for ticker in latest["ticker"]])
 
 
+def _floats(columns: dict) -> dict[str, float]:
+    return {name: float(value) for name, value in columns.items()}
+
+
 def input_example(panel: pd.DataFrame, exogenous: list[str]) -> pd.DataFrame:
     recent = panel.sort_values(["ticker", "date"]).groupby("ticker", sort=False).tail(EXAMPLE_DAYS)
     example = recent[INPUT_COLUMNS + exogenous].reset_index(drop=True)
@@ -96,19 +115,27 @@ def input_example(panel: pd.DataFrame, exogenous: list[str]) -> pd.DataFrame:
     return example
 
 
-def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> Served | None:
-    """Log the last refit's ensemble as `model`, with a signature and a real input example."""
-    if not job.tracker.active:
-        return None
-    bundle = {
+def forecaster_bundle(latest: dict) -> dict:
+    """What the served model loads: the last refit's ensemble and the tails it is served with."""
+    return {
         "states": [{key: value.cpu() for key, value in model.state_dict().items()} for model in latest["models"]],
         "architecture": latest["architecture"],
         "features": latest["features"],
         "exogenous": latest["exogenous"],
         "mu": latest["mu"],
-        "quantiles": latest["quantiles"],
+        "tails": {"rule": latest["tails"]["rule"], "by_ticker": {str(ticker): _floats(tails) for ticker, tails
+                                                                  in latest["tails"]["by_ticker"].items()}},
+        "training_tails": _floats(latest["training_tails"]),
+        "head": {key: value.cpu() for key, value in latest["head"].items()},
         "overnight_factors": {str(ticker): float(value) for ticker, value in latest["overnight_factors"].items()},
     }
+
+
+def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> Served | None:
+    """Log the last refit's ensemble as `model`, with a signature and a real input example."""
+    if not job.tracker.active:
+        return None
+    bundle = forecaster_bundle(latest)
     served = log_served(VolatilityForecaster.from_bundle(bundle), bundle, input_example(panel, latest["exogenous"]),
                         job.tracker, name="neural", package=__package__,
                         requirements=["torch", "numpy", "pandas", "mlflow"])

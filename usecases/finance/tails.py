@@ -6,20 +6,34 @@ Normal (EWMA, GARCH, HAR): es = −φ(z_α)/α. Student-t with ν degrees of fre
 √((ν − 2)/ν): es = −(ν + t_α²)/(ν − 1) · f_ν(t_α)/α, times that scale (McNeil, Frey and Embrechts 2015, §2.3).
 Empirical (the neural model's filtered historical simulation): the mean of the standardised returns at or below
 their α-quantile. Two rules give those returns (TAIL_RULES): `training`, its training window's; `out_of_sample`,
-its own earlier out-of-sample residuals once a year of them exists (`recalibrate`). The run chooses between them on
-a validation period before the test window (`evaluate.choose_tail_rule`).
+its own earlier out-of-sample residuals once a year of them exists (`recalibrate`); a third, `fz`, is the
+network's joint VaR/ES head (`joint.py`). The run chooses among them on a validation period before the test window
+(`evaluate.choose_tail_rule`).
+
+EVT (GJR-t's filtered historical simulation, `gjr_garch_t_evt`): below the 10 % quantile u of the standardised
+residuals, a generalised Pareto tail fitted to the exceedances (McNeil and Frey 2000).
+
+FZ0 (Patton, Ziegel and Chen 2019) scores a VaR v and ES e at a level α together, v and e < 0:
+L(y, v, e) = −1{y ≤ v}(v − y) / (α e) + v / e + log(−e) − 1. Its expectation is smallest at the true pair.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from scipy.stats import norm, t
+from scipy.stats import genpareto, norm, t
 
 VAR_LEVELS = (0.01, 0.05)
 ES_LEVELS = (0.025, 0.01)  # tail probabilities: ES at 97.5 % (FRTB) and at 99 %
 MIN_RESIDUALS = 250  # a year of out-of-sample residuals before they replace the training window's
-TAIL_RULES = ("training", "out_of_sample")  # in order of preference when the validation backtests tie
+TAIL_RULES = ("training", "out_of_sample", "fz")  # in order of preference when the validation scores tie
+EVT_THRESHOLD = 0.10  # the tail share of the residuals the generalised Pareto tail is fitted to
+
+
+def fz0_loss(returns, var, shortfall, level: float):
+    """FZ0 of each day (module docstring), on numpy arrays or torch tensors alike (the network trains on it)."""
+    log = (lambda values: values.log()) if hasattr(shortfall, "log") else np.log  # a tensor's, else numpy's
+    return (returns <= var) * (returns - var) / (level * shortfall) + var / shortfall + log(-shortfall) - 1
 
 
 def quantile_column(level: float) -> str:
@@ -62,6 +76,30 @@ def empirical_tails(standardised: np.ndarray) -> list[tuple[float, float]]:
         quantile = float(np.quantile(values, level))
         tails.append((quantile, float(values[values <= quantile].mean())))
     return tails
+
+
+def evt_tails(standardised: np.ndarray, levels) -> list[tuple[float, float]]:
+    """(quantile, ES) at each of `levels` (all below EVT_THRESHOLD) from a generalised Pareto tail: the excess x of
+    the loss over the threshold at tail probability α is GPD's quantile at α / EVT_THRESHOLD, and the mean excess
+    beyond it (β + ξx) / (1 − ξ)."""
+    threshold = float(np.quantile(standardised, EVT_THRESHOLD))
+    excess = threshold - standardised[standardised < threshold]
+    shape, _, scale = genpareto.fit(excess, floc=0)
+    shape = min(shape, 0.9)  # a finite ES: ξ < 1
+    tails = []
+    for level in levels:
+        beyond = float(genpareto.isf(level / EVT_THRESHOLD, shape, scale=scale))
+        tails.append((threshold - beyond, threshold - beyond - (scale + shape * beyond) / (1 - shape)))
+    return tails
+
+
+def evt_columns(standardised: np.ndarray) -> dict[str, float]:
+    """Every tail column from a GPD tail of the standardised residuals; the H-day ones are the 1-day ones (as the
+    Student-t's: a sum of H days has lighter tails)."""
+    values = np.asarray(standardised, dtype=float)
+    values = values[np.isfinite(values)]
+    tails = evt_tails(values, VAR_LEVELS + ES_LEVELS)
+    return tail_columns([quantile for quantile, _ in tails[:len(VAR_LEVELS)]], tails[len(VAR_LEVELS):])
 
 
 def tail_columns(quantiles, tails: list[tuple[float, float]],

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import DataUnavailable, UserError
+from common.errors import DataUnavailable, UserError, one_line
 from common.paths import cache_dir, data_search_path
 from .config import Data, MedMNIST, Synthetic
 from .files import load_files
@@ -82,7 +82,7 @@ def _download(url: str, folder: Path, name: str, md5: str, where: str) -> Path:
     try:
         download_url(url, str(folder), f"{name}.part", md5=None)
     except Exception as exc:
-        raise DataUnavailable(f"cannot download MedMNIST {name} ({str(exc).splitlines()[0][:80]}): {where}") from None
+        raise DataUnavailable(f"cannot download MedMNIST {name} ({one_line(exc, 80)}): {where}") from None
     finally:
         socket.setdefaulttimeout(previous)
     part = folder / f"{name}.part"

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 from sklearn.model_selection import StratifiedGroupKFold
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 from common.paths import file_sha256
 from common.tables import read_table
 from .config import Files
-from .images import SPLITS, ImageSet, check_classes, short
+from .images import SPLITS, ImageSet, check_classes
 from .pixels import is_image_file, read_image
 
 MANIFEST_NAME = "manifest.csv"
@@ -194,7 +194,8 @@ def held_out_fold(labels: np.ndarray, patients: np.ndarray, fraction: float, see
     try:
         _, held_out = next(folds.split(np.zeros(len(labels)), labels, patients))
     except ValueError as error:
-        raise UserError(f"{where}: cannot hold out {fraction:.0%} of the patients by label ({short(error)})") from None
+        raise UserError(f"{where}: cannot hold out {fraction:.0%} of the patients by label "
+                        f"({one_line(error)})") from None
     return held_out
 
 

@@ -56,9 +56,3 @@ def check_classes(data: ImageSet, where: str) -> None:
             name = data.classes[int(np.flatnonzero(counts == 0)[0])]
             raise UserError(f"{where}: class '{name}' has no images in the {split} split "
                             f"(images per class: {dict(zip(data.classes, counts.tolist()))})")
-
-
-def short(error: Exception) -> str:
-    """An exception's first line, for the one-line messages of `UserError`."""
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__

@@ -13,8 +13,7 @@ import torch
 import torchvision
 from torch import nn
 
-from common.errors import UserError
-from .images import short
+from common.errors import UserError, one_line
 
 CIFAR_STEM_BELOW = 64
 SHAPE_ERRORS = (AssertionError, RuntimeError, ValueError)
@@ -77,7 +76,7 @@ def check_backbone_fits(name: str, in_channels: int, num_classes: int, cifar_ste
             scores = backbone.train()(torch.empty(2, in_channels, size, size))
         except SHAPE_ERRORS as error:
             raise UserError(f"model.name: '{name}' cannot take the data's {size}x{size} images with {in_channels} "
-                            f"channel(s) ({short(error)}); use larger images (data.files.image_size, "
+                            f"channel(s) ({one_line(error)}); use larger images (data.files.image_size, "
                             f"data.medmnist.size) or a model for small images such as resnet18") from None
     if not isinstance(scores, torch.Tensor):
         raise UserError(f"model.name: '{name}' returns {type(scores).__name__} in training, not one tensor of class "

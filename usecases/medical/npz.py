@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 from common.paths import file_sha256
-from .images import SPLITS, ImageSet, Task, check_classes, short
+from .images import SPLITS, ImageSet, Task, check_classes
 
 KEYS = tuple(f"{split}_{kind}" for split in SPLITS for kind in ("images", "labels"))
 DAMAGE_ERRORS = (OSError, EOFError, zipfile.BadZipFile, zlib.error)
@@ -46,7 +46,7 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
     try:
         archive = np.load(path)
     except (*DAMAGE_ERRORS, ValueError) as error:
-        raise UserError(f"{path}: not a readable .npz file ({short(error)})") from None
+        raise UserError(f"{path}: not a readable .npz file ({one_line(error)})") from None
     with archive:
         missing = [key for key in KEYS if key not in archive.files]
         if missing:
@@ -57,10 +57,10 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
             try:
                 arrays[key] = archive[key]
             except ValueError as error:  # an object array, or a header numpy cannot parse
-                raise UserError(f"{path}: {key} cannot be loaded ({short(error)}); save it as a numeric array "
+                raise UserError(f"{path}: {key} cannot be loaded ({one_line(error)}); save it as a numeric array "
                                 f"(uint8 images, integer labels) with np.savez") from None
             except DAMAGE_ERRORS as error:
-                raise UserError(f"{path}: {key} cannot be read ({short(error)}); the file is damaged, copy or "
+                raise UserError(f"{path}: {key} cannot be read ({one_line(error)}); the file is damaged, copy or "
                                 f"download it again") from None
     return arrays
 

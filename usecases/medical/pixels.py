@@ -17,9 +17,8 @@ from pydicom.misc import is_dicom
 from pydicom.multival import MultiValue
 from pydicom.pixels import apply_modality_lut
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 from .config import Files
-from .images import short
 
 PILLOW_SUFFIXES = {".png", ".jpg", ".jpeg"}
 DICOM_SUFFIXES = {".dcm", ".dicom"}
@@ -55,7 +54,7 @@ def read_pillow(file: Path) -> Image.Image:
             image = ImageOps.exif_transpose(opened)
             image.load()
     except PILLOW_ERRORS as error:
-        raise UserError(f"{file}: cannot read the image ({short(error)})") from None
+        raise UserError(f"{file}: cannot read the image ({one_line(error)})") from None
     if image.mode in HIGH_BIT_DEPTH_MODES:
         image = Image.fromarray(to_uint8(unit_range(np.asarray(image, dtype=np.float64))))
     return image
@@ -67,7 +66,7 @@ def read_dicom(file: Path) -> pydicom.Dataset:
     try:
         dataset = pydicom.dcmread(file, force=True)
     except DICOM_READ_ERRORS as error:
-        raise UserError(f"{file}: cannot read the DICOM file ({short(error)})") from None
+        raise UserError(f"{file}: cannot read the DICOM file ({one_line(error)})") from None
     if not dataset.file_meta and not any(tag in dataset for tag in PIXEL_DATA_TAGS):
         raise UserError(f"{file}: cannot read the DICOM file (no DICOM header and no pixel data)")
     return dataset
@@ -87,7 +86,7 @@ def dicom_to_uint8(dataset: pydicom.Dataset, center: float | None = None, width:
     try:
         pixels = dataset.pixel_array
     except DICOM_DECODE_ERRORS as error:
-        raise UserError(f"{name}: cannot decode the DICOM pixel data ({short(error)})") from None
+        raise UserError(f"{name}: cannot decode the DICOM pixel data ({one_line(error)})") from None
     if int(dataset.get("NumberOfFrames") or 1) > 1:
         pixels = pixels[len(pixels) // 2]
     photometric = str(dataset.get("PhotometricInterpretation", "MONOCHROME2"))
@@ -101,7 +100,7 @@ def dicom_to_uint8(dataset: pydicom.Dataset, center: float | None = None, width:
         values = apply_modality_lut(pixels, dataset).astype(np.float64)
     except MODALITY_LUT_ERRORS as error:  # e.g. a Rescale Slope that is no number
         raise UserError(f"{name}: cannot apply the DICOM rescale slope and intercept or modality LUT "
-                        f"({short(error)})") from None
+                        f"({one_line(error)})") from None
     if center is None or width is None:
         center, width = file_window(dataset)
     if center is None or width is None:

@@ -16,6 +16,7 @@ from common.job import Job
 from common.runtime.devices import Runtime
 from common.runtime.sharding import shared_predictions
 from common.training.loop import FitResult, TensorBatches, Trainer, make_loader, make_optimizer, supervised
+from common.training.spec import TrainSpec
 from .config import Config
 from .evaluate import auc, nll
 from .images import ImageSet
@@ -150,9 +151,10 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
                                     len(val_labels), runtime)  # each rank scores its share of the images
         return {"val/auc": auc(val_labels, logits, data.task), "val/loss": nll(logits, val_labels, data.task)}
 
+    spec = TrainSpec(settings, monitor="val/auc", mode="max", tie_break="val/loss",
+                     checkpoint_dir=job.checkpoint_dir / arch["name"], log_metrics=job.tracker.log_metrics,
+                     name=arch["name"])
     trainer = Trainer(model, optimizer, supervised(loss_function(data, settings.imbalance, runtime.device)), runtime,
-                      settings, monitor="val/auc", mode="max", tie_break="val/loss", scheduler=scheduler,
-                      checkpoint_dir=job.checkpoint_dir / arch["name"], log_metrics=job.tracker.log_metrics,
-                      name=arch["name"])
+                      spec, scheduler=scheduler)
     result = trainer.fit(batches, validate, resume=job.resume)
     return trainer.module.eval(), arch, result

@@ -20,7 +20,7 @@ class Columns(ConfigModel):
     rating: str | None = Field("rating", description="optional; null when the log has none")
     timestamp: str | None = Field("timestamp", description="optional (needed by the temporal split); Unix seconds "
                                                            "or anything pandas parses as a date")
-    title: str | None = Field(None, description="an optional item title column, shown by the served model")
+    title: str | None = Field("title", description="optional: an item title column, shown by the served model")
 
 
 class MovieLens(ConfigModel):

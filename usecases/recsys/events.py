@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 from .schema import BadField, checked_id, checked_timestamp, refused_as, shown
 
 __all__ = ["START", "BadEvent", "Event", "EventStore", "EventStoreUnavailable", "RedisEventStore", "SQLiteEventStore",
@@ -119,10 +119,6 @@ def _parsed(raw: Any, index: int, now: int) -> Event:
     return Event(user_id, item_id, checked_timestamp(timestamp, f"event {index}: timestamp", now))
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
-
-
 def _checked_cursor(cursor: str | None, shape: str) -> str:
     """`cursor` if it has the `shape` (a regular expression) of the store's cursors."""
     cursor = START if cursor is None else str(cursor)
@@ -197,11 +193,11 @@ class SQLiteEventStore:
                 return self._open()
             except sqlite3.OperationalError as error:
                 if "locked" not in str(error) or time.monotonic() > deadline:
-                    raise EventStoreUnavailable(f"{self.path}: cannot open the event store: {_one_line(error)}") \
+                    raise EventStoreUnavailable(f"{self.path}: cannot open the event store: {one_line(error)}") \
                         from None
                 time.sleep(0.01)
             except (OSError, sqlite3.Error) as error:
-                raise EventStoreUnavailable(f"{self.path}: cannot open the event store: {_one_line(error)}") from None
+                raise EventStoreUnavailable(f"{self.path}: cannot open the event store: {one_line(error)}") from None
 
     def _open(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -275,7 +271,7 @@ class SQLiteEventStore:
             try:
                 yield connection
             except sqlite3.Error as error:
-                raise EventStoreUnavailable(f"{self.path}: cannot {doing} the event store: {_one_line(error)}") \
+                raise EventStoreUnavailable(f"{self.path}: cannot {doing} the event store: {one_line(error)}") \
                     from None
 
     def close(self) -> None:
@@ -330,7 +326,7 @@ class RedisEventStore:
             self.client = redis.Redis.from_url(url, decode_responses=True)
             self.client.ping()
         except (ValueError, redis.RedisError) as error:
-            raise EventStoreUnavailable(f"events: cannot use {self.where}: {_one_line(error)}") from None
+            raise EventStoreUnavailable(f"events: cannot use {self.where}: {one_line(error)}") from None
 
     @contextmanager
     def _redis(self, doing: str):
@@ -338,7 +334,7 @@ class RedisEventStore:
         try:
             yield
         except self._redis_error as error:
-            raise EventStoreUnavailable(f"events: cannot {doing} {self.where}: {_one_line(error)}") from None
+            raise EventStoreUnavailable(f"events: cannot {doing} {self.where}: {one_line(error)}") from None
 
     def check(self) -> None:
         """A round trip, as a server does before it binds its port: the stream retraining reads is a stream (or not

@@ -23,7 +23,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from common.errors import DataUnavailable, UserError
+from common.errors import DataUnavailable, UserError, one_line
 from common.paths import cache_dir, data_search_path, file_sha256
 from common.tables import Rows, read_table, require_columns
 from .config import MovieLens
@@ -91,7 +91,7 @@ def _download(version: str, cache: Path, where: str) -> Path:
         digest = _fetch(url, part)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         part.unlink(missing_ok=True)
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:80]
+        reason = one_line(exc, 80)
         raise DataUnavailable(f"MovieLens {version} is not in {cache} and cannot be downloaded ({reason}): "
                               f"{where}") from None
     staging = cache / f".{version}.extract"
@@ -203,7 +203,7 @@ def _read_headerless(path: Path, layout: Layout) -> tuple[pd.DataFrame, Rows]:
                                convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()),
                                                                     strings_can_be_null=True))
     except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"{path}: cannot be read as MovieLens ratings ({str(exc).splitlines()[0][:120]})") from None
+        raise UserError(f"{path}: cannot be read as MovieLens ratings ({one_line(exc)})") from None
     frame = table.to_pandas()  # an empty field is null, an empty line a row of nulls
     line = ragged[0].number if ragged else None
     if line is None and double:  # no row was skipped, so rows are lines: a field between two colons?
@@ -231,5 +231,5 @@ def _read_titles(path: Path, kind: str) -> pd.Series:
         else:
             table = pd.read_csv(path, usecols=["movieId", "title"]).set_axis([0, 1], axis=1)
     except (ValueError, OSError, pd.errors.ParserError) as exc:
-        raise UserError(f"{path}: cannot be read as MovieLens titles ({str(exc).splitlines()[0][:120]})") from None
+        raise UserError(f"{path}: cannot be read as MovieLens titles ({one_line(exc)})") from None
     return pd.Series(table[1].to_numpy(), index=table[0].to_numpy())

@@ -25,6 +25,7 @@ from torch import nn
 from common.errors import UserError
 from common.job import Job
 from common.training.loop import TensorBatches, Trainer, make_optimizer
+from common.training.spec import TrainSpec
 from .config import Config
 from .data import UNKNOWN, Interactions
 from .evaluate import full_ranking
@@ -224,9 +225,10 @@ def fit_sasrec(data: Interactions, val: sp.csr_matrix, config: Config, job: Job)
         metrics = full_ranking(scorer, val, train, [10], runtime.device, config.evaluation.batch_users, runtime)
         return {f"val/{NAME}/ndcg@10": metrics["ndcg@10"], MONITOR: metrics["ndcg@10"]}
 
-    trainer = Trainer(network, optimizer, next_item_loss, runtime, settings, monitor=MONITOR, mode="max",
-                      tie_break="train/loss", checkpoint_dir=job.checkpoint_dir / NAME,
-                      log_metrics=metrics_logger(job, NAME), name=NAME, predict=rank_every_item)
+    spec = TrainSpec(settings, monitor=MONITOR, mode="max", tie_break="train/loss",
+                     checkpoint_dir=job.checkpoint_dir / NAME, log_metrics=metrics_logger(job, NAME), name=NAME,
+                     predict=rank_every_item)
+    trainer = Trainer(network, optimizer, next_item_loss, runtime, spec)
     result = trainer.fit(batches, validate, resume=job.resume)
     log.info("%s: best val NDCG@10 %.4f at epoch %d of %d", NAME, result.best_metric, result.best_epoch + 1,
              result.epochs_run)

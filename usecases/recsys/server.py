@@ -1,21 +1,20 @@
 """`usecases serve recsys`: the logged recommender behind a lean ASGI app on uvicorn, one worker per core.
 
 It speaks MLflow's scoring protocol (`GET /ping`, `GET /health`, `GET /version`, `POST /invocations` with
-`dataframe_split` or `dataframe_records` and optional `params`), so a client of `mlflow models serve` needs no
-change, and adds `POST /events` (one event or a list of `user_id`, `item_id`, `timestamp`): the event store keeps
-them for every worker, and the user's next request folds them in. The hot path has no pandas: JSON in and out with
-orjson, the request's columns read as lists, the user's seen items and events as arrays; one torch thread a worker.
-A request the model cannot answer gets HTTP 400 with one line, as MLflow's server gives; the inputs of both routes
-follow one set of rules (`schema.py`). The event store is opened, written and read once before the port is bound
-(`serve`): one that cannot be used stops the start in one line, and one that fails later is HTTP 503 with its line,
-never a traceback. On a GPU (`--device`) concurrent requests are micro-batched: the first waits at most
-`--batch-ms` (default 2) for others, and the batch is scored in one product and one top-k
+`dataframe_split` or `dataframe_records` and optional `params`, or CSV: `common/serving/protocol.py`), so a client of
+`mlflow models serve` needs no change, and adds `POST /events` (one event or a list of `user_id`, `item_id`,
+`timestamp`): the event store keeps them for every worker, and the user's next request folds them in. The hot path
+has no pandas: JSON in and out with orjson, the request's columns read as lists, the user's seen items and events as
+arrays; one torch thread a worker. A request the model cannot answer gets HTTP 400 with one line, as MLflow's server
+gives; the inputs of both routes follow one set of rules (`schema.py`). The event store is opened, written and read
+once before the port is bound (`serve`): one that cannot be used stops the start in one line, and one that fails
+later is HTTP 503 with its line, never a traceback. On a GPU (`--device`) concurrent requests are micro-batched: the
+first waits at most `--batch-ms` (default 2) for others, and the batch is scored in one product and one top-k
 (`Recommender.recommend_batch`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -29,13 +28,10 @@ from starlette.routing import Route
 
 from common.errors import UserError
 from common.serving.microbatch import MicroBatcher
-from common.serving.pyfunc import BadInput
+from common.serving.protocol import JSON, ScoringInput, bad_request, scoring_routes, unavailable
 from .events import BadEvent, EventStore, EventStoreUnavailable, open_event_store
 from .requests import parse_rows, requested_k
-from .schema import shown
 from .serving import RecommenderModel
-
-log = logging.getLogger(__name__)
 
 MODEL_VARIABLE = "USECASES_SERVE_MODEL_URI"  # how the supervisor tells each worker process what to load
 EVENTS_VARIABLE = "USECASES_SERVE_EVENTS"
@@ -44,7 +40,6 @@ BATCH_VARIABLE = "USECASES_SERVE_BATCH_MS"
 RETRIEVAL_VARIABLE = "USECASES_SERVE_RETRIEVAL"
 INDEX_VARIABLE = "USECASES_SERVE_ANN_INDEX"
 GPU_BATCH_MS = 2.0  # the queueing a request may spend waiting for others on a GPU
-JSON = "application/json"
 
 
 def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: float = 0.0) -> Starlette:
@@ -52,26 +47,11 @@ def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: flo
     with `batch_ms` above 0, concurrent requests are scored together (`MicroBatcher`)."""
     batcher = MicroBatcher(model.recommend_requests, batch_ms / 1000) if batch_ms > 0 else None
 
-    async def ping(request: Request) -> Response:
-        return Response("\n", media_type=JSON)
-
-    async def version(request: Request) -> Response:
-        import mlflow
-
-        return Response(mlflow.__version__, media_type="text/plain")
-
-    async def invocations(request: Request) -> Response:
-        try:
-            columns, n_rows, params = scoring_input(await request.body(), request.headers.get("content-type", JSON))
-            k = requested_k(columns, params, model.default_k)
-            rows = parse_rows(columns, n_rows)
-            stored = [events.recent(row.user_id, model.recommender.max_events) for row in rows] if events else ()
-            records = await batcher.submit((rows, k, stored)) if batcher else model.recommend(rows, k, stored)
-        except BadInput as refused:
-            return bad_request(str(refused))
-        except EventStoreUnavailable as failed:
-            return unavailable(str(failed))
-        return Response(orjson.dumps({"predictions": records}, option=orjson.OPT_SERIALIZE_NUMPY), media_type=JSON)
+    async def recommend(scoring: ScoringInput) -> list[dict]:
+        k = requested_k(scoring.columns, scoring.params, model.default_k)
+        rows = parse_rows(scoring.columns, scoring.rows)
+        stored = [events.recent(row.user_id, model.recommender.max_events) for row in rows] if events else ()
+        return await batcher.submit((rows, k, stored)) if batcher else model.recommend(rows, k, stored)
 
     async def record_events(request: Request) -> Response:
         if events is None:
@@ -86,68 +66,10 @@ def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: flo
             return unavailable(str(failed))
         return Response(orjson.dumps({"recorded": count}), media_type=JSON)
 
-    routes = [Route("/ping", ping), Route("/health", ping), Route("/version", version),
-              Route("/invocations", invocations, methods=["POST"]), Route("/events", record_events, methods=["POST"])]
-    app = Starlette(routes=routes)
+    routes = scoring_routes(recommend, unavailable_errors=(EventStoreUnavailable,))
+    app = Starlette(routes=[*routes, Route("/events", record_events, methods=["POST"])])
     app.state.batcher = batcher  # its batch and request counts: the mean batch size a server achieved
     return app
-
-
-def scoring_input(body: bytes, content_type: str) -> tuple[dict[str, list], int, dict | None]:
-    """MLflow's JSON scoring input as columns of lists, the row count and the params."""
-    if not content_type.startswith(JSON):
-        raise BadInput(f"content type {content_type!r} is not supported here: send application/json")
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise BadInput(f"the body is not JSON: {error}") from None
-    if not isinstance(payload, dict):
-        raise BadInput("the body must be a JSON object with dataframe_split or dataframe_records")
-    params = payload.get("params")
-    if params is not None and not isinstance(params, dict):
-        raise BadInput(f"params must be an object such as {{\"k\": 10}}, got {type(params).__name__}")
-    if "dataframe_split" in payload:
-        return (*_split_columns(payload["dataframe_split"]), params)
-    if "dataframe_records" in payload:
-        return (*_record_columns(payload["dataframe_records"]), params)
-    raise BadInput(f"the body needs dataframe_split or dataframe_records (got keys: {', '.join(payload) or 'none'})")
-
-
-def _split_columns(split) -> tuple[dict[str, list], int]:
-    if not isinstance(split, dict) or not isinstance(split.get("columns"), list) or \
-            not isinstance(split.get("data"), list):
-        raise BadInput("dataframe_split must be an object with lists 'columns' and 'data'")
-    names, data = split["columns"], split["data"]
-    for name in names:
-        if not isinstance(name, str):
-            raise BadInput(f"dataframe_split columns must be column names (strings), got {shown(name)}")
-    if len(set(names)) != len(names):
-        raise BadInput(f"dataframe_split columns name a column twice: {', '.join(names)}")
-    for row, values in enumerate(data):
-        if not isinstance(values, list) or len(values) != len(names):
-            raise BadInput(f"dataframe_split data row {row}: expected a list of {len(names)} values (one per column)")
-    return {name: [values[index] for values in data] for index, name in enumerate(names)}, len(data)
-
-
-def _record_columns(records) -> tuple[dict[str, list], int]:
-    if not isinstance(records, list) or not all(isinstance(record, dict) for record in records):
-        raise BadInput("dataframe_records must be a list of objects, one per row")
-    names = list(dict.fromkeys(name for record in records for name in record))
-    return {name: [record.get(name) for record in records] for name in names}, len(records)
-
-
-def bad_request(line: str) -> Response:
-    return _error(400, "BAD_REQUEST", line)
-
-
-def unavailable(line: str) -> Response:
-    """The event store failed after the start (a disk full, Redis gone): the client may retry."""
-    return _error(503, "TEMPORARILY_UNAVAILABLE", line)
-
-
-def _error(status: int, code: str, line: str) -> Response:
-    return Response(orjson.dumps({"error_code": code, "message": " ".join(line.splitlines())}), status_code=status,
-                    media_type=JSON)
 
 
 def app_from_environment() -> Starlette:

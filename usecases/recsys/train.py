@@ -11,6 +11,7 @@ import torch
 
 from common.job import Job
 from common.training.loop import FitResult, TensorBatches, Trainer, make_optimizer
+from common.training.spec import TrainSpec
 from .config import Config
 from .evaluate import full_ranking
 from .models import BPR, LightGCN, NegativeSampler, PairwiseRanker
@@ -43,9 +44,9 @@ def fit_ranker(name: str, train: sp.csr_matrix, val: sp.csr_matrix, config: Conf
         metrics = full_ranking(network, val, train, [10], runtime.device, config.evaluation.batch_users, runtime)
         return {f"val/{name}/ndcg@10": metrics["ndcg@10"], MONITOR: metrics["ndcg@10"]}
 
-    trainer = Trainer(model, optimizer, bpr_step, runtime, settings, monitor=MONITOR, mode="max",
-                      checkpoint_dir=job.checkpoint_dir / name, log_metrics=metrics_logger(job, name), name=name,
-                      predict=rank_every_item)
+    spec = TrainSpec(settings, monitor=MONITOR, mode="max", checkpoint_dir=job.checkpoint_dir / name,
+                     log_metrics=metrics_logger(job, name), name=name, predict=rank_every_item)
+    trainer = Trainer(model, optimizer, bpr_step, runtime, spec)
     result = trainer.fit(batches, validate, resume=job.resume)
     log.info("%s: best val NDCG@10 %.4f at epoch %d of %d", name, result.best_metric, result.best_epoch + 1,
              result.epochs_run)

@@ -19,7 +19,7 @@ import openslide
 import tifffile
 import zarr
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 
 SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs")
 CUCIM_SUFFIXES = (".svs", ".tif", ".tiff")  # cuCIM reads Aperio SVS and (generic, Philips) tiled TIFF only
@@ -65,10 +65,6 @@ def pixel_reader(setting: str, device_type: str, path: str | Path) -> str:
         return setting
     usable = device_type == "cuda" and Path(path).suffix.lower() in CUCIM_SUFFIXES and cucim_installed()
     return "cucim" if usable else "openslide"
-
-
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def plausible(mpp: float) -> bool:
