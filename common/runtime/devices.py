@@ -268,7 +268,7 @@ def hardware_info() -> dict[str, str]:
     info = {
         "cpu_model": _cpu_model(),
         "cpu_cores": str(os.cpu_count()),
-        "cpu_bf16": str(cpu_has_native_bf16()).lower(),  # whether the medical network trained in bf16 on the CPU
+        "cpu_bf16": str(cpu_has_native_bf16()).lower(),  # whether `auto` precision trains in bf16 on this CPU
         "ram_gb": f"{psutil.virtual_memory().total / 2**30:.1f}",
         "gpu_count": "0",
         "gpu_name": "none",

@@ -47,6 +47,7 @@ def test_the_smoke_preset_on_the_dask_engine_encodes_on_the_cluster_and_learns(t
     assert run.data.tags["engine"] == "dask" and run.data.tags["dask_workers"] == "2"
 
 
+@pytest.mark.slow  # the smoke run (about 100 s); the default suite serves tests/test_examples.py's slide run
 def test_attention_mil_and_the_pooled_baseline_learn_the_slide_signal(slide_run):
     summary, run, _ = slide_run
     models = summary["models"]
@@ -57,6 +58,7 @@ def test_attention_mil_and_the_pooled_baseline_learn_the_slide_signal(slide_run)
     assert run.data.tags["data_source"] == "synthetic:slides" and run.info.status == "FINISHED"
 
 
+@pytest.mark.slow  # the smoke run (about 100 s); the default suite serves tests/test_examples.py's slide run
 def test_each_test_slide_has_a_heatmap_and_the_slide_model_is_logged_to_serve(slide_run):
     _, run, _ = slide_run
     client = mlflow.MlflowClient()
@@ -251,6 +253,7 @@ def test_an_implausible_tile_resolution_is_one_line(capsys, slide_folder, tmp_pa
                     names=("data.slides.mpp",))
 
 
+@pytest.mark.slow  # the smoke run (about 100 s); the default suite serves tests/test_examples.py's slide run
 def test_the_served_slide_model_answers_each_test_slide_as_the_evaluation_scored_it(slide_run, tmp_path):
     """`usecases serve medical` serves the slides run's champion: over HTTP, every test slide's probability is the
     one the evaluation logged, and bad requests are a 400 with one line."""
