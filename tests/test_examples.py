@@ -86,8 +86,8 @@ def test_the_examples_are_small_and_each_file_is_described():
 
 def test_make_install_only_sets_up_the_venv_and_the_editable_install(tmp_path):
     venv = tmp_path / "venv"  # no stamp there: `make -n` lists every step of the set-up
-    result = subprocess.run(["make", "-n", "install", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(["make", "--no-print-directory", "-n", "install", f"VENV={venv}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)  # under `make test` too: no make[1] lines
     assert result.returncode == 0, result.stderr
     steps = result.stdout.splitlines()
     assert steps[0].endswith(f"-m venv {venv}") and steps[-1] == f"touch {venv}/.installed", steps
