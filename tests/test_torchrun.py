@@ -29,10 +29,13 @@ BATCH_KEYS = {"finance": ("train",), "medical": ("train",), "recsys": ("bpr", "l
 # Measured: finance's neural QLIKE 1.4733-1.4784 (DDP 1.4764); recsys's BPR NDCG@10 0.2013-0.2116 (DDP 0.2022),
 # LightGCN's 0.2910-0.2975 (DDP 0.2939), SASRec's 0.1249-0.1292 (DDP 0.1252, 2026-12-03); medical's ResNet-18 AUC 0.902-0.947 over seeds 0-1 (DDP 0.907). With the
 # preset's own batch, one process lands 0.008 off for finance, outside the spread.
-SEED_SPREAD = {"finance": {model: 0.0052 for model in ("neural", "neural_training", "neural_out_of_sample", "neural_fz")},
+SEED_SPREAD = {"finance": {model: 0.0052 for model in ("neural", "neural_training", "neural_out_of_sample",
+                                                      "neural_out_of_sample_evt", "neural_fz")},
                "medical": {"resnet18": 0.045},
                "recsys": {"bpr": 0.0104, "lightgcn": 0.0066, "sasrec": 0.0043}}
 TIMING = re.compile(r"seconds|per_s|_ms$")  # how fast, not what: differs between any two runs
+# The ANN index `auto` keeps is whichever reached its recall faster in this run, so its figures follow a timing too
+MEASURED_CHOICE = re.compile(r"^ann_")
 
 
 def doubled_batches(name: str) -> list[str]:
@@ -78,5 +81,5 @@ def test_two_processes_score_as_one_process_with_their_global_batch(tmp_path, na
                                                                                      metrics[metric])
             continue
         differing = [key for key, value in metrics.items()
-                     if not TIMING.search(key) and not same(value, together[model][key])]
+                     if not TIMING.search(key) and not MEASURED_CHOICE.search(key) and not same(value, together[model][key])]
         assert differing == [], (model, differing[:5])

@@ -19,11 +19,12 @@ from usecases.finance.data import synthetic_panel
 from usecases.finance.evaluate import FZ0_REFERENCE
 from usecases.finance.features import add_features
 from usecases.finance.serving import SERVED_TAILS
+from usecases.finance.tails import TAIL_RULES
 
 pytestmark = pytest.mark.starts_first(10)  # the default suite's longest files first (tests/conftest.py)
 
 MODELS = {"ewma", "garch", "gjr_garch_t", "gjr_garch_t_evt", "har", "har_rv", "gas", "neural", "neural_training",
-          "neural_out_of_sample", "neural_fz"}
+          "neural_out_of_sample", "neural_out_of_sample_evt", "neural_fz"}
 TAIL_METRICS = {"var1_breach_rate", "kupiec_p", "christoffersen_cc_p", "basel_green_windows", "es975_mcneil_frey_p",
                 "es975_z2", "es975_z2_p", "var1_h5_breaches", "var1_h5_sqrt_time_kupiec_p", "es975_h5_z2", "es975_fz0",
                 "es99_fz0", "dm_t_fz0_es975"}
@@ -124,7 +125,7 @@ def test_serving_gives_the_var_and_es_evaluated_on_the_last_test_day(smoke_run):
     rows = prices[prices["date"] < evaluated["date"].max()][["date", "ticker", "high", "low", "close"]]
     answer = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model").predict(
         rows.assign(date=rows["date"].dt.strftime("%Y-%m-%d")))
-    assert run.data.tags["tails_rule"] in ("training", "out_of_sample", "fz")
+    assert run.data.tags["tails_rule"] in TAIL_RULES
     both = answer.merge(evaluated, on="ticker", suffixes=("_served", ""))
     assert len(both) == 3
     sigma = np.sqrt(both["variance"])

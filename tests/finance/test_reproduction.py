@@ -19,7 +19,8 @@ def summary(tmp_path_factory):
 
 def test_every_model_has_every_metric_per_series(summary):
     assert set(summary["models"]) == {"ewma", "garch", "gjr_garch_t", "gjr_garch_t_evt", "har", "har_rv", "gas",
-                                      "neural", "neural_training", "neural_out_of_sample", "neural_fz"}
+                                      "neural", "neural_training", "neural_out_of_sample",
+                                      "neural_out_of_sample_evt", "neural_fz"}
     for model, metrics in summary["models"].items():
         for metric in ("var1_breach_rate", "kupiec_p", "es975_fz0", "es99_fz0",
                        *(() if model == "gas" else ("qlike_parkinson", "qlike_sq", "mse_parkinson"))):

@@ -179,3 +179,28 @@ def test_the_joint_head_learns_tails_that_move_with_an_input_and_keeps_es_below_
         assert (columns[level] < columns[f"{level}_q"]).all() and (columns[f"{level}_q"] < 0).all()
     others = other.columns(torch.tensor([[-1.0], [1.0]]))
     assert others["es975_q"][0] != pytest.approx(columns["es975_q"][0], rel=0.1), "a refit beside it learns its own"
+
+
+def test_the_tail_models_a_run_may_serve_are_the_ones_it_chooses_among():
+    """`evaluation.tail_models` offers every rule of TAIL_RULES by default; naming gas without running it is refused."""
+    from pydantic import ValidationError
+
+    from usecases.finance.config import Config
+    from usecases.finance.tails import TAIL_RULES
+
+    assert tuple(Config().evaluation.tail_models) == TAIL_RULES
+    assert Config.model_validate({"baselines": {"models": ["ewma"]}}).evaluation.tail_models[-1] == "gas"
+    with pytest.raises(ValidationError, match="baselines.models must include gas"):
+        Config.model_validate({"evaluation": {"tail_models": ["gas"]}, "baselines": {"models": ["ewma"]}})
+
+
+def test_evt_recalibration_puts_a_generalised_pareto_tail_on_the_same_residuals():
+    frame = residual_frame()
+    starts = list(frame["date"][::50])
+    out = recalibrate(frame, starts, horizon=2, tails_of=evt_columns)
+    block = (frame["date"] >= starts[6]) & (frame["date"] < starts[7])
+    past = frame.loc[frame["date"] < starts[6], "ret"].to_numpy()
+    past_h = frame.loc[frame["date_h"] < starts[6], "ret_h"].to_numpy() / np.sqrt(2.0)  # variance_h 2
+    for column, value in evt_columns(past, past_h).items():
+        assert np.allclose(out.loc[block, column], value), column
+    assert not np.allclose(out.loc[block, "es99"], recalibrate(frame, starts, horizon=2).loc[block, "es99"])

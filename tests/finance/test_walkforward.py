@@ -9,6 +9,7 @@ from common.tracking.runs import Tracker
 from usecases.finance.config import Config
 from usecases.finance.evaluate import qlike
 from usecases.finance.features import add_features
+from usecases.finance.tails import TAIL_RULES
 from usecases.finance.pipeline import (
     baseline_forecasts,
     block_starts,
@@ -239,23 +240,31 @@ def test_the_validation_period_is_the_stretch_just_before_the_test_window(panel,
     assert frame.loc[validation_window(frame, mask, config), "target_date"].nunique() == 60
 
 
+def with_gas(frame, mask, config):
+    """The GAS baseline's forecasts over the validation period and the test window, as `run` gives them."""
+    config.baselines.models = ["gas"]
+    return baseline_forecasts(frame, mask, config, workers=0, validation=validation_window(frame, mask, config))
+
+
 def tail_choice(panel, config, job, folder):
-    """The tail rule tag and the validation metrics that a neural walk-forward on `panel` logs."""
+    """The tail model tag and the validation metrics that a walk-forward on `panel` logs."""
     frame = add_features(panel)
+    mask = evaluation_window(frame, config)
     job.tracker, job.checkpoint_dir = RecordingTracker(), folder
-    neural_forecasts(frame, evaluation_window(frame, config), config, job)
+    neural_forecasts(frame, mask, config, job, with_gas(frame, mask, config))
     return job.tracker.tags["tails_rule"], {name: value for name, value in job.tracker.metrics.items()
                                              if name.startswith("tails_val/")}
 
 
 def test_the_tail_rule_is_chosen_before_the_test_window_and_logged(panel, config, cpu_job, perturb_after, tmp_path):
     """It was chosen on the test window (issue 19): now test prices cannot move it, validation prices can. Of the
-    rules that pass the validation backtests, the lowest FZ0 wins; with none passing, the nearest to passing."""
+    models that pass the validation backtests (the network's rules and GAS), the lowest FZ0 wins; with none passing,
+    the nearest to passing."""
     config.train.epochs, config.train.refit_every = 2, 200  # three walk-forwards: the fewest refits that show it
     frame = add_features(panel)
     mask = evaluation_window(frame, config)
     rule, metrics = tail_choice(panel, config, cpu_job, tmp_path / "base")
-    rules = ("training", "out_of_sample", "fz")
+    rules = TAIL_RULES
     assert rule in rules
     for name in rules:
         tests = ("var1_breaches", "kupiec_p", "christoffersen_cc_p", "es975_z2_p", "es975_mcneil_frey_p", "fz0")
@@ -271,6 +280,46 @@ def test_the_tail_rule_is_chosen_before_the_test_window_and_logged(panel, config
     validation_start = frame.loc[validation_window(frame, mask, config), "target_date"].min()
     _, moved = tail_choice(perturb_after(panel, validation_start), config, cpu_job, tmp_path / "validation")
     assert moved != metrics
+    assert {name: value for name, value in moved.items() if name.startswith("tails_val/gas/")} != \
+        {name: value for name, value in metrics.items() if name.startswith("tails_val/gas/")}, "GAS's too"
+
+
+def test_gas_tails_are_served_as_evaluated_and_filtered_on_from_the_last_test_day(panel, config, cpu_job):
+    """With `evaluation.tail_models: [gas]` the served VaR and ES are GAS's: for rows up to the last test origin, those
+    `neural` was scored with that day (GAS's, over the network's variance); with a day more, GAS's scale filtered
+    through that day's return, as the walk-forward would have; from rows that miss the last test origin, filtered
+    from its unconditional level."""
+    from usecases.finance import gas
+    from usecases.finance.serving import SERVED_TAILS, VolatilityForecaster, forecaster_bundle
+
+    config.evaluation.tail_models = ["gas"]
+    frame = add_features(panel)
+    mask = evaluation_window(frame, config)
+    baselines = with_gas(frame, mask, config)
+    neural, latest = served(*neural_forecasts(frame, mask, config, cpu_job, baselines))
+    assert latest["tails"]["rule"] == "gas"
+    model = VolatilityForecaster.from_bundle(forecaster_bundle(latest))
+    last = neural.join(frame[["ticker", "date"]]).sort_values("date").groupby("ticker").tail(1).set_index("ticker")
+    given = panel.assign(date=panel["date"].dt.strftime("%Y-%m-%d"))
+    answer = model.answer(given[panel["date"] <= last["date"].max()]).set_index("ticker")
+    sigma = np.sqrt(last["variance"])
+    for output, column in SERVED_TAILS:
+        np.testing.assert_allclose(answer[output], last["mu"] + sigma * last[column], rtol=1e-6, err_msg=output)
+    ahead = model.answer(given).set_index("ticker")
+    end = panel["date"].max()
+    earlier = (panel["date"] > end - pd.Timedelta(days=300)) & (panel["date"] <= end - pd.Timedelta(days=30))
+    before = model.answer(given[earlier]).set_index("ticker")
+    for ticker, state in latest["tails"]["gas"].items():
+        returns = np.nan_to_num(frame.loc[frame["ticker"] == ticker, "ret"].to_numpy())
+        params = (state["beta"], state["gamma"], state["es975_q"], state["es975"])
+        assert np.exp(gas.log_scale(returns[:-1], params)[-1]) == pytest.approx(np.exp(state["log_scale"]))
+        scale = np.exp(gas.log_scale(returns, params)[-1])
+        assert ahead.loc[ticker, "var_2_5pct"] == pytest.approx(scale * state["es975_q"], rel=1e-9)
+        assert ahead.loc[ticker, "es_1pct"] == pytest.approx(scale * state["es99"], rel=1e-9)
+        window = frame[(frame["ticker"] == ticker) & frame["date"].isin(panel.loc[earlier, "date"])]
+        recent_returns = window["ret"].to_numpy()[1:]  # the first day given has no return
+        scale = np.exp(gas.log_scale(recent_returns, params)[-1])
+        assert before.loc[ticker, "var_2_5pct"] == pytest.approx(scale * state["es975_q"], rel=1e-9)
 
 
 def test_the_joint_head_is_served_as_it_was_evaluated_on_the_last_test_day(panel, config, cpu_job):

@@ -118,21 +118,26 @@ def har(frame: pd.DataFrame, blocks: Blocks, horizon: int, proxy: str = "returns
     return pd.concat(parts)
 
 
-def gas_model(frame: pd.DataFrame, blocks: Blocks, horizon: int) -> pd.DataFrame:
-    """The one-factor GAS model of VaR and ES (`gas.py`), refit at each block on the returns up to its origin and
-    filtered through the block. Its rows hold its scale exp(κ) squared as `variance` (its H-day one times H: the
-    1-day tails scaled by √H), zero `mu`, and as tails the fitted (a, b) at 97.5 % and the constants of the other
-    levels; it forecasts no variance, and `evaluate` scores its tails only."""
+def gas_model(frame: pd.DataFrame, blocks: Blocks, horizon: int, refit_every: int = 252) -> pd.DataFrame:
+    """The one-factor GAS model of VaR and ES (`gas.py`), fitted on the returns up to a block's origin at the first
+    block and then once `refit_every` rows have passed since the last fit, and filtered through every block. Its rows
+    hold its scale exp(κ) squared as `variance` (its H-day one times H: the 1-day tails scaled by √H), zero `mu`, and
+    as tails the fitted (a, b) at 97.5 % and the constants of the other levels; `gas_beta` and `gas_gamma` carry the
+    rest of the fit, so that a server can filter κ on from a row. It forecasts no variance, and `evaluate` scores its
+    tails only."""
     returns = np.nan_to_num(frame["ret"].to_numpy())  # the first day has no return: no breach, κ decays
-    parts, params = [], None
+    parts, params, fitted_at = [], None, None
     for first, last in blocks:
         stop_point()
-        params = gas.fit(returns[: first + 1], params)
+        if params is None or first - fitted_at >= refit_every:
+            params, fitted_at = gas.fit(returns[: first + 1]), first
+            kappa = gas.log_scale(returns[: first + 1], params)
+            standardised = returns[: first + 1] / np.exp(kappa[: first + 1])
+            shortfall_99 = empirical_tails(standardised)[1][1]
+            quantiles = np.quantile(standardised, VAR_LEVELS)
+            tails = {**tail_columns(quantiles, [(params[2], params[3]), (quantiles[0], shortfall_99)]),
+                     "gas_beta": params[0], "gas_gamma": params[1]}
         kappa = gas.log_scale(returns[: last + 1], params)
-        standardised = returns[: first + 1] / np.exp(kappa[: first + 1])
-        shortfall_99 = empirical_tails(standardised)[1][1]
-        quantiles = np.quantile(standardised, VAR_LEVELS)
-        tails = tail_columns(quantiles, [(params[2], params[3]), (quantiles[0], shortfall_99)])
         scale = np.exp(2 * kappa[first + 1 : last + 2])  # κ(i + 1) is made at origin i
         parts.append(forecast_frame(frame, np.arange(first, last + 1), scale, horizon * scale, 0.0, tails))
     return pd.concat(parts)
@@ -145,12 +150,12 @@ BASELINES = {
                                                                 evt="gjr_garch_t_evt"),
     "har": lambda frame, blocks, horizon, config: har(frame, blocks, horizon),
     "har_rv": lambda frame, blocks, horizon, config: har(frame, blocks, horizon, proxy="parkinson"),
-    "gas": lambda frame, blocks, horizon, config: gas_model(frame, blocks, horizon),
+    "gas": lambda frame, blocks, horizon, config: gas_model(frame, blocks, horizon, config.gas_refit_every),
 }
 
 
 # Seconds of one ticker's 96 refits in `default` (2 cores, one thread), to start the longest first
-FIT_COST = {"gjr_garch_t": 5.0, "gas": 5.0, "garch": 3.0, "har": 0.5, "har_rv": 0.5, "ewma": 0.0}
+FIT_COST = {"gjr_garch_t": 5.0, "gas": 8.0, "garch": 3.0, "har": 0.5, "har_rv": 0.5, "ewma": 0.0}
 
 
 def fit_baselines(rows: pd.DataFrame, blocks: Blocks, horizon: int, settings, models: list[str]) -> list[pd.DataFrame]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import date
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from common.config import ConfigModel, RuntimeConfig, TrackingConfig, TrainConfig
 
@@ -59,6 +59,10 @@ class Evaluation(ConfigModel):
                           "model's tail rule is chosen and its val_qlike_sq measured (at most half of the days "
                           "before it)")
     refit_every: int = Field(21, ge=1, description="trading days between baseline refits")
+    tail_models: list[Literal["training", "out_of_sample", "out_of_sample_evt", "fz", "gas"]] = Field(
+        ["training", "out_of_sample", "out_of_sample_evt", "fz", "gas"], min_length=1,
+        description="the tail models the served VaR and ES are chosen among on the validation period: the network's "
+        "rules (its variance times standardised tails) and the GAS model of the tails alone (README: tails)")
     horizon: int = Field(5, ge=2, description="the longer horizon in trading days, forecast beside the next day")
     dm_lags: int = Field(5, ge=0)
 
@@ -68,6 +72,8 @@ class Baselines(ConfigModel):
         ["ewma", "garch", "gjr_garch_t", "har", "har_rv", "gas"], description="gjr_garch_t brings gjr_garch_t_evt, "
         "the same fits with tails by filtered historical simulation with a generalised Pareto tail")
     ewma_lambda: float = Field(0.94, gt=0, lt=1)
+    gas_refit_every: int = Field(252, ge=1, description="trading days between fits of the GAS model's parameters "
+                                 "(its scale is filtered every day)")
 
 
 class Neural(ConfigModel):
@@ -101,3 +107,10 @@ class Config(ConfigModel):
     train: Train = Train()
     runtime: RuntimeConfig = RuntimeConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _tail_models_are_run(self) -> Config:
+        chosen = "tail_models" in self.evaluation.model_fields_set  # by default gas is a candidate where it runs
+        if chosen and "gas" in self.evaluation.tail_models and "gas" not in self.baselines.models:
+            raise ValueError("evaluation.tail_models includes gas: baselines.models must include gas too")
+        return self

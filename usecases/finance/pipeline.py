@@ -2,9 +2,9 @@
 
 A forecast for test day d is made at the close of the previous trading day (the origin) from data up to the
 origin only. Models are refit at the start of each block of test days: the baselines every
-`evaluation.refit_every` days, the neural model every `train.refit_every` days (it costs more to fit). The neural
-model's walk-forward starts earlier, on a validation period just before the test window, where the rule for its
-VaR and ES tails is chosen; the test window then only measures it.
+`evaluation.refit_every` days, the neural model every `train.refit_every` days (it costs more to fit). Both
+walk-forwards start earlier, on a validation period just before the test window, where the tail model the
+forecaster serves its VaR and ES by is chosen; the test window then only measures it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .features import add_features, feature_names, usable
 from .parallel import BaselineRuns, BaselineTask
 from .serving import log_forecaster
 from .joint import fit_heads
-from .tails import TAIL_COLUMNS, empirical_columns, recalibrate
+from .tails import NEURAL_TAIL_RULES, TAIL_COLUMNS, TAIL_RULES, empirical_columns, evt_columns, recalibrate
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def walk_starts(frame: pd.DataFrame, validation: pd.Series, mask: pd.Series, eve
 
 
 def ticker_blocks(rows: pd.DataFrame, mask: pd.Series, starts: list[pd.Timestamp]) -> list[tuple[int, int]]:
-    """The test origins of one ticker, cut at the refit dates, as (first, last) positions in `rows`."""
+    """The origins of one ticker to forecast (`mask`), cut at the refit dates, as (first, last) positions in `rows`."""
     positions = np.flatnonzero(mask.to_numpy())
     block_index = np.searchsorted(np.array(starts, dtype="datetime64[ns]"),
                                   rows["target_date"].to_numpy()[positions], side="right")
@@ -188,28 +188,33 @@ def ticker_blocks(rows: pd.DataFrame, mask: pd.Series, starts: list[pd.Timestamp
             if len(chunk)]
 
 
-def baseline_tasks(frame: pd.DataFrame, mask: pd.Series, config: Config) -> list[BaselineTask]:
+def baseline_tasks(frame: pd.DataFrame, mask: pd.Series, config: Config,
+                   validation: pd.Series | None = None) -> list[BaselineTask]:
     """A task per ticker and baseline (every fit of one depends on no other's), in the order of the forecasts: the
-    panel's tickers, each with `baselines.models` in turn."""
-    starts = block_starts(frame, mask, config.evaluation.refit_every)
+    panel's tickers, each with `baselines.models` in turn. With `validation`, the walk-forward starts there (cut as
+    the network's, `walk_starts`), so that the tail models can be chosen on it."""
+    rows_forecast = mask if validation is None else validation | mask
+    starts = (block_starts(frame, mask, config.evaluation.refit_every) if validation is None
+              else walk_starts(frame, validation, mask, config.evaluation.refit_every))
     return [BaselineTask(ticker, model, rows, blocks)
             for ticker, rows in frame.groupby("ticker", sort=False)
-            for blocks in [ticker_blocks(rows, mask[rows.index], starts)]
+            for blocks in [ticker_blocks(rows, rows_forecast[rows.index], starts)]
             for model in config.baselines.models]
 
 
 def baseline_runs(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
-                  client=None, workers: int | None = None) -> BaselineRuns:
-    """Every baseline's walk-forward, to start (`with`) and `collect`: in a process pool, on the Dask `client`'s
-    workers, or among the ranks of a DDP job (`parallel.py`)."""
-    return BaselineRuns(baseline_tasks(frame, mask, config), config.evaluation.horizon, config.baselines, runtime,
-                        client, workers)
+                  client=None, workers: int | None = None, validation: pd.Series | None = None) -> BaselineRuns:
+    """Every baseline's walk-forward (over `validation` too, when given), to start (`with`) and `collect`: in a
+    process pool, on the Dask `client`'s workers, or among the ranks of a DDP job (`parallel.py`)."""
+    return BaselineRuns(baseline_tasks(frame, mask, config, validation), config.evaluation.horizon, config.baselines,
+                        runtime, client, workers)
 
 
 def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
-                       client=None, workers: int | None = None) -> pd.DataFrame | None:
+                       client=None, workers: int | None = None,
+                       validation: pd.Series | None = None) -> pd.DataFrame | None:
     """Every baseline's walk-forward forecasts, on rank 0 in the panel's ticker order (None on the other ranks)."""
-    with baseline_runs(frame, mask, config, runtime, client, workers) as runs:
+    with baseline_runs(frame, mask, config, runtime, client, workers, validation) as runs:
         return runs.collect()
 
 
@@ -243,19 +248,16 @@ def overnight_factors(frame: pd.DataFrame, rows: np.ndarray) -> pd.Series:
     return sums["target_sq"] / sums["target"]
 
 
-def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[pd.DataFrame, dict]:
-    """Walk-forward training of the global model over the validation period and the test window; returns the test
-    forecasts, and the last refit for serving with its `validation` metrics.
+def neural_walk(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[dict[str, pd.DataFrame], dict]:
+    """Walk-forward training of the global model over the validation period and the test window: each of its tail
+    rules' forecasts there (NEURAL_TAIL_RULES, with the realised `ret` and `ret_h`), and the last refit for serving.
 
     Every member of every refit trains at once, as one batched ensemble (`ensemble.py`); each still sees only the
     rows its refit's `training_window` gives, from its own seed. With `neural.target=scaled_range` the network
     learns Parkinson variance and its forecasts are multiplied by each ticker's `overnight_factors` in that window.
-    Its VaR and Expected Shortfall come from one of three tail rules, chosen on the validation period
-    (`choose_tail_rule`): filtered historical simulation on its training window's standardised returns
-    (`training`) or on its own earlier out-of-sample ones (`out_of_sample`, `tails.recalibrate`), or the joint
-    VaR/ES head trained with FZ0 (`fz`, `joint.py`). The choice sees no test day; the run's tag `tails_rule` names
-    it and the metrics `tails_val/RULE/...` show why. The test forecasts are the chosen rule's as `neural`, and every
-    rule's as `neural_RULE`.
+    Its VaR and Expected Shortfall come from filtered historical simulation on its training window's standardised
+    returns (`training`) or on its own earlier out-of-sample ones (`out_of_sample`, `tails.recalibrate`; with a
+    generalised Pareto tail, `out_of_sample_evt`), or from the joint VaR/ES head trained with FZ0 (`fz`, `joint.py`).
     """
     device, horizon, target = job.runtime.device, config.evaluation.horizon, config.neural.target
     names = feature_names(config.data.exogenous)
@@ -307,23 +309,78 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
         ["ticker", "date", "date_h", "ret", "ret_h"], axis=1)
     forecasts = pd.concat(parts).join(outcomes)
     renewals = walk_starts(frame, validation, mask, config.evaluation.refit_every)
-    candidates = {"training": forecasts, "out_of_sample": recalibrate(forecasts, renewals, horizon),
-                  "fz": pd.concat(joint_parts).join(outcomes)}
-    in_validation = validation[forecasts.index].to_numpy()
-    rule, backtests = choose_tail_rule({name: rows[in_validation] for name, rows in candidates.items()})
-    log.info("neural: tail rule %s, chosen on %d validation days (worst backtest p %s)", rule,
+    return {"training": forecasts, "out_of_sample": recalibrate(forecasts, renewals, horizon),
+            "out_of_sample_evt": recalibrate(forecasts, renewals, horizon, evt_columns),
+            "fz": pd.concat(joint_parts).join(outcomes)}, latest
+
+
+def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job,
+                     baselines: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
+    """The network's walk-forward (`neural_walk`) with its tails chosen among its rules and the tail models of
+    `baselines` (their forecasts over the validation period too, `baseline_forecasts(validation=...)`):
+    `serve_chosen_tails`."""
+    return serve_chosen_tails(frame, mask, config, *neural_walk(frame, mask, config, job), baselines, job)
+
+
+def serve_chosen_tails(frame: pd.DataFrame, mask: pd.Series, config: Config, candidates: dict[str, pd.DataFrame],
+                       latest: dict, baselines: pd.DataFrame | None, job: Job) -> tuple[pd.DataFrame, dict]:
+    """The tail model the forecaster serves, chosen on the validation period (`choose_tail_rule`) among those of
+    `evaluation.tail_models`: the network's rules and the baselines' models of the tails alone (`gas`). The choice
+    sees no test day; the run's tag `tails_rule` names it and the metrics `tails_val/RULE/...` show why. Returns the
+    test forecasts, the chosen tails over the network's variance as `neural` (a baseline's VaR and ES restated in the
+    network's standardised units, `restated`) and each network rule's as `neural_RULE`, and `latest` with what the
+    server needs."""
+    horizon, allowed = config.evaluation.horizon, config.evaluation.tail_models
+    network = candidates["training"]
+    for name in set(TAIL_RULES) - set(candidates):
+        rows = None if baselines is None else baselines[baselines["model"] == name]
+        if rows is not None and len(rows):
+            candidates[name] = rows.drop(columns="model").join(network[["ticker", "date", "date_h", "ret", "ret_h"]],
+                                                               how="inner")
+    validation = validation_window(frame, mask, config)
+    offered = [name for name in allowed if name in candidates]
+    rule, backtests = choose_tail_rule({name: candidates[name][validation[candidates[name].index].to_numpy()]
+                                        for name in offered})
+    log.info("tails: %s, chosen on %d validation days (worst backtest p %s)", rule,
              len(np.unique(frame.loc[validation, "target_date"])),
-             ", ".join(f"{name} {backtests[f'{name}/worst_p']:.3f}" for name in candidates))
+             ", ".join(f"{name} {backtests[f'{name}/worst_p']:.3f}" for name in offered))
     job.tracker.set_tags({"tails_rule": rule})
     job.tracker.log_metrics({f"tails_val/{name}": value for name, value in backtests.items()})
-    latest["validation"] = validation_qlike(candidates[rule][in_validation])
-    # served: the rule's tails of each ticker's last test day, as evaluated (the head's, for `fz`, on top)
-    last_days = candidates[rule][np.isfinite(candidates[rule]["variance"])].groupby("ticker", sort=False).tail(1)
+    chosen = candidates[rule] if rule in NEURAL_TAIL_RULES else restated(candidates[rule], network, horizon)
+    latest["validation"] = validation_qlike(chosen[validation[chosen.index].to_numpy()])
+    # served: the chosen tails of each ticker's last test day, as evaluated (the head's or GAS's carried on from there)
+    tested = np.isfinite(chosen["variance"]) & mask[chosen.index].to_numpy()
+    last_days = chosen[tested].groupby("ticker", sort=False).tail(1)
     latest["tails"] = {"rule": rule, "by_ticker": last_days.set_index("ticker")[TAIL_COLUMNS].to_dict("index")}
-    in_test = mask[forecasts.index].to_numpy()
-    test = [candidates[rule][in_test].assign(model="neural")]
-    test += [rows[in_test].assign(model=f"neural_{name}") for name, rows in candidates.items()]
+    if rule == "gas":
+        latest["tails"]["gas"] = gas_states(candidates["gas"].loc[last_days.index], frame["date"])
+    in_test = mask[network.index].to_numpy()
+    test = [chosen[in_test].assign(model="neural")]
+    test += [candidates[name][in_test].assign(model=f"neural_{name}") for name in NEURAL_TAIL_RULES]
     return pd.concat(test).drop(columns=["ticker", "date", "date_h", "ret", "ret_h"]), latest
+
+
+def restated(tails: pd.DataFrame, network: pd.DataFrame, horizon: int) -> pd.DataFrame:
+    """The network's forecasts with another model's VaR and ES: each of that model's tail values (its μ + σ·column,
+    H·μ + σ_H·column for the H-day ones) written as the network's standardised column, (value − μ) / σ."""
+    other = tails.reindex(network.index)
+    columns = {}
+    for column in TAIL_COLUMNS:
+        days, variance = (horizon, "variance_h") if "_h" in column else (1, "variance")
+        value = days * other["mu"] + np.sqrt(other[variance]) * other[column]
+        columns[column] = (value - days * network["mu"]) / np.sqrt(network[variance])
+    return network.assign(**columns)
+
+
+def gas_states(last_days: pd.DataFrame, origins: pd.Series) -> dict[str, dict[str, float | str]]:
+    """What the server filters GAS's scale on from, per ticker: the date of the last test origin (`origins`: each
+    row's), its log scale κ (that of the next day's forecast), the fit's β and γ and its standardised tails."""
+    states = {}
+    for index, row in last_days.iterrows():
+        states[str(row["ticker"])] = {"origin": str(origins[index].date()),
+                               "log_scale": float(0.5 * np.log(row["variance"])), "beta": float(row["gas_beta"]),
+                               "gamma": float(row["gas_gamma"]), **{name: float(row[name]) for name in TAIL_COLUMNS}}
+    return states
 
 
 def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None) -> np.ndarray:
@@ -331,14 +388,20 @@ def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None
 
 
 def run(config: Config, data: Prepared, job: Job) -> RunResult:
-    """The baselines start in a process pool (or on Dask) before the neural model trains, and are collected after."""
+    """The baselines start in a process pool (or on Dask) before the neural model trains, and are collected after;
+    both walk over the validation period, where the served tails are chosen (`serve_chosen_tails`), then the test
+    window, the only one scored."""
     frame, mask = data.frame, data.test
-    with baseline_runs(frame, mask, config, job.runtime, job.dask) as runs:
-        neural, latest = neural_forecasts(frame, mask, config, job)
+    validation = validation_window(frame, mask, config)
+    with baseline_runs(frame, mask, config, job.runtime, job.dask, validation=validation) as runs:
+        walk = neural_walk(frame, mask, config, job)
         with job.phase("baselines", "cores"):  # what is left of them once the network has trained
             baselines = runs.collect()
     if not job.runtime.is_main:
         return RunResult({})
+    with job.phase("choose_tails", "serial"):
+        neural, latest = serve_chosen_tails(frame, mask, config, *walk, baselines, job)
+    baselines = baselines[mask[baselines.index].to_numpy()].drop(columns=["gas_beta", "gas_gamma"], errors="ignore")
     names = {"ticker": "ticker", "target_date": "date", "target": "parkinson", "target_ret": "ret",
              "target_true": "true_variance"}
     realised = frame[[name for name in names if name in frame]].rename(columns=names)

@@ -11,6 +11,7 @@ import torch
 from common.serving.pyfunc import BadInput, ServedModel, log_served
 from common.usecase import Served
 from .features import HAR_WINDOWS, HISTORY_DAYS, add_features
+from .gas import log_scale
 from .joint import TailHead
 from .models import VolatilityMLP, ensemble_forecast
 
@@ -28,9 +29,10 @@ class VolatilityForecaster(ServedModel):
 
     Output: one row per ticker with the variance forecast of the close-to-close return of the day after its last
     row (percent²), the summed variance of the next H days, the volatility, and the one-day VaR (1 %, 2.5 %, 5 %)
-    and ES (97.5 % and 99 %, as `es_2_5pct` and `es_1pct`) of the percent return, by the run's tail rule as it was
+    and ES (97.5 % and 99 %, as `es_2_5pct` and `es_1pct`) of the percent return, by the run's tail model as it was
     evaluated on the last test day: a ticker's own tails there (`by_ticker`; a ticker the run did not test takes the
-    last training window's), and for `fz` the joint head's VaR and ES from the day's inputs. A network trained on
+    last training window's), for `fz` the joint head's VaR and ES from the day's inputs, and for `gas` the GAS scale
+    filtered on from the last test day through the returns given after it (`gas_scales`). A network trained on
     range variance (`neural.target=scaled_range`) is scaled by the ticker's overnight factor from its training
     window, or, for a ticker it was not trained on, by that of the rows given.
     """
@@ -86,6 +88,11 @@ class VolatilityForecaster(ServedModel):
             joint = self.head.columns(self.members[0].scaled(features))
             tails = tails.assign(**{name: joint[name] for name in ("q01", "es975_q", "es975", "es99")})
         risk = {name: (self.mu + volatility * tails[column].to_numpy()).astype(float) for name, column in SERVED_TAILS}
+        if self.tails["rule"] == "gas":
+            for row, scale in self.gas_scales(history, latest["ticker"]).items():
+                state = self.tails["gas"][latest["ticker"].iloc[row]]
+                for name, column in SERVED_TAILS:
+                    risk[name][row] = scale * state[column]
         return pd.DataFrame({
             "ticker": latest["ticker"].to_numpy(),
             "origin_date": latest["date"].dt.strftime("%Y-%m-%d").to_numpy(),
@@ -94,6 +101,27 @@ class VolatilityForecaster(ServedModel):
             "volatility": volatility.astype(float),
             **risk,
         })
+
+    def gas_scales(self, history: pd.DataFrame, tickers: pd.Series) -> dict[int, float]:
+        """GAS's scale exp(κ) for the day after each ticker's last row, by the row's position in `tickers`: κ filtered
+        from the run's last test origin through the returns given after it, or, where the rows do not reach back to
+        that day, from the model's unconditional level (κ = 0) through all of them. A ticker the run did not fit
+        GAS on has none (it keeps the last training window's tails)."""
+        scales = {}
+        for row, ticker in enumerate(tickers):
+            state = self.tails["gas"].get(ticker)
+            if state is None:
+                continue
+            rows = history[history["ticker"] == ticker]
+            returns = np.nan_to_num(rows["ret"].to_numpy())
+            origin = pd.Timestamp(state["origin"])
+            params = (state["beta"], state["gamma"], state["es975_q"], state["es975"])
+            if (rows["date"] == origin).any():
+                kappa = log_scale(returns[(rows["date"] > origin).to_numpy()], params, state["log_scale"])[-1]
+            else:
+                kappa = log_scale(returns, params)[-1]
+            scales[row] = float(np.exp(kappa))
+        return scales
 
     def _factors(self, history: pd.DataFrame, latest: pd.DataFrame) -> np.ndarray:
         """Each ticker's overnight factor: its training window's, else that of the rows given."""
@@ -123,8 +151,9 @@ def forecaster_bundle(latest: dict) -> dict:
         "features": latest["features"],
         "exogenous": latest["exogenous"],
         "mu": latest["mu"],
-        "tails": {"rule": latest["tails"]["rule"], "by_ticker": {str(ticker): _floats(tails) for ticker, tails
-                                                                  in latest["tails"]["by_ticker"].items()}},
+        "tails": {"rule": latest["tails"]["rule"],
+                  "by_ticker": {str(ticker): _floats(tails) for ticker, tails in latest["tails"]["by_ticker"].items()},
+                  "gas": latest["tails"].get("gas", {})},
         "training_tails": _floats(latest["training_tails"]),
         "head": {key: value.cpu() for key, value in latest["head"].items()},
         "overnight_factors": {str(ticker): float(value) for ticker, value in latest["overnight_factors"].items()},

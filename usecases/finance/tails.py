@@ -5,10 +5,11 @@ distribution of standardised returns Z (mean 0, variance 1), at the FRTB's 97.5 
 Normal (EWMA, GARCH, HAR): es = −φ(z_α)/α. Student-t with ν degrees of freedom (GJR-t), scaled to unit variance by
 √((ν − 2)/ν): es = −(ν + t_α²)/(ν − 1) · f_ν(t_α)/α, times that scale (McNeil, Frey and Embrechts 2015, §2.3).
 Empirical (the neural model's filtered historical simulation): the mean of the standardised returns at or below
-their α-quantile. Two rules give those returns (TAIL_RULES): `training`, its training window's; `out_of_sample`,
-its own earlier out-of-sample residuals once a year of them exists (`recalibrate`); a third, `fz`, is the
-network's joint VaR/ES head (`joint.py`). The run chooses among them on a validation period before the test window
-(`evaluate.choose_tail_rule`).
+their α-quantile. Two rules give those returns (NEURAL_TAIL_RULES): `training`, its training window's;
+`out_of_sample`, its own earlier out-of-sample residuals once a year of them exists (`recalibrate`);
+`out_of_sample_evt` takes a generalised Pareto tail of those (below); `fz` is the network's joint VaR/ES head
+(`joint.py`). The run chooses among them and the baselines' tail models (TAIL_RULES) on a validation period before
+the test window (`evaluate.choose_tail_rule`).
 
 EVT (GJR-t's filtered historical simulation, `gjr_garch_t_evt`): below the 10 % quantile u of the standardised
 residuals, a generalised Pareto tail fitted to the exceedances (McNeil and Frey 2000).
@@ -26,7 +27,10 @@ from scipy.stats import genpareto, norm, t
 VAR_LEVELS = (0.01, 0.05)
 ES_LEVELS = (0.025, 0.01)  # tail probabilities: ES at 97.5 % (FRTB) and at 99 %
 MIN_RESIDUALS = 250  # a year of out-of-sample residuals before they replace the training window's
-TAIL_RULES = ("training", "out_of_sample", "fz")  # in order of preference when the validation scores tie
+# The tail models the served forecaster chooses among on validation, in order of preference when the scores tie: the
+# network's own rules (its variance times standardised tails), then the baselines' models of the tails
+NEURAL_TAIL_RULES = ("training", "out_of_sample", "out_of_sample_evt", "fz")
+TAIL_RULES = (*NEURAL_TAIL_RULES, "gas")
 EVT_THRESHOLD = 0.10  # the tail share of the residuals the generalised Pareto tail is fitted to
 
 
@@ -93,13 +97,16 @@ def evt_tails(standardised: np.ndarray, levels) -> list[tuple[float, float]]:
     return tails
 
 
-def evt_columns(standardised: np.ndarray) -> dict[str, float]:
-    """Every tail column from a GPD tail of the standardised residuals; the H-day ones are the 1-day ones (as the
-    Student-t's: a sum of H days has lighter tails)."""
-    values = np.asarray(standardised, dtype=float)
-    values = values[np.isfinite(values)]
-    tails = evt_tails(values, VAR_LEVELS + ES_LEVELS)
-    return tail_columns([quantile for quantile, _ in tails[:len(VAR_LEVELS)]], tails[len(VAR_LEVELS):])
+def evt_columns(standardised: np.ndarray, standardised_h: np.ndarray | None = None) -> dict[str, float]:
+    """Every tail column from GPD tails of the standardised residuals; the H-day ones from `standardised_h`, the
+    standardised H-day sums, or without them the 1-day ones (as the Student-t's: a sum of H days has lighter tails)."""
+    def finite(values):
+        values = np.asarray(values, dtype=float)
+        return values[np.isfinite(values)]
+
+    tails = evt_tails(finite(standardised), VAR_LEVELS + ES_LEVELS)
+    tails_h = None if standardised_h is None else evt_tails(finite(standardised_h), ES_LEVELS)
+    return tail_columns([quantile for quantile, _ in tails[:len(VAR_LEVELS)]], tails[len(VAR_LEVELS):], tails_h)
 
 
 def tail_columns(quantiles, tails: list[tuple[float, float]],
@@ -121,10 +128,11 @@ def empirical_columns(standardised: np.ndarray, standardised_h: np.ndarray) -> d
                         empirical_tails(standardised_h))
 
 
-def recalibrate(forecasts: pd.DataFrame, starts: list[pd.Timestamp], horizon: int) -> pd.DataFrame:
+def recalibrate(forecasts: pd.DataFrame, starts: list[pd.Timestamp], horizon: int,
+                tails_of=empirical_columns) -> pd.DataFrame:
     """The tails of each ticker's forecasts from its own earlier out-of-sample residuals, renewed at every date in
-    `starts`: the residuals of the days before it (of the H-day sums wholly before it), once MIN_RESIDUALS exist.
-    Rows without a forecast (NaN variance) give no residual.
+    `starts`: `tails_of` (the empirical columns, or `evt_columns`) of the residuals of the days before it (of the H-day
+    sums wholly before it), once MIN_RESIDUALS exist. Rows without a forecast (NaN variance) give no residual.
 
     `forecasts` holds `date` and `date_h` (the first and last target day), `ret` and `ret_h` (the realised 1-day
     return and H-day sum), `mu`, `variance`, `variance_h`, and the training window's tail columns, kept until then.
@@ -142,6 +150,6 @@ def recalibrate(forecasts: pd.DataFrame, starts: list[pd.Timestamp], horizon: in
             past, past_h = past[np.isfinite(past)], past_h[np.isfinite(past_h)]
             if len(block) == 0 or len(past) < MIN_RESIDUALS or len(past_h) < MIN_RESIDUALS:
                 continue
-            for column, value in empirical_columns(past, past_h).items():
+            for column, value in tails_of(past, past_h).items():
                 columns[column][block] = value
     return forecasts.assign(**columns)
