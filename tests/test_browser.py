@@ -17,7 +17,9 @@ from common.tracking.links import training_runs_links
 from tests.cli_helpers import mlflow_server, usecases
 from usecases import finance
 
-pytestmark = pytest.mark.starts_first(9)  # the default suite's longest files first (tests/conftest.py)
+# Chromium against a real server (35 to 40 s): in the slow suite, which CI runs on every landing, to keep the default
+# suite under its 8 minutes
+pytestmark = [pytest.mark.slow, pytest.mark.starts_first(9)]
 
 USECASE = "finance"
 EXPERIMENT = f"gpu-usecases-{USECASE}"
