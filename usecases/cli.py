@@ -440,10 +440,13 @@ def _serve(name: str, model_uri: str | None, host: str, port: int, data_sha256: 
                          **retrieval,
                          announce=f"Serving {what} on http://{host}:{port}/invocations with {workers} worker(s), "
                                   f"events in {events}; Ctrl-C to stop")
+    from common.serving.pyfunc import server_scratch
+
     print(f"Serving {what} on http://{host}:{port}/invocations; Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "--host", host, "--port", str(port)],
-              {**os.environ, "MLFLOW_TRACKING_URI": uri,  # MLflow starts `uvicorn` by name: this venv's first
+              {**os.environ, "MLFLOW_TRACKING_URI": uri, "TMPDIR": str(server_scratch()),
+               # MLflow starts `uvicorn` by name: this venv's first
                "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
 
 

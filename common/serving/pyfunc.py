@@ -9,6 +9,8 @@ its package (and no other use case), `common`, and the bundle as the artifact `b
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import sys
 import tempfile
@@ -65,6 +67,48 @@ class ServedModel(mlflow.pyfunc.PythonModel):
             return self.answer(model_input, params)
         except BadInput as refused:
             raise MlflowException(" ".join(str(refused).splitlines()), error_code=INVALID_PARAMETER_VALUE) from None
+
+
+def load_served(model_uri: str):
+    """MLflow's pyfunc of `model_uri`. From a remote artifact store (a team server's proxied artifacts) MLflow
+    downloads it into a temporary folder it never removes: servers restarted and benches rerun left a thousand copies
+    of models in /tmp, 700 MB each for a million items, and filled the disk. Here that folder lies in one removed when
+    this process exits (it lives as long as the process, since the model's code is imported from it). From a local
+    store MLflow reads the model in place, and nothing is copied."""
+    folder = tempfile.mkdtemp(prefix="usecases-model-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    default, tempfile.tempdir = tempfile.tempdir, folder  # where MLflow's `create_tmp_dir` makes its download folder
+    try:
+        return mlflow.pyfunc.load_model(model_uri)
+    finally:
+        tempfile.tempdir = default
+
+
+SERVER_SCRATCH = "usecases-serve-"
+
+
+def server_scratch() -> Path:
+    """A temporary folder for a server that MLflow's scoring server replaces this process with (where it downloads
+    the model), named by this process's id, which the server keeps; those of servers no longer running are removed
+    here first, as nothing runs after the scoring server to remove its own."""
+    root = Path(tempfile.gettempdir())
+    for folder in root.glob(f"{SERVER_SCRATCH}*"):
+        pid = folder.name.removeprefix(SERVER_SCRATCH)
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+    scratch = root / f"{SERVER_SCRATCH}{os.getpid()}"
+    scratch.mkdir(exist_ok=True)
+    return scratch
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, *, name: str, package: str,

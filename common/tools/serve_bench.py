@@ -25,6 +25,7 @@ import pandas as pd
 from common.config import ConfigModel
 from common.errors import UserError
 from common.runtime.devices import usable_cores
+from common.serving.pyfunc import load_served
 from common.usecase import UseCase
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seco
         servers = {mode: ["--retrieval", mode, *(["--batch-ms", f"{batch_ms:g}"] if batch_ms is not None else [])]
                    for mode in retrievals}
     workers = workers or usable_cores()
-    bodies = own.bench_requests(mlflow.pyfunc.load_model(model_uri), REQUEST_BODIES, 0)
+    bodies = own.bench_requests(load_served(model_uri), REQUEST_BODIES, 0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as folder:
         requests = Path(folder) / "bodies.json"

@@ -4,9 +4,12 @@ model serves what the probe answered."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -19,8 +22,9 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, ErrorCode
 
 from common.config import ConfigModel
 from common.serving.bundle import decode, encode, load_bundle, save_bundle
-from common.serving.pyfunc import BadInput, ServedModel, log_served
+from common.serving.pyfunc import BadInput, ServedModel, log_served, server_scratch
 from common.tracking.runs import Tracker, tracked_run
+from tests.cli_helpers import mlflow_server
 
 
 def every_kind() -> dict:
@@ -172,3 +176,56 @@ def test_logged_models_pin_public_versions_and_name_the_index_of_a_cuda_build(mo
         "--extra-index-url https://download.pytorch.org/whl/cu130", "torch==2.14.1", "numpy==2.4.6", "mlflow==3.17.2"]
     versions["torch"] = "2.13.0+cpu"
     assert pyfunc.public_requirements(["torch"]) == ["torch==2.13.0"]
+
+
+LOAD = """
+import sys, mlflow
+from common.serving.pyfunc import load_served
+model = (load_served if sys.argv[2] == "ours" else mlflow.pyfunc.load_model)(sys.argv[1])
+print(model.predict(__import__("pandas").DataFrame({"x": [1.0]}))["y"].tolist())
+"""
+
+
+@pytest.mark.slow  # a tracking server with proxied artifacts to start: 15 s
+def test_a_model_loaded_from_a_team_server_leaves_no_download_behind_once_its_process_ends(servedcase, tmp_path,
+                                                                                         monkeypatch):
+    """From a server's proxied artifacts, MLflow's own download stays in the temporary folder for good (a thousand of
+    them filled the disk); the one `load_served` loads from is removed when the process ends."""
+    bundle = {"weights": np.array([1.0, 2.0])}
+    (tmp_path / "server").mkdir()
+    with mlflow_server(tmp_path / "server") as url:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        with tracked_run("serving", Config(), {}) as tracker:
+            served = log_served(servedcase.Scaler.from_bundle(bundle), bundle, pd.DataFrame({"x": [1.0]}), tracker,
+                                name="scaler", package="servedcase", requirements=["numpy"])
+        root = Path(__file__).resolve().parents[2]
+        left = {}
+        for loader in ("mlflow", "ours"):
+            scratch = tmp_path / loader
+            scratch.mkdir()
+            env = {**os.environ, "TMPDIR": str(scratch),
+                   "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), str(root)])}
+            result = subprocess.run([sys.executable, "-c", LOAD, served.uri, loader], capture_output=True, text=True,
+                                    env=env, timeout=120)
+            assert result.returncode == 0, result.stderr[-2000:]
+            assert result.stdout.strip().splitlines()[-1] == "[3.0]"
+            left[loader] = list(scratch.rglob("MLmodel"))
+    assert len(left["mlflow"]) == 1 and left["ours"] == [], left
+
+
+def test_a_scoring_server_s_scratch_outlives_it_only_until_the_next_server_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f"usecases-serve-{dead.stdout.strip()}" / "model").mkdir(parents=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / f"usecases-serve-{alive.pid}").mkdir()
+        scratch = server_scratch()
+        assert scratch == tmp_path / f"usecases-serve-{os.getpid()}" and scratch.is_dir()
+        assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+            [f"usecases-serve-{alive.pid}", f"usecases-serve-{os.getpid()}"])
+    finally:
+        alive.kill()

@@ -92,9 +92,9 @@ def app_from_environment() -> Starlette:
 
 
 def loaded_recommender(model_uri: str) -> RecommenderModel:
-    import mlflow
+    from common.serving.pyfunc import load_served
 
-    model = mlflow.pyfunc.load_model(model_uri).unwrap_python_model()
+    model = load_served(model_uri).unwrap_python_model()
     if not isinstance(model, RecommenderModel):
         raise UserError(f"{model_uri} is not a recsys model (it holds {type(model).__name__})")
     return model
