@@ -40,6 +40,7 @@ def test_mlproject_runs_the_cli_with_a_preset(usecase, tmp_path):
         f"python -m usecases run {usecase} --preset default"
 
 
+@pytest.mark.slow  # a whole smoke run under `mlflow run` (about 27 s): in the slow suite, which CI runs too
 def test_mlflow_run_finance_smoke_is_one_finished_run_of_the_experiment(tmp_path):
     result = mlflow_run("finance", "--experiment-name", "gpu-usecases-finance", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

@@ -22,15 +22,16 @@ from common.job import Job
 from common.runtime.devices import Runtime
 from common.usecase import RunResult
 from .baselines import forecast_frame
+from .choice import serve_chosen_tails
 from .config import Config, Evaluation
 from .data import Panel, load_panel
 from .ensemble import Fit, train_ensemble
-from .evaluate import choose_tail_rule, evaluate, forecast_figure, risk_figure, validation_qlike
+from .evaluate import evaluate, forecast_figure, risk_figure
 from .features import add_features, feature_names, usable
 from .parallel import BaselineRuns, BaselineTask
 from .serving import log_forecaster
 from .joint import fit_heads
-from .tails import NEURAL_TAIL_RULES, TAIL_COLUMNS, TAIL_RULES, empirical_columns, evt_columns, recalibrate
+from .tails import empirical_columns, evt_columns, recalibrate
 
 log = logging.getLogger(__name__)
 
@@ -319,68 +320,8 @@ def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: 
     """The network's walk-forward (`neural_walk`) with its tails chosen among its rules and the tail models of
     `baselines` (their forecasts over the validation period too, `baseline_forecasts(validation=...)`):
     `serve_chosen_tails`."""
-    return serve_chosen_tails(frame, mask, config, *neural_walk(frame, mask, config, job), baselines, job)
-
-
-def serve_chosen_tails(frame: pd.DataFrame, mask: pd.Series, config: Config, candidates: dict[str, pd.DataFrame],
-                       latest: dict, baselines: pd.DataFrame | None, job: Job) -> tuple[pd.DataFrame, dict]:
-    """The tail model the forecaster serves, chosen on the validation period (`choose_tail_rule`) among those of
-    `evaluation.tail_models`: the network's rules and the baselines' models of the tails alone (`gas`). The choice
-    sees no test day; the run's tag `tails_rule` names it and the metrics `tails_val/RULE/...` show why. Returns the
-    test forecasts, the chosen tails over the network's variance as `neural` (a baseline's VaR and ES restated in the
-    network's standardised units, `restated`) and each network rule's as `neural_RULE`, and `latest` with what the
-    server needs."""
-    horizon, allowed = config.evaluation.horizon, config.evaluation.tail_models
-    network = candidates["training"]
-    for name in set(TAIL_RULES) - set(candidates):
-        rows = None if baselines is None else baselines[baselines["model"] == name]
-        if rows is not None and len(rows):
-            candidates[name] = rows.drop(columns="model").join(network[["ticker", "date", "date_h", "ret", "ret_h"]],
-                                                               how="inner")
-    validation = validation_window(frame, mask, config)
-    offered = [name for name in allowed if name in candidates]
-    rule, backtests = choose_tail_rule({name: candidates[name][validation[candidates[name].index].to_numpy()]
-                                        for name in offered})
-    log.info("tails: %s, chosen on %d validation days (worst backtest p %s)", rule,
-             len(np.unique(frame.loc[validation, "target_date"])),
-             ", ".join(f"{name} {backtests[f'{name}/worst_p']:.3f}" for name in offered))
-    job.tracker.set_tags({"tails_rule": rule})
-    job.tracker.log_metrics({f"tails_val/{name}": value for name, value in backtests.items()})
-    chosen = candidates[rule] if rule in NEURAL_TAIL_RULES else restated(candidates[rule], network, horizon)
-    latest["validation"] = validation_qlike(chosen[validation[chosen.index].to_numpy()])
-    # served: the chosen tails of each ticker's last test day, as evaluated (the head's or GAS's carried on from there)
-    tested = np.isfinite(chosen["variance"]) & mask[chosen.index].to_numpy()
-    last_days = chosen[tested].groupby("ticker", sort=False).tail(1)
-    latest["tails"] = {"rule": rule, "by_ticker": last_days.set_index("ticker")[TAIL_COLUMNS].to_dict("index")}
-    if rule == "gas":
-        latest["tails"]["gas"] = gas_states(candidates["gas"].loc[last_days.index], frame["date"])
-    in_test = mask[network.index].to_numpy()
-    test = [chosen[in_test].assign(model="neural")]
-    test += [candidates[name][in_test].assign(model=f"neural_{name}") for name in NEURAL_TAIL_RULES]
-    return pd.concat(test).drop(columns=["ticker", "date", "date_h", "ret", "ret_h"]), latest
-
-
-def restated(tails: pd.DataFrame, network: pd.DataFrame, horizon: int) -> pd.DataFrame:
-    """The network's forecasts with another model's VaR and ES: each of that model's tail values (its μ + σ·column,
-    H·μ + σ_H·column for the H-day ones) written as the network's standardised column, (value − μ) / σ."""
-    other = tails.reindex(network.index)
-    columns = {}
-    for column in TAIL_COLUMNS:
-        days, variance = (horizon, "variance_h") if "_h" in column else (1, "variance")
-        value = days * other["mu"] + np.sqrt(other[variance]) * other[column]
-        columns[column] = (value - days * network["mu"]) / np.sqrt(network[variance])
-    return network.assign(**columns)
-
-
-def gas_states(last_days: pd.DataFrame, origins: pd.Series) -> dict[str, dict[str, float | str]]:
-    """What the server filters GAS's scale on from, per ticker: the date of the last test origin (`origins`: each
-    row's), its log scale κ (that of the next day's forecast), the fit's β and γ and its standardised tails."""
-    states = {}
-    for index, row in last_days.iterrows():
-        states[str(row["ticker"])] = {"origin": str(origins[index].date()),
-                               "log_scale": float(0.5 * np.log(row["variance"])), "beta": float(row["gas_beta"]),
-                               "gamma": float(row["gas_gamma"]), **{name: float(row[name]) for name in TAIL_COLUMNS}}
-    return states
+    return serve_chosen_tails(frame, mask, validation_window(frame, mask, config), config,
+                              *neural_walk(frame, mask, config, job), baselines, job)
 
 
 def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None) -> np.ndarray:
@@ -400,7 +341,7 @@ def run(config: Config, data: Prepared, job: Job) -> RunResult:
     if not job.runtime.is_main:
         return RunResult({})
     with job.phase("choose_tails", "serial"):
-        neural, latest = serve_chosen_tails(frame, mask, config, *walk, baselines, job)
+        neural, latest = serve_chosen_tails(frame, mask, validation, config, *walk, baselines, job)
     baselines = baselines[mask[baselines.index].to_numpy()].drop(columns=["gas_beta", "gas_gamma"], errors="ignore")
     names = {"ticker": "ticker", "target_date": "date", "target": "parkinson", "target_ret": "ret",
              "target_true": "true_variance"}

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 from common.serving.microbatch import MicroBatcher
 from common.serving.protocol import JSON, ScoringInput, bad_request, scoring_routes, unavailable
 from .events import BadEvent, EventStore, EventStoreUnavailable, open_event_store
@@ -59,7 +59,7 @@ def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: flo
         try:
             count = events.append(orjson.loads(await request.body()))
         except orjson.JSONDecodeError as error:
-            return bad_request(f"the body is not JSON: {error}")
+            return bad_request(f"the body is not JSON: {one_line(error)}")
         except BadEvent as refused:
             return bad_request(str(refused))
         except EventStoreUnavailable as failed:
