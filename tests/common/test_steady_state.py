@@ -4,6 +4,7 @@ batches, and where a run's time went (its phases)."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -63,41 +64,55 @@ def test_a_training_step_of_the_loop_makes_no_host_sync():
     assert counts[0] == counts[1], counts
 
 
-def one_parameter_loops(steps: int) -> tuple[float, float]:
-    """Seconds of a plain loop and of the Trainer over the same batches of a one-parameter model, the better of
-    several interleaved tries each (a loaded machine slows both alike)."""
+def python_calls(work) -> int:
+    """The Python and C functions `work()` calls: a machine's load cannot change it, as it changes a time."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def one_parameter_loops(steps: int) -> tuple[int, int]:
+    """The calls of a plain loop and of the Trainer's epoch over the same `steps` batches of a one-parameter model,
+    where the loop's own work is all there is."""
     x, y = torch.randn(steps * 64, 1), torch.randn(steps * 64, 1)
 
-    def plain() -> float:
+    def plain() -> None:
         model = nn.Linear(1, 1, bias=False)
         optimizer = make_optimizer("adam", model.parameters(), CPU, lr=1e-3)
-        started = time.perf_counter()
         for batch_x, batch_y in TensorBatches(x, y, batch_size=64):
             loss = nn.functional.mse_loss(model(batch_x), batch_y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        return time.perf_counter() - started
 
-    def ours() -> float:
+    def ours() -> None:
         model = nn.Linear(1, 1, bias=False)
         trainer = Trainer(model, make_optimizer("adam", model.parameters(), CPU, lr=1e-3),
                           supervised(nn.functional.mse_loss), CPU, TrainSpec(TrainConfig(epochs=1), monitor="val/mse"))
         trainer.callbacks = [callback for callback in trainer.callbacks
                              if type(callback).__name__ != "WorkloadProbe"]  # a fit's one-off measurement
-        started = time.perf_counter()
         trainer._train_epoch(TensorBatches(x, y, batch_size=64))
-        return time.perf_counter() - started
 
-    plain(), ours()  # warm-up
-    tries = [(plain(), ours()) for _ in range(7)]
-    return min(plain_s for plain_s, _ in tries), min(ours_s for _, ours_s in tries)
+    return python_calls(plain), python_calls(ours)
 
 
-def test_the_loops_overhead_on_a_one_parameter_model_is_at_most_a_fifth_of_a_plain_loop():
-    torch.set_num_threads(1)
-    plain_s, ours_s = one_parameter_loops(400)
-    assert ours_s <= 1.2 * plain_s, f"the Trainer's epoch took {ours_s / plain_s:.2f}x a plain loop's"
+def test_the_loops_overhead_per_step_is_at_most_a_fifth_of_a_plain_loops_calls():
+    """Per step, from the difference of two epoch lengths (set-up cancels out): 203 calls plain, 223 the Trainer's
+    (2026-12-05). Timed instead, the ratio read 1.36 in CI beside another worker, for 1.1 alone."""
+    one_parameter_loops(20)  # the first calls import and cache what later ones reuse
+    (plain_short, ours_short), (plain_long, ours_long) = one_parameter_loops(50), one_parameter_loops(150)
+    plain, ours = (plain_long - plain_short) / 100, (ours_long - ours_short) / 100
+    assert plain > 100, plain  # a plain step is forward, loss, backward and Adam: the count sees them
+    assert ours <= 1.2 * plain, f"the Trainer's step makes {ours:.0f} calls, a plain loop's {plain:.0f}"
 
 
 def test_a_fit_shorter_than_the_checkpoint_interval_writes_no_checkpoint(tmp_path):
