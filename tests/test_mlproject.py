@@ -15,7 +15,7 @@ from mlflow.projects._project_spec import load_project
 
 from tests.cli_helpers import runs
 
-pytestmark = pytest.mark.starts_first(11)  # the default suite's longest files first (tests/conftest.py)
+pytestmark = pytest.mark.starts_first(11)  # its `mlflow run` tests first in the slow suite (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +53,7 @@ def test_mlflow_run_finance_smoke_is_one_finished_run_of_the_experiment(tmp_path
     assert "test/neural/qlike_parkinson" in run.data.metrics
 
 
+@pytest.mark.slow  # `mlflow run` starts in about 11 s: beside the run above
 def test_mlflow_run_without_the_experiment_name_is_refused(tmp_path):
     result = mlflow_run("finance", cwd=tmp_path)
     assert result.returncode != 0
