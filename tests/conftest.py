@@ -6,6 +6,8 @@ import shutil
 import pytest
 import torch
 
+pytest_plugins = ["tests.services"]  # which service-backed tests ran and which skipped
+
 
 # A slow test's real-data run takes 10 minutes alone on 2 cores and twice that beside another on the second xdist
 # worker: the 600 s of pyproject.toml are for the default suite.

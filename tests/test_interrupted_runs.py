@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import mlflow
@@ -64,19 +65,31 @@ def test_kill_9_then_a_fresh_run_leaves_no_running_run_and_the_killed_one_resume
 
 def test_resume_if_interrupted_waits_out_a_dead_runs_heartbeat_but_never_joins_a_live_run(tmp_path, monkeypatch):
     """A restarted pod or a recovered spot instance starts before its old run is known dead: it waits for the
-    heartbeat to go stale, then starts afresh (no checkpoint here); a run whose heartbeat stays fresh is refused."""
+    heartbeat to go stale (on a clock that only its waits move), then starts afresh (no checkpoint here); a run whose
+    heartbeat stays fresh is refused."""
+    from common.tracking import lifecycle
     from common.tracking.lifecycle import heartbeat, interrupted_run
     from common.tracking.runs import ensure_experiment
 
-    monkeypatch.setenv("USECASES_STALE_AFTER_S", "2")  # ten beats of a live run per period: never stale under load
+    monkeypatch.delenv("USECASES_STALE_AFTER_S", raising=False)
     experiment = ensure_experiment("finance", "")
     assert interrupted_run(experiment, "finance", tmp_path, "smoke", {}, {}) is None  # nothing ran yet
     client = mlflow.MlflowClient()
-    stalled = client.create_run(experiment, tags={"preset": "smoke", "host": "gone-pod",
-                                                  "heartbeat": f"{time.time():.0f}"})
-    started = time.time()
-    assert interrupted_run(experiment, "finance", tmp_path, "smoke", {}, {}) is None
-    assert time.time() - started >= 1.9 and client.get_run(stalled.info.run_id).info.status == "KILLED"
+    now, slept = [1_800_000_000.0], []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    with monkeypatch.context() as clock:
+        clock.setattr(lifecycle, "time", types.SimpleNamespace(time=lambda: now[0], sleep=sleep))
+        stalled = client.create_run(experiment, tags={"preset": "smoke", "host": "gone-pod",
+                                                      "heartbeat": f"{now[0]:.0f}"})
+        assert interrupted_run(experiment, "finance", tmp_path, "smoke", {}, {}) is None
+    assert client.get_run(stalled.info.run_id).info.status == "KILLED"
+    stale_s = lifecycle.STALE_AFTER_S
+    assert stale_s < sum(slept) < 2 * stale_s, f"waited {slept} for a heartbeat stale after {stale_s} s"
+    monkeypatch.setenv("USECASES_STALE_AFTER_S", "2")  # ten beats of a live run per period: never stale under load
     live = client.create_run(experiment, tags={"preset": "smoke", "host": "other-pod"})
     with heartbeat(live.info.run_id, every_s=0.2), pytest.raises(
             UserError, match=f"run {live.info.run_id} of preset 'smoke' is still running .* stop it first"):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from common.runtime import interrupt
-from common.runtime.interrupt import Terminated, stop_on_signals, stop_point
+from common.runtime.interrupt import Terminated, stop_on_signals, stop_point, stop_requested
 from common.runtime.devices import Runtime
 from common.config import TrainConfig
 from common.training.checkpoint import CHECKPOINT_NAME
@@ -46,9 +46,20 @@ def test_a_second_signal_stops_at_once():
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_no_request_means_no_stop():
+def test_no_request_means_no_stop(tmp_path):
+    """A request left by the last job is forgotten when the next one starts, and without one a fit passes every stop
+    point of its epochs."""
     stop_on_signals()
-    stop_point()
+    os.kill(os.getpid(), signal.SIGTERM)  # the last job's request
+    stop_on_signals()
+    assert not stop_requested()
+    x = torch.randn(64, 1)
+    model = nn.Linear(1, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), supervised(nn.functional.mse_loss),
+                      Runtime(torch.device("cpu"), None),
+                      TrainSpec(TrainConfig(epochs=3, patience=3), monitor="val/mse", checkpoint_dir=tmp_path))
+    result = trainer.fit(TensorBatches(x, 2 * x, batch_size=16), lambda network: {"val/mse": 1.0})
+    assert result.epochs_run == 3 and not stop_requested()
 
 
 def test_training_stops_after_the_checkpoint_of_the_epoch_in_which_the_signal_came(tmp_path):

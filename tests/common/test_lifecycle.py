@@ -7,7 +7,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import mlflow
 import psutil
@@ -60,17 +62,49 @@ def test_another_container_with_this_hostname_is_judged_by_its_heartbeat():
 
 
 def test_the_heartbeat_beats_well_within_the_stale_period(monkeypatch):
+    """Over one stale period (30 s, on a clock its waits move) the tag is written three times, each with the time it
+    was written at: a beat or two lost to a busy store leave the run alive."""
     monkeypatch.setenv("USECASES_STALE_AFTER_S", "30")
-    run_id = make_run("RUNNING", tags={"heartbeat": "0"})
-    with lifecycle.heartbeat(run_id):  # every 10 s: no wait here, the block ends at once
+    now = [NOW]
+
+    class Waits(threading.Event):
+        def wait(self, timeout=None):  # a beat is due each time a wait times out, until the period is over
+            now[0] += timeout
+            return now[0] > NOW + 30
+
+    monkeypatch.setattr(lifecycle, "time", types.SimpleNamespace(time=lambda: now[0]))
+    monkeypatch.setattr(lifecycle, "threading", types.SimpleNamespace(Event=Waits, Thread=threading.Thread))
+    run_id = make_run("RUNNING", tags={"heartbeat": f"{NOW:.0f}"})
+    beats = []
+    monkeypatch.setattr(lifecycle, "mlflow", types.SimpleNamespace(MlflowClient=lambda: Recorded(beats)))
+    with lifecycle.heartbeat(run_id):
         pass
-    assert lifecycle.stale_after_s() / 3 == 10
+    assert beats == [f"{NOW + 10:.0f}", f"{NOW + 20:.0f}", f"{NOW + 30:.0f}"]
+    assert mlflow.MlflowClient().get_run(run_id).data.tags["heartbeat"] == f"{NOW + 30:.0f}"
 
 
-def test_where_a_run_ran_does_not_stop_it_resuming():
-    state = {"params": {"train.epochs": 3, "runtime.workers": 1, "runtime.engine": "dask"}, "data": {"data_sha256": "a"}}
-    lifecycle.check_same_job(state, {"train.epochs": 3, "runtime.workers": 2, "runtime.engine": "pandas"},
-                             {"data_sha256": "a"})
+class Recorded:
+    """An MLflow client that notes the heartbeats it writes."""
+
+    def __init__(self, beats: list):
+        self.client, self.beats = mlflow.MlflowClient(), beats
+
+    def set_tag(self, run_id: str, key: str, value: str) -> None:
+        self.beats.append(value)
+        self.client.set_tag(run_id, key, value)
+
+
+def test_where_a_run_ran_does_not_stop_it_resuming(tmp_path):
+    """A killed run resumes with other workers or another engine; another config does not."""
+    run_id = make_run("KILLED")
+    checkpoint(tmp_path, run_id, params={"train.epochs": 3, "runtime.workers": 1, "runtime.engine": "dask"},
+               data={"data_sha256": "a"})
+    elsewhere = {"train.epochs": 3, "runtime.workers": 2, "runtime.engine": "pandas"}
+    assert lifecycle.resumable_run(ensure_experiment(USECASE), tmp_path, "smoke", elsewhere, {"data_sha256": "a"}) \
+        == run_id
+    with pytest.raises(UserError, match="config key 'train.epochs' is 4 now but was 3"):
+        lifecycle.resumable_run(ensure_experiment(USECASE), tmp_path, "smoke", {**elsewhere, "train.epochs": 4},
+                                {"data_sha256": "a"})
 
 
 def test_a_run_without_process_tags_is_judged_by_its_start():

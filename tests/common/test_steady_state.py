@@ -5,7 +5,7 @@ batches, and where a run's time went (its phases)."""
 from __future__ import annotations
 
 import sys
-import time
+import types
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 
 from common.config import TrainConfig
 from common.runtime.devices import Runtime
+from common.runtime import phases as phases_module
 from common.runtime.phases import Phases
 from common.training import checkpoint as checkpoint_module
 from common.training.callbacks import Callback
@@ -197,24 +198,29 @@ def test_metrics_wait_at_most_the_flush_interval(monkeypatch):
     assert calls == [["a", "c"]], "written once the interval passed; NaN left out"
 
 
-def test_phases_count_inner_time_once_and_say_where_the_time_went():
+def test_phases_count_inner_time_once_and_say_where_the_time_went(monkeypatch):
+    """On a clock the test moves: a phase inside another counts in the inner one only, at any depth, and a phase run
+    twice adds up."""
+    now = [0.0]
+    monkeypatch.setattr(phases_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     phases = Phases()
     with phases("fit/model", "device"):
-        time.sleep(0.05)
+        now[0] += 0.25
         with phases("evaluate", "serial"):
-            time.sleep(0.1)
+            now[0] += 1.0
+            with phases("logging", "serial"):
+                now[0] += 0.5
+        now[0] += 0.25
     with phases("fit/model", "device"):
-        time.sleep(0.05)
-    assert phases.phases["evaluate"].seconds == pytest.approx(0.1, abs=0.05)
-    assert phases.phases["fit/model"].seconds == pytest.approx(0.1, abs=0.05)
-    assert set(phases.metrics()) == {"time/fit/model_s", "time/evaluate_s"}
-    assert phases.tags() == {"time_phases": '{"fit/model": "device", "evaluate": "serial"}'}
-    assert phases.line(1.0).startswith("time: 1.0 s in all — ")
-    assert phases.line(1.0).endswith("other 0.8 s (80 %)")
+        now[0] += 2.0
+    assert phases.metrics() == {"time/fit/model_s": 2.5, "time/evaluate_s": 1.0, "time/logging_s": 0.5}
+    assert phases.tags() == {"time_phases": '{"fit/model": "device", "evaluate": "serial", "logging": "serial"}'}
+    assert phases.line(10.0) == \
+        "time: 10 s in all — fit/model 2.5 s (25 %), evaluate 1.0 s (10 %), logging 0.5 s (5 %), other 6.0 s (60 %)"
     with phases("instant", "serial"):
-        pass
-    assert "time/instant_s" in phases.metrics()
-    assert "instant" not in phases.line(1.0), "a phase of no time is in the metrics, not in the line"
+        now[0] += 0.03125
+    assert phases.metrics()["time/instant_s"] == 0.03125
+    assert "instant" not in phases.line(10.0), "a phase under SHOWN_FROM_S is in the metrics, not in the line"
     with pytest.raises(ValueError, match="scales must be one of"):
         with phases("fit", "gpu"):
             pass

@@ -12,7 +12,7 @@ from common.training.syncs import steady_step_syncs
 from usecases.finance.config import Config
 from usecases.finance.ensemble import Fit, FitBatches, ensemble_step, train_ensemble
 from usecases.finance.features import add_features, feature_names
-from usecases.finance.models import VolatilityEnsemble, VolatilityMLP, qlike, qlike_loss
+from usecases.finance.models import VolatilityEnsemble, VolatilityMLP, ensemble_forecast, qlike, qlike_loss
 from usecases.finance.pipeline import evaluation_window, trainable, training_window, validation_window, walk_starts
 
 CPU = Runtime(torch.device("cpu"), None)
@@ -27,13 +27,24 @@ def config():
     })
 
 
-def refits(panel, config, count):
+@pytest.fixture
+def float64():
+    """Networks made in float64: two computations of the same thing that sum in different orders (stacked and
+    alone) then agree to about 10⁻¹⁴, far inside float64's default tolerance (10⁻⁷) on any CPU; in float32 they
+    agree only to within what the CPU's kernels (AVX-512 or AVX2, the thread count) make of the order."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield torch.float64
+    torch.set_default_dtype(previous)
+
+
+def refits(panel, config, count, dtype=torch.float32):
     """The features and targets of the panel, and one fit for each of its first `count` refits (seeds 11, 12, ...)."""
     frame = add_features(panel)
     mask = evaluation_window(frame, config)
     starts = walk_starts(frame, validation_window(frame, mask, config), mask, config.train.refit_every)
-    features = torch.tensor(frame[feature_names([])].to_numpy(), dtype=torch.float32)
-    targets = torch.tensor(frame[["target", "target_h"]].to_numpy(), dtype=torch.float32)
+    features = torch.tensor(frame[feature_names([])].to_numpy(), dtype=dtype)
+    targets = torch.tensor(frame[["target", "target_h"]].to_numpy(), dtype=dtype)
     fits = [Fit(11 + index, *training_window(frame, trainable(frame), start, config.train.val_fraction))
             for index, start in enumerate(starts[:count])]
     return features, targets, fits
@@ -83,10 +94,10 @@ def fit_alone(fit, index, batches, config, grad_clip):
     return model, result.epochs_run
 
 
-def test_fits_trained_together_end_as_each_trained_alone(panel, config, cpu_job):
+def test_fits_trained_together_end_as_each_trained_alone(panel, config, cpu_job, float64):
     """Dropout 0 (its masks are drawn for all fits at once), the same initial weights and batch order: the two fits
     of the ensemble end with the weights each gets alone, through gradient clipping and early stopping."""
-    features, targets, fits = refits(panel, config, 2)
+    features, targets, fits = refits(panel, config, 2, float64)
     cpu_job.tracker = Training()
     ensemble = train_ensemble(fits, features, targets, config, cpu_job)
     batches = FitBatches(features, targets, [fit.train_rows for fit in fits], config.train.batch_size,
@@ -96,7 +107,7 @@ def test_fits_trained_together_end_as_each_trained_alone(panel, config, cpu_job)
         alone, epochs_run = fit_alone(fit, index, batches, config, config.train.grad_clip)
         epochs.append(epochs_run)
         for name, value in alone.state_dict().items():
-            torch.testing.assert_close(ensemble.member(index).state_dict()[name], value, rtol=1e-4, atol=1e-6,
+            torch.testing.assert_close(ensemble.member(index).state_dict()[name], value,
                                        msg=lambda message: f"fit {index}, {name}: {message}")
         unclipped, _ = fit_alone(fit, index, batches, config, None)
         assert not torch.allclose(unclipped.head.weight, alone.head.weight, atol=1e-4), "clipping acted"
@@ -148,7 +159,9 @@ def test_a_training_step_makes_no_host_sync():
     assert syncs.count == 0, syncs.by_name
 
 
-def test_the_stacked_members_forecast_as_they_do_alone():
+def test_the_stacked_members_forecast_as_they_do_alone(float64):
+    """In float64, where the stacked product (baddbmm) and each member's nn.Linear, summing in orders of their own,
+    agree to float64's default tolerance on any CPU."""
     torch.manual_seed(1)
     members = [VolatilityMLP(4, hidden=8, layers=2).eval() for _ in range(3)]
     for member in members:
@@ -163,8 +176,11 @@ def test_the_stacked_members_forecast_as_they_do_alone():
             torch.testing.assert_close(stacked[index], member(rows))
             for name, value in member.state_dict().items():
                 assert torch.equal(ensemble.member(index).state_dict()[name], value), name
-    reordered = ensemble.forecast(rows, torch.tensor([2, 0]))
-    torch.testing.assert_close(reordered, torch.stack([torch.exp(members[i](rows)) for i in (2, 0)]).mean(0))
+    # the float32 mean of exp of the same float64 log variances, as the served model takes it
+    torch.testing.assert_close(ensemble.forecast(rows, torch.tensor([2, 0])),
+                               ensemble_forecast([members[2], members[0]], rows))
+    assert not torch.allclose(ensemble.forecast(rows, torch.tensor([2, 1])),
+                              ensemble_forecast([members[2], members[0]], rows)), "each member forecasts its own"
 
 
 class StopAfter:

@@ -2,11 +2,12 @@
 pool that ends at once when the run is stopped."""
 
 import multiprocessing
+import os
 import signal
-import time
 from multiprocessing.pool import AsyncResult
 
 import pandas as pd
+import psutil
 import pytest
 
 from common.runtime import interrupt
@@ -38,13 +39,26 @@ def test_the_pool_gives_the_forecasts_of_one_process_in_its_order(panel):
 
 
 def test_a_stop_while_the_baselines_run_ends_their_pool_at_once(panel, monkeypatch):
-    """SIGTERM (as the run's handler records it) while waiting for fits of many seconds: the wait stops within a
-    moment and no worker is left running."""
+    """SIGTERM (as the run's handler records it) while the workers run fits of many seconds: the wait stops without
+    waiting for any of them, and the pool's workers are ended, none left running."""
     frame, mask, config = walk_forward(panel, refit_every=1)
     config.baselines.models = ["gjr_garch_t"]
     monkeypatch.setattr(interrupt, "_requested", signal.SIGTERM)
-    started = time.monotonic()
+    before = set(psutil.Process().children(recursive=True))
     with pytest.raises(Terminated), baseline_runs(frame, mask, config, workers=2) as runs:
         runs.collect()
-    assert time.monotonic() - started < 10, "the pool starts in a few seconds, and stops at once"
+    running = [result for result in runs.results.values() if isinstance(result, AsyncResult)]
+    assert len(running) == 2, "both tasks went to the pool's two workers"
+    assert not any(result.ready() for result in running), "stopped while they ran: their pool ended, not awaited"
     assert runs.pool is not None and multiprocessing.active_children() == []
+    started = set(psutil.Process().children(recursive=True)) - before  # the forkserver, if new, and what it forked
+    assert [process for process in started if _parent(process) not in (os.getpid(), None)] == [], \
+        "the forkserver's workers are gone too"
+
+
+def _parent(process: psutil.Process) -> int | None:
+    """The process's parent's pid; None once it has ended."""
+    try:
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.ppid()
+    except psutil.NoSuchProcess:
+        return None

@@ -171,10 +171,15 @@ def test_the_joint_head_learns_tails_that_move_with_an_input_and_keeps_es_below_
     head, other = fit_heads([torch.tensor(signal[:, None], dtype=torch.float32), torch.zeros(300, 1)],
                             [standardised, standardised[:300]], [start, start])
     columns = head.columns(torch.tensor([[-1.0], [1.0]]))
-    (quantile, shortfall), (quantile_99, shortfall_99) = normal_tails()
+    (quantile, shortfall), _ = normal_tails()
     assert columns["es975_q"] == pytest.approx([0.7 * quantile, 1.4 * quantile], rel=0.15)
     assert columns["es975"] == pytest.approx([0.7 * shortfall, 1.4 * shortfall], rel=0.15)
-    assert columns["q01"] == pytest.approx(columns["es99_q"]) and (columns["es99"] < columns["q01"]).all()
+    for row, regime in enumerate((-1.0, 1.0)):  # the 1 % VaR and ES of each regime's own returns
+        days = returns[signal == regime]
+        breached = days <= columns["q01"][row]
+        assert breached.mean() == pytest.approx(0.01, abs=0.003), "q01 is breached on 1 % of the days"
+        assert columns["es99"][row] == pytest.approx(days[breached].mean(), rel=0.1), "es99 their mean"
+    assert (columns["es99"] < columns["q01"]).all()
     for level in ("es975", "es99", "es975_h", "es99_h"):
         assert (columns[level] < columns[f"{level}_q"]).all() and (columns[f"{level}_q"] < 0).all()
     others = other.columns(torch.tensor([[-1.0], [1.0]]))

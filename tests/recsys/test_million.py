@@ -44,7 +44,8 @@ def test_a_million_items_are_trained_indexed_and_served_by_two_stages_within_the
     # In process, one query at a time: ann's p95 was 10 ms in CI beside the slow suite's second worker
     assert bpr["exact_latency_p95_ms"] > 5 and bpr["ann_latency_p95_ms"] < bpr["exact_latency_p95_ms"] / 3
     assert bpr["ann_recall@10"] >= 0.95
-    assert abs(bpr["ann_served_ndcg@10"] - bpr["served_ndcg@10"]) <= 0.005
+    # relative: NDCG@10 is about 0.01 here, where an absolute 0.005 would let ann lose half of it
+    assert bpr["served_ndcg@10"] > 0 and bpr["ann_served_ndcg@10"] >= 0.95 * bpr["served_ndcg@10"]
     assert peak < MEMORY_BYTES, f"{peak / 2**30:.1f} GB"
 
 

@@ -99,22 +99,44 @@ def recommender(form: str, max_events: int = 200, cut: str = "training split") -
     return Recommender(serving_bundle(form_bundle, DATA, config, CUTS[cut][0]))
 
 
-def per_event_gains(served: Recommender, events: pd.DataFrame, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
-    """The replay as it was: `recommend` once without events and once per event, each user's in time order."""
+# The replay scores a batch in torch, `recommend` one user in numpy: the same float32 sums (a fold-in over a few
+# events and DIM factors, an item-item row over a user's history of up to ~45 items, the batch's running sum over a
+# user's events) in other orders, on another CPU with other kernels. They differ by a few eps of the row's largest
+# score (measured: 2); two items closer than this may rank either way round, so either rank's gain is right.
+NEAR_TIE = 64 * float(np.finfo(np.float32).eps)
+
+
+def per_event_gains(served: Recommender, events: pd.DataFrame, k: int = 10) -> tuple[list, list]:
+    """The replay as it was: `recommend` once without events and once per event, each user's in time order. Per
+    event, the frozen and the fresh gains it may have: one, or those of every rank of a near tie it is in."""
     frozen, fresh = [], []
     for user, items in events.sort_values(["user", "timestamp"], kind="stable").groupby("user", sort=False)["item"]:
         codes = items.to_numpy(np.int64)
-        alone, _ = served.recommend(int(user), np.zeros(0, np.int64), k)
+        alone = served.recommend(int(user), np.zeros(0, np.int64), DATA.n_items)  # every item it may rank
         for position, item in enumerate(codes):
-            ranked, _ = served.recommend(int(user), codes[:position], k)
-            frozen.append(_gain(alone, item))
-            fresh.append(_gain(ranked, item))
-    return np.asarray(frozen), np.asarray(fresh)
+            ranked = served.recommend(int(user), codes[:position], DATA.n_items)
+            frozen.append(_gains(*alone, item, k))
+            fresh.append(_gains(*ranked, item, k))
+    return frozen, fresh
 
 
-def _gain(ranked: np.ndarray, item: int) -> float:
+def _gains(ranked: np.ndarray, scores: np.ndarray, item: int, k: int) -> set[float]:
+    """1 / log2(rank + 1) for each rank `item` may take among items within NEAR_TIE of its score, 0 past k."""
     where = np.flatnonzero(ranked == item)
-    return 1 / math.log2(where[0] + 2) if len(where) else 0.0
+    if not len(where):
+        return {0.0}
+    near = np.flatnonzero(np.abs(scores - scores[where[0]]) <= NEAR_TIE * np.abs(scores).max())
+    return {1 / math.log2(rank + 2) if rank < k else 0.0 for rank in range(near.min(), near.max() + 1)}
+
+
+def assert_gains_within(gains: np.ndarray, expected: list[set[float]]):
+    """Each gain one of its event's (up to the rounding of two log2 formulas), and near ties rare: most events have
+    one gain, so the comparison still bites."""
+    assert len(gains) == len(expected)
+    wrong = [(event, gain, sorted(allowed)) for event, (gain, allowed) in enumerate(zip(gains, expected))
+             if not any(abs(gain - one) <= 1e-12 for one in allowed)]
+    assert not wrong, wrong[:5]
+    assert sum(len(allowed) > 1 for allowed in expected) <= len(expected) // 20
 
 
 # popularity past the training split counts the newcomers' events too, and ties items the two paths order apart
@@ -126,9 +148,9 @@ def test_a_batched_replay_gains_what_each_event_ranked_alone_gains(form, cut):
     frozen, fresh = replay_gains(served, events, chunk=7)  # chunks of 7 cut users' events in two
     expected_frozen, expected_fresh = per_event_gains(served, events)
     assert len(fresh) == len(events) and fresh.any()
-    np.testing.assert_allclose(frozen, expected_frozen, atol=1e-12)
-    np.testing.assert_allclose(fresh, expected_fresh, atol=1e-12)
-    assert replay(served, events, chunk=7)["replay_fresh_ndcg@10"] == pytest.approx(expected_fresh.mean())
+    assert_gains_within(frozen, expected_frozen)
+    assert_gains_within(fresh, expected_fresh)
+    assert replay(served, events, chunk=7)["replay_fresh_ndcg@10"] == pytest.approx(fresh.mean())
 
 
 @pytest.mark.parametrize("form", [name for name in FORMS if name != "popularity"])
@@ -140,8 +162,11 @@ def test_users_known_without_trained_rows_are_served_from_their_history_not_popu
         assert not served.cold[user]
         items, scores = served.recommend(int(user), np.zeros(0, np.int64), 10)
         stranger_items, stranger_scores = served.recommend(0, first.to_numpy(np.int64), 10)
-        np.testing.assert_allclose(scores, stranger_scores, rtol=1e-5, atol=1e-6)
-        assert set(items[scores > scores[-1] + 1e-5]) == set(stranger_items[scores > scores[-1] + 1e-5])
+        # folded in when the bundle was made (a batch) or per request (one user): NEAR_TIE of the largest score
+        tolerance = NEAR_TIE * np.abs(stranger_scores).max()
+        np.testing.assert_allclose(scores, stranger_scores, rtol=0, atol=tolerance)
+        clear = scores > scores[-1] + 2 * tolerance  # above the tenth by more than rounding: listed either way
+        assert set(items[clear]) == set(stranger_items[clear]) and clear.sum() >= 5
 
 
 def test_a_replay_ranks_each_chunk_of_events_in_one_call(monkeypatch):

@@ -42,10 +42,12 @@ INDEX_VARIABLE = "USECASES_SERVE_ANN_INDEX"
 GPU_BATCH_MS = 2.0  # the queueing a request may spend waiting for others on a GPU
 
 
-def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: float = 0.0) -> Starlette:
+def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: float = 0.0,
+               max_batch: int = 64) -> Starlette:
     """The app around a loaded model and an event store (None: no `/events`, requests use `recent_items` only);
-    with `batch_ms` above 0, concurrent requests are scored together (`MicroBatcher`)."""
-    batcher = MicroBatcher(model.recommend_requests, batch_ms / 1000) if batch_ms > 0 else None
+    with `batch_ms` above 0, concurrent requests are scored together (`MicroBatcher`): a batch runs once `batch_ms`
+    have passed since its first request or once it holds `max_batch` requests."""
+    batcher = MicroBatcher(model.recommend_requests, batch_ms / 1000, max_batch) if batch_ms > 0 else None
 
     async def recommend(scoring: ScoringInput) -> list[dict]:
         k = requested_k(scoring.columns, scoring.params, model.default_k)
