@@ -25,7 +25,8 @@ def test_each_test_counts_once_by_its_worst_phase():
              "failed": [report("b", "teardown", "failed", "redis")],
              "skipped": [report("c", "setup", "skipped", "postgresql", "PostgreSQL is not installed"),
                          report("d", "setup", "skipped", "postgresql", "PostgreSQL is not installed")],
-             "": [SimpleNamespace(nodeid="e", user_properties=[])]}
+             "": [SimpleNamespace(nodeid="e", user_properties=[]),
+                  report("f", "setup", "skipped", "shared-data", "cuCIM is not installed")]}
     assert summary(stats) == {"redis": {"ran": 2, "skipped": 0, "reasons": []},
                               "postgresql": {"ran": 0, "skipped": 2, "reasons": ["PostgreSQL is not installed"]}}
 

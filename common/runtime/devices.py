@@ -155,11 +155,21 @@ def make_runtime(device: str = "auto", precision: str = "auto", cpu_threads: int
         torch.cuda.set_device(chosen)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     if world_size > 1 and not dist.is_initialized():
+        importlib.import_module("torch.distributed.nn")  # before the group exists: see `shutdown`
+
         dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo", timeout=collective_timeout())
     return Runtime(chosen, select_amp_dtype(chosen, precision), rank, local_rank, world_size, compile)
 
 
 def shutdown(runtime: Runtime) -> None:
+    """Leave the process group, after the ranks' last collective (a rank that leaves closes its connections, and a
+    collective another rank is still in fails). The backend itself closes once no DDP model holds the group either.
+
+    `make_runtime` imports `torch.distributed.nn` before it creates the group, because that module's functions take
+    `group=group.WORLD` as a default argument: imported later (DDP's constructor does, through torch._dynamo), they
+    hold the group forever, `destroy_process_group` cannot free it, and gloo's worker and socket threads run on into
+    interpreter shutdown, where the group is freed with the module and the rank aborts now and then (SIGABRT,
+    "terminate called without an active exception") after a run that had finished well."""
     if runtime.distributed and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -66,9 +66,24 @@ def main(outdir: Path, signal_rank: int | None = None) -> None:
     except Terminated:
         outcome["stopped_after"] = len(epochs_validated)
     outcome.update(state=model.state_dict(), loss_end=mse(model), epoch_metrics=epoch_metrics.seen)
-    torch.save(outcome, outdir / f"rank{runtime.rank}.pt")
     dist.barrier()  # no rank tears its connections down while another still talks to it
+    del trainer  # its DDP model holds the process group
     shutdown(runtime)
+    outcome["gloo_threads_left"] = gloo_threads()
+    torch.save(outcome, outdir / f"rank{runtime.rank}.pt")
+
+
+def gloo_threads() -> list[str]:
+    """This process's gloo threads (its workers and socket loop): none once the group is really gone, else they run
+    on into interpreter shutdown, where freeing the group aborted a rank now and then (Linux only: [] elsewhere)."""
+    tasks = Path("/proc/self/task")
+    names = []
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            names.append(task.joinpath("comm").read_text().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return sorted(name for name in names if "gloo" in name)
 
 
 if __name__ == "__main__":

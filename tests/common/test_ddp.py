@@ -20,6 +20,8 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_epoch(tmp_path):
     assert [rank["stopped_after"] for rank in ranks] == [1, 1]
     for key in ranks[0]["state"]:
         assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key])
+    # shutdown really closed the group: no gloo thread runs on into interpreter exit, where it aborted a rank
+    assert [rank["gloo_threads_left"] for rank in ranks] == [[], []]
 
 
 def test_two_ranks_end_with_identical_learned_parameters(tmp_path):
@@ -36,3 +38,4 @@ def test_two_ranks_end_with_identical_learned_parameters(tmp_path):
     for rank in ranks:
         assert rank["epochs_run"] == 4
         assert rank["loss_end"] < rank["loss_start"] / 4
+        assert rank["gloo_threads_left"] == []
