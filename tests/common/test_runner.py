@@ -57,7 +57,7 @@ def run(config, data, job):
         return models
     if config.returns == "unserved":
         return RunResult(models)
-    info = mlflow.pyfunc.log_model(name="model", python_model=Constant())
+    info = mlflow.pyfunc.log_model(name="model", python_model=Constant(), pip_requirements=["mlflow"])
     return RunResult(models, Served("best" if config.returns == "served" else "missing", info.model_uri))
 '''
 
