@@ -159,7 +159,7 @@ def test_an_export_holds_that_use_case_only(exports, name):
     for required in ("pyproject.toml", "Makefile", ".ci/run", ".github/workflows/ci.yml", "README.md",
                      "UPSTREAM.json", "mlflow/README.md", "common/runner.py", "usecases/cli.py",
                      f"usecases/{name}/presets/smoke.yaml", "tests/conftest.py", "tests/cli_helpers.py",
-                     f"tests/{name}/__init__.py", "tests/common/test_training.py"):
+                     "tests/services.py", f"tests/{name}/__init__.py", "tests/common/test_training.py"):
         assert (export / required).is_file(), required
     others = [other for other in USECASES if other != name]
     pattern = re.compile("|".join(others), re.IGNORECASE)

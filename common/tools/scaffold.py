@@ -32,7 +32,7 @@ COMMANDS = "run|bench|serve|compare|export|new|list"
 PROJECT_FILES = ("Makefile", ".gitignore", ".github/workflows/ci.yml", "mlflow/README.md",
                  "mlflow/docker-compose.yml", "mlflow/Dockerfile.server", "mlflow/.env.example", "mlflow/.dockerignore")
 SHARED_PAGES = ("docs", "examples")  # an export copies what its README links there
-SHARED_TESTS = ("tests/__init__.py", "tests/conftest.py", "tests/cli_helpers.py", "tests/common",
+SHARED_TESTS = ("tests/__init__.py", "tests/conftest.py", "tests/cli_helpers.py", "tests/services.py", "tests/common",
                 "tests/cpu_without_bf16")
 
 
