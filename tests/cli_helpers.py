@@ -1,11 +1,15 @@
 """Running the CLI as a user does: a separate process, with a private MLflow store and checkpoint folder."""
 
+import atexit
+import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -20,9 +24,24 @@ from common.tools.serve_bench import free_port, stop_process_group as stop  # no
 
 
 def private_env(folder) -> dict[str, str]:
-    """For module-scoped runs, which start before the per-test store of tests/conftest.py exists."""
-    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}",
-            "USECASES_CHECKPOINT_DIR": str(folder / "checkpoints")}
+    """For module-scoped runs, which start before the per-test store of tests/conftest.py exists: a store of their
+    own in FOLDER, started from a copy of an empty one."""
+    store = Path(folder) / "mlflow.db"
+    if not store.exists():
+        store.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(empty_store_file(), store)
+    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}",
+            "USECASES_CHECKPOINT_DIR": str(Path(folder) / "checkpoints")}
+
+
+@functools.cache
+def empty_store_file() -> Path:
+    """An MLflow store whose tables exist, made once a process: a run in a new store spends 1.4 s creating them
+    (alembic's migrations), copying the file takes a millisecond."""
+    folder = Path(tempfile.mkdtemp(prefix="gpu-usecases-store-"))
+    atexit.register(shutil.rmtree, folder, True)
+    mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
+    return folder / "mlflow.db"
 
 
 def usecases(*args, timeout=300, env=None):

@@ -54,13 +54,11 @@ def _start_rank(item) -> float:
 
 
 @pytest.fixture(scope="session")
-def empty_store(tmp_path_factory):
-    """An MLflow store whose tables exist: creating them (alembic's migrations) takes seconds, copying a file not."""
-    import mlflow
+def empty_store():
+    """An MLflow store whose tables exist, made once a process (tests/cli_helpers.py): each test copies it."""
+    from tests.cli_helpers import empty_store_file
 
-    path = tmp_path_factory.mktemp("store") / "mlflow.db"
-    mlflow.MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
+    return empty_store_file()
 
 
 @pytest.fixture(autouse=True)

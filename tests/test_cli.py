@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 import mlflow
+import psutil
 import pytest
 import torch
 
@@ -104,6 +105,8 @@ def test_ui_serves_the_store_on_loopback_only(tmp_path):
             except OSError:
                 time.sleep(0.5)
         assert status == 200
+        # one worker for one person's store: MLflow's default four took 13 s to start on 2 cores, one 5 s
+        assert len(psutil.Process(server.pid).children(recursive=True)) < 4
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         output = server.communicate(timeout=30)[0]

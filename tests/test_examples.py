@@ -23,9 +23,10 @@ pytestmark = pytest.mark.starts_first(6)  # the default suite's longest files fi
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 # Each example run's settings: the smallest preset, less what costs seconds and the served path does not need
-# (medical: one epoch, no Grad-CAM; recsys: two of its models, no replay; the slides run already takes ~20 s).
+# (finance: two of its baselines; medical: one epoch, no Grad-CAM; recsys: two of its models, no replay; the slides
+# run already takes ~20 s).
 CHEAPEST = {
-    "finance": ("--preset", "smoke"),
+    "finance": ("--preset", "smoke", "--set", "baselines.models=[gjr_garch_t,har]"),
     "medical": ("--preset", "smoke", "--set", "train.epochs=1", "--set", "evaluation.gradcam_examples=0"),
     "recsys": ("--preset", "smoke", "--set", "models=[pop,ease]",
                "--set", "evaluation.replay=false"),

@@ -25,7 +25,7 @@ ONE_BASELINE = ["--set", "baselines.models=[ewma]"]
 EVERY_EPOCH = ["--set", "train.checkpoint_every_s=0"]
 LONG_FINANCE = ["--set", "train.epochs=60", "--set", "train.patience=60", "--set", "train.refit_every=200",
                 *EVERY_EPOCH, *ONE_BASELINE]
-LONG_MEDICAL = ["--set", "train.epochs=6", "--set", "train.patience=6", *EVERY_EPOCH]
+LONG_MEDICAL = ["--set", "train.epochs=4", "--set", "train.patience=4", *EVERY_EPOCH]
 
 
 def start_and_stop(name: str, args: list[str], signum: int) -> subprocess.Popen:
@@ -116,7 +116,7 @@ def test_a_failed_run_keeps_no_checkpoint_and_is_not_resumed(monkeypatch, capsys
            f"can be resumed" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # 80 s; tests/finance/test_end_to_end.py resumes after SIGTERM in the default suite
+@pytest.mark.slow  # a minute; tests/finance/test_end_to_end.py resumes after SIGTERM in the default suite
 def test_sigterm_then_resume_gives_the_test_auc_of_an_uninterrupted_run(tmp_path):
     straight = usecases("run", "medical", "--preset", "smoke", *LONG_MEDICAL, "--summary",
                         str(tmp_path / "straight.json"))

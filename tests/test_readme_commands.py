@@ -42,6 +42,9 @@ SKIPPED = [
     (r"usecases (ui|server)\b|^dask (scheduler|worker)", "a server that stays up"),
     (r"MLFLOW_TRACKING_URI=https?://|MLFLOW_S3_ENDPOINT_URL|AWS_ACCESS_KEY_ID",
      "points at a tracking server; the commands after it run against the test's store"),
+    (r"--preset slides-smoke\s*(#.*)?$", "the 24 synthetic slides (a minute and a half beside the slow suite): "
+                                        "tests/medical/test_slides_run.py runs the preset, and the example slides "
+                                        "below take the same path"),
     (r"--preset (default|full|scale|gapped|medmnist-recipe)\b|--scale\b|usecases bench\b",
      "a run of minutes to hours (the default presets: `make demo`; scale and bench: the slow tests)"),
     (r"usecases advise \w+ --serve\b", "sized from a serving bench, which is skipped above (tests/recsys/"

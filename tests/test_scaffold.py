@@ -27,6 +27,10 @@ USECASES = ("finance", "medical", "recsys")
 # slow suite, which CI runs on every landing; the default suite checks what `new` and `export` write.
 IN_SLOW_SUITE = [pytest.param(name, marks=pytest.mark.slow) for name in USECASES]
 FAST_TESTS = {"finance": "test_features.py", "medical": "test_models.py", "recsys": "test_models.py"}
+# Every copy is made by the same renaming: finance's copy made by `new` runs all its tests (2 to 3 min), the others
+# a file each; the recsys export runs all of its own in a fresh venv (test_make_test_passes_in_a_fresh_venv_of_an_export)
+NEW_COPY_TESTS = {**FAST_TESTS, "finance": ""}
+EXPORT_SMOKE_RUNS = [pytest.param(name, marks=pytest.mark.slow) for name in USECASES if name != "recsys"]
 # What the copies' smoke runs plumb is the scaffold, not the models: finance's with one baseline and 3 epochs.
 TINY = {"finance": ["--set", "baselines.models=[ewma]", "--set", "train.epochs=3"], "medical": [], "recsys": []}
 
@@ -40,11 +44,11 @@ def copy_clone(target: Path) -> Path:
     return target
 
 
-def in_folder(folder: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def in_folder(folder: Path, *args: str, timeout: int = 600,
+              python: str = sys.executable) -> subprocess.CompletedProcess:
     """`python ARGS` in `folder`, whose own `usecases` and `common` come first on the path."""
     env = {**os.environ, "PYTHONPATH": str(folder), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, *args], cwd=folder, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run([python, *args], cwd=folder, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +117,9 @@ def test_a_use_case_made_by_new_runs_and_passes_its_tests(clone, source):
     (finished,) = runs(name)
     assert finished.info.status == "FINISHED" and finished.data.tags["registry_model"] == f"gpu-usecases-{name}"
     assert not runs(source)
-    tested = in_folder(clone, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{name}/{FAST_TESTS[source]}")
-    assert tested.returncode == 0, tested.stdout[-2000:]
+    tested = in_folder(clone, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                       f"tests/{name}/{NEW_COPY_TESTS[source]}", timeout=1800)
+    assert tested.returncode == 0, tested.stdout[-3000:]
     collected = in_folder(clone, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", f"tests/{name}")
     assert collected.returncode == 0 and " error" not in collected.stdout, collected.stdout[-2000:]
 
@@ -183,19 +188,23 @@ def test_an_export_needs_only_its_own_dependencies(exports):
     assert "mlflow" in dependencies("recsys") and "pytest" in dependencies("recsys")
 
 
-@pytest.mark.slow  # 35 to 40 s each, as `new`'s runs above
-@pytest.mark.parametrize("name", USECASES)
-def test_an_export_runs_its_smoke_preset_and_its_tests(exports, name):
-    export = exports[name]
+def assert_the_export_runs_its_own_code(export: Path, name: str, python: str = sys.executable) -> None:
     modules = ["common.runner", "common.tools.scaffold", "common.tracking.runs", "usecases.cli", f"usecases.{name}.pipeline",
                f"usecases.{name}.serving"]
     code = f"import importlib; print('\\n'.join(importlib.import_module(m).__file__ for m in {modules!r}))"
-    files = in_folder(export, "-c", code).stdout.split()
+    files = in_folder(export, "-c", code, python=python).stdout.split()
     assert len(files) == len(modules) and all(Path(file).is_relative_to(export) for file in files), files
+    listed = {line.split()[0]: line
+              for line in in_folder(export, "-m", "usecases", "list", python=python).stdout.splitlines()}
+    assert "[presets:" in listed[name]  # the others listed here are the entry points of this clone's install
+
+
+@pytest.mark.parametrize("name", EXPORT_SMOKE_RUNS)  # 35 to 40 s each, as `new`'s runs above
+def test_an_export_runs_its_smoke_preset_and_its_tests(exports, name):
+    export = exports[name]
+    assert_the_export_runs_its_own_code(export, name)
     run = in_folder(export, "-m", "usecases", "run", name, "--preset", "smoke", *TINY[name])
     assert run.returncode == 0, run.stderr[-2000:]
-    listed = {line.split()[0]: line for line in in_folder(export, "-m", "usecases", "list").stdout.splitlines()}
-    assert "[presets:" in listed[name]  # the others listed here are the entry points of this clone's install
     tested = in_folder(export, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{name}/{FAST_TESTS[name]}",
                        "tests/common/test_config.py")
     assert tested.returncode == 0, tested.stdout[-2000:]
@@ -227,20 +236,10 @@ def test_export_refuses_a_folder_that_overlaps_the_clone(clone, where):
     assert not (clone / "exported").exists() and sorted(path.name for path in clone.parent.iterdir()) == before
 
 
-# Every copy is made by the same renaming: finance's copy runs all its tests (3 min); the medical and recsys copies
-# run their smoke preset and a test file each above, which keeps CI's three suites within their time.
-@pytest.mark.slow
-@pytest.mark.parametrize("source", ["finance"])
-def test_every_test_of_a_use_case_made_by_new_passes(tmp_path, source):
-    clone = copy_clone(tmp_path / "project")
-    assert in_folder(clone, "-m", "usecases", "new", f"my{source}", "--from", source).returncode == 0
-    tested = in_folder(clone, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/my{source}", timeout=1800)
-    assert tested.returncode == 0, tested.stdout[-3000:]
-
-
 @pytest.mark.slow
 def test_make_test_passes_in_a_fresh_venv_of_an_export(tmp_path):
-    """As a user does: export, then the export's own `make test`, which creates .venv and installs the project."""
+    """As a user does: export, then the export's own `make test`, which creates .venv and installs the project; its
+    tests run the recsys smoke preset (tests/recsys/test_end_to_end.py), and the venv runs the export's own code."""
     export = tmp_path / "recsys-project"
     assert subprocess.run([sys.executable, "-m", "usecases", "export", "recsys", str(export)], cwd=ROOT,
                           timeout=120).returncode == 0
@@ -249,6 +248,7 @@ def test_make_test_passes_in_a_fresh_venv_of_an_export(tmp_path):
                             capture_output=True, text=True, timeout=3600, env=env)
     failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     assert result.returncode == 0, "\n".join([*failed, result.stdout[-3000:]])  # which test, then its output
+    assert_the_export_runs_its_own_code(export, "recsys", str(export / ".venv" / "bin" / "python"))
 
 
 def test_the_clone_installs_what_every_use_case_declares():

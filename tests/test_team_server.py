@@ -125,12 +125,18 @@ def team_server(postgres, tmp_path_factory):
         stop(process)
 
 
+SMALLER = {"finance": ["--set", "baselines.models=[ewma,gjr_garch_t]", "--set", "train.epochs=5"],
+           "recsys": ["--set", "models=[pop,bpr]", "--set", "evaluation.replay=false"]}
+
+
 @pytest.fixture(scope="module")
 def two_runs(team_server):
-    """finance's and recsys's smoke runs started at the same moment, each a client of the server with the login."""
+    """finance's and recsys's smoke runs started at the same moment, each a client of the server with the login
+    (with `SMALLER`: what is tested is what reaches the server, not the models)."""
     url, _, client = team_server
     started = time.monotonic()
-    processes = {name: subprocess.Popen([sys.executable, "-m", "usecases", "run", name, "--preset", "smoke"],
+    processes = {name: subprocess.Popen([sys.executable, "-m", "usecases", "run", name, "--preset", "smoke",
+                                         *SMALLER[name]],
                                         env=client, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for name in ("finance", "recsys")}
     results = {name: process.communicate(timeout=900) for name, process in processes.items()}

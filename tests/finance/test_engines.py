@@ -16,7 +16,8 @@ distributed = pytest.importorskip("distributed")
 
 
 def test_dask_baselines_equal_the_pandas_ones(dask_client):
-    config = load_config(Config, USECASE.presets_dir, "smoke", ["data.synthetic.tickers=4"])
+    config = load_config(Config, USECASE.presets_dir, "smoke", ["data.synthetic.tickers=4",
+                                                                 "baselines.models=[ewma,gjr_garch_t]"])
     prepared, _ = load_data(config, None)
     alone = baseline_forecasts(prepared.frame, prepared.test, config)
     spread = baseline_forecasts(prepared.frame, prepared.test, config, client=dask_client)
