@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-gpu test-no-bf16 gpu-check ui clean
+.PHONY: install demo test test-slow test-gpu test-no-bf16 gpu-check ui cli-docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test-no-bf16: $(STAMP)
 
 ui: $(STAMP)
 	$(BIN)/usecases ui
+
+# docs/cli.md's reference of every command and option, written from the parser (tests/test_cli_docs.py checks it).
+cli-docs: $(STAMP)
+	$(BIN)/python -m usecases.cli.reference
 
 clean:
 	rm -rf $(VENV) checkpoints .pytest_cache

@@ -52,7 +52,7 @@ def run_usecase(request: RunRequest) -> dict:
 def _run(request: RunRequest, backend: str, started: float) -> dict:
     from common.config import load_config
     from common.runtime.devices import make_runtime, shutdown
-    from common.tracking.runs import check_reachable, tracking_uri
+    from common.tracking.stores import check_reachable, tracking_uri
 
     usecase, data, summary = request.usecase, request.data, request.summary
     check_reachable(tracking_uri())
@@ -79,16 +79,15 @@ def _run(request: RunRequest, backend: str, started: float) -> dict:
 
 
 def _tracked(request: RunRequest, config, runtime, backend: str, client, started: float, memory: PeakMemory) -> dict:
-    from common.config import flatten
-    from common.runtime.engine import client_tags
-    from common.job import Job
-    from common.tracking.lifecycle import STATE_FILE, checkpoint_root
-    from common.paths import write_json_atomic
-    from common.runtime.devices import deterministic_on, hardware_info, precision_notice, seed_everything
-    from common.tracking.runs import tracked_run, write_summary
     from torch import distributed as dist
 
+    from common.config import flatten
+    from common.job import Job
+    from common.paths import write_json_atomic
+    from common.runtime.devices import deterministic_on, precision_notice, seed_everything
     from common.runtime.phases import Phases
+    from common.tracking.lifecycle import STATE_FILE, checkpoint_root
+    from common.tracking.runs import tracked_run, write_summary
 
     usecase, preset, bench = request.usecase, request.preset, request.bench
     deterministic = deterministic_on(config.runtime.deterministic, runtime.device)
@@ -105,11 +104,8 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     root = checkpoint_root(experiment, preset)
     params = flatten(config)
     run_id = _on_main(runtime, lambda: _prepare(request, experiment, description, root, params, data_tags))
-    tags = {"preset": preset, "device": runtime.device.type, "precision": runtime.precision,
-            "deterministic": str(deterministic).lower(), "cudnn_benchmark": str(not deterministic).lower(),
-            "world_size": runtime.world_size, "dataframe_backend": backend, **hardware_info(), **data_tags,
-            **{key: value for key, value in config.tracking.model_dump().items() if value is not None},
-            **(client_tags(client) if client is not None else {"engine": "pandas"})}
+    tags = {"preset": preset, "dataframe_backend": backend, **_machine_tags(runtime, deterministic, client),
+            **data_tags, **{key: value for key, value in config.tracking.model_dump().items() if value is not None}}
     checkpoint_dir = None
     try:
         with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
@@ -119,8 +115,8 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
                                   checkpoint_dir / STATE_FILE)
             job = Job(runtime, tracker, checkpoint_dir, run_id is not None, client, phases, request.summary)
-            outcome = (RunResult(usecase.benchmark(config, loaded, job)) if bench
-                       else _checked_result(usecase, usecase.run(config, loaded, job)))
+            outcome = RunResult(usecase.benchmark(config, loaded, job)) if bench else \
+                _checked_result(usecase, usecase.run(config, loaded, job))
             summary = {}
             if runtime.is_main:
                 with phases("logging", "serial"):
@@ -142,6 +138,17 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     if runtime.distributed:
         dist.barrier()  # every rank done before any tears down its connections (gloo aborts otherwise)
     return summary
+
+
+def _machine_tags(runtime, deterministic: bool, client) -> dict:
+    """Where the run ran: device, precision, determinism, world size, hardware and engine."""
+    from common.runtime.devices import hardware_info
+    from common.runtime.engine import client_tags
+
+    return {"device": runtime.device.type, "precision": runtime.precision,
+            "deterministic": str(deterministic).lower(), "cudnn_benchmark": str(not deterministic).lower(),
+            "world_size": runtime.world_size, **hardware_info(),
+            **(client_tags(client) if client is not None else {"engine": "pandas"})}
 
 
 def _checked_result(usecase: UseCase, outcome) -> RunResult:
@@ -241,7 +248,7 @@ def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: floa
 def register(tracker, usecase: UseCase, outcome: RunResult, data_tags: dict) -> None:
     """Log the served model's primary metric on validation and test data, and register the model as champion or
     challenger by the validation value."""
-    from common.tracking.registry import register_champion
+    from common.tracking.registry import Candidate, register_champion
 
     metric, mode = usecase.primary_metric
     served = outcome.served
@@ -255,10 +262,8 @@ def register(tracker, usecase: UseCase, outcome: RunResult, data_tags: dict) -> 
     value, test_value = metrics[f"val_{metric}"], metrics[metric]
     tracker.set_tags({"primary_metric": metric, "primary_model": served.model})
     tracker.log_metrics({f"primary/{metric}": test_value, f"primary/val_{metric}": value})
-    source = str(data_tags.get("data_source", ""))
-    register_champion(tracker, served.uri, usecase.name, metric, mode, value, data_tags["data_sha256"],
-                      test_value=test_value, data_source=source, synthetic=source.startswith("synthetic"),
-                      kind=served.kind)
+    register_champion(tracker, Candidate(served.uri, usecase.name, metric, mode, value, data_tags["data_sha256"],
+                                         test_value, str(data_tags.get("data_source", "")), served.kind))
 
 
 def run_demo(usecases: list[UseCase], device: str = "auto", frames: str = "auto") -> None:

@@ -8,7 +8,7 @@ that model's metrics hold the primary metric on test (`METRIC`, a report) and on
 the registry picks its champion). Those modules are imported only when a run needs
 them, after the DataFrame backend is chosen: declaring a use case imports its config schema and nothing heavier.
 
-A `RunRequest` is what the user asked for (`usecases run` and `bench`, `demo`, `gpu-check`, `bench --scale`): built
+A `RunRequest` is what the user asked for (`usecases run` and `bench`, `demo`, `gpu-check`, `bench scale`): built
 once, checked once, and passed whole to the runner or written back as the command line of a run in its own process.
 
 Use cases are found in two places: the packages in a folder of use cases (the clone's `usecases/`, where
@@ -48,26 +48,24 @@ class UseCase:
     requirements: tuple[str, ...] = ()
     optional_requirements: dict[str, tuple[str, ...]] = field(default_factory=dict)
     has_benchmark: bool = False
-    scale: dict[str, int] | None = None  # the config keys `bench --scale` multiplies together, and their 1x values
+    scale: dict[str, int] | None = None  # the config keys `bench scale` multiplies together, and their 1x values
     served_kinds: tuple[str, ...] = ("",)  # the kinds of model it serves, the one `usecases serve` prefers first
 
     @classmethod
-    def declare(cls, package: str, *, description: str, config: type[ConfigModel],
-                primary_metric: tuple[str, Literal["min", "max"]], summary_columns=None,
-                requirements: tuple[str, ...] = (), optional_requirements: dict[str, tuple[str, ...]] | None = None,
-                has_benchmark: bool = False, scale: dict[str, int] | None = None,
-                served_kinds: tuple[str, ...] = ("",)) -> UseCase:
-        """For a package's `__init__.py`: its name is the package's last component, its files are beside it.
+    def declare(cls, package: str, **fields) -> UseCase:
+        """For a package's `__init__.py`: its name is the package's last component, its files are beside it, and
+        `fields` are this class's own (description, config, primary_metric, ...; a misspelt one is an error).
 
         `requirements` are what the use case needs beyond common/ (pip specifiers), `optional_requirements` the
         extras it can use when present (an extra's name, its specifiers); `usecases export` writes both. `scale`
-        names the size keys of the `scale` preset that `usecases bench --scale` multiplies together (the first
+        names the size keys of the `scale` preset that `usecases bench scale` multiplies together (the first
         names the size in its table and plot), with their 1x values. `served_kinds` are the kinds of model its runs
         register (`Served.kind`, "" for its main one), in the order `usecases serve` looks for a champion."""
         folder = Path(sys.modules[package].__file__).resolve().parent
-        return cls(package.rsplit(".", 1)[-1], package, description, config, folder, primary_metric,
-                   summary_columns, tuple(requirements), dict(optional_requirements or {}), has_benchmark, scale,
-                   tuple(served_kinds))
+        for name in ("requirements", "served_kinds"):
+            if name in fields:
+                fields[name] = tuple(fields[name])
+        return cls(name=package.rsplit(".", 1)[-1], package=package, folder=folder, **fields)
 
     @property
     def presets_dir(self) -> Path:
@@ -101,14 +99,20 @@ class UseCase:
         return self._module("pipeline").run(config, data, job)
 
     def server(self):
-        """The use case's own server module (its `server.py`, with `serve(model_uri, host, port, workers, events,
-        device=, batch_ms=, announce=)`
-        and `default_events(tracking_uri)`), or None: `usecases serve` then runs MLflow's scoring server."""
+        """The use case's own server module (its `server.py`, a `ServerPlugin`), or None: `usecases serve` then
+        runs MLflow's scoring server."""
+        from common.server_plugin import ServerPlugin
+
         try:
             found = importlib.util.find_spec(f"{self.package}.server")
         except ModuleNotFoundError:  # the package itself is not importable (a declared but absent use case)
             return None
-        return self._module("server") if found is not None else None
+        if found is None:
+            return None
+        module = self._module("server")
+        if not isinstance(module, ServerPlugin):
+            raise UserError(f"{self.package}.server is not a server plug-in (common/server_plugin.py: ServerPlugin)")
+        return module
 
     def benchmark(self, config, data, job):
         if not self.has_benchmark:
@@ -176,7 +180,7 @@ class RunRequest:
 
     def command_line(self) -> list[str]:
         """The `usecases` arguments that make this request, for a run in its own process."""
-        arguments = ["bench" if self.bench else "run", self.usecase.name, "--preset", self.preset]
+        arguments = [*(["bench", "run"] if self.bench else ["run"]), self.usecase.name, "--preset", self.preset]
         for option, value, default in (("--device", self.device, "auto"), ("--frames", self.frames, "auto"),
                                        ("--data", self.data, None), ("--summary", self.summary, None)):
             if value != default:
@@ -211,6 +215,13 @@ def _declared(module_name: str) -> UseCase:
     declared = getattr(module, "USECASE", None)
     if not isinstance(declared, UseCase):
         raise TypeError(f"{module_name} declares no USECASE = UseCase.declare(__name__, ...)")
+    server = declared.folder / "server.py"
+    if server.is_file():
+        from common.server_plugin import missing_functions
+
+        missing = missing_functions(server)
+        if missing:
+            raise TypeError(f"{module_name}.server does not define {', '.join(missing)} (common/server_plugin.py)")
     return declared
 
 

@@ -5,6 +5,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -222,3 +223,16 @@ def assert_rejected(capsys, usecase: str, *args: str, names: tuple[str, ...] = (
     checkpoints = Path(os.environ["USECASES_CHECKPOINT_DIR"])
     assert not checkpoints.exists() or not any(path.is_file() for path in checkpoints.rglob("*")), line
     return line
+
+
+def plain_tables(text: str) -> str:
+    """`text` with its Markdown tables' padding taken out (tabulate aligns columns), so that a row reads
+    `| a | b |` however wide its columns are."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("|") and line.rstrip().endswith("|"):
+            cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            line = "|" + " --- |" * len(cells) if all(set(cell) <= set("-:") for cell in cells) else \
+                "| " + " | ".join(cells) + " |"
+        lines.append(line)
+    return "\n".join(lines)

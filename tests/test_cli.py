@@ -17,6 +17,7 @@ from common import runner
 from common.errors import DataUnavailable
 from tests.cli_helpers import in_process, runs, user_error
 from tests.common.test_registry import register as register_model
+from common.tracking import server
 from usecases import cli
 
 
@@ -173,8 +174,17 @@ def test_resume_refuses_changed_data(capsys):
     assert "the data (synthetic:seed=7" in user_error(capsys, "run", "finance", "--preset", "smoke", "--resume")
 
 
+@pytest.mark.parametrize(("old", "new"), [
+    (["bench", "recsys", "--serve", "--seconds", "5"], "is now `usecases bench serve recsys --seconds 5`"),
+    (["bench", "medical", "--preset", "smoke"], "is now `usecases bench run medical --preset smoke`"),
+    (["bench", "finance", "--scale"], "is now `usecases bench scale finance`")])
+def test_a_bench_spelled_the_old_way_names_the_new_one(capsys, old, new):
+    result = in_process(capsys, *old)
+    assert result.returncode == 2 and new in result.stderr and len(result.stderr.splitlines()) == 1
+
+
 def test_a_use_case_without_a_benchmark_says_so(capsys):
-    result = in_process(capsys, "bench", "finance", "--preset", "smoke")
+    result = in_process(capsys, "bench", "run", "finance", "--preset", "smoke")
     assert result.returncode == 2 and "use case 'finance' has no benchmark" in result.stderr
 
 
@@ -191,7 +201,7 @@ def test_serve_names_the_data_whose_champion_it_serves(monkeypatch, capsys):
     register_model("recsys", 0.3, "3" * 64, source="ml-latest-small")
     register_model("recsys", 0.9, "4" * 64, source="synthetic")
     served = []
-    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: served.append(args))
+    monkeypatch.setattr(os, "execve", lambda path, args, env: served.append(args))
     cli.main(["serve", "recsys", "--mlflow"])
     first = capsys.readouterr().out.splitlines()[0]
     assert "on ml-latest-small (data 333333333333, version 1" in first
@@ -204,13 +214,14 @@ def test_serve_runs_a_use_cases_own_server_with_a_worker_per_core(monkeypatch, c
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     register_model("recsys", 0.3, "3" * 64, source="ml-latest-small")
     started = []
-    monkeypatch.setattr(server, "serve", lambda *args, **options: started.append((*args, options)) or 0)
+    monkeypatch.setattr(server, "serve", lambda settings: started.append(settings) or 0)
     assert cli.main(["serve", "recsys", "--port", "5009"]) == 0
-    model_uri, host, port, workers, events, options = started[0]
-    announce = options.pop("announce")
-    assert options == {"device": "auto", "batch_ms": None}  # the server decides: 2 ms on a GPU, off on the CPU
-    assert (model_uri, host, port) == ("models:/gpu-usecases-recsys@champion", "127.0.0.1", 5009)
-    assert workers == len(os.sched_getaffinity(0)) and events.endswith("recsys-events.db")
+    (settings,) = started
+    assert (settings.device, settings.batch_ms) == ("auto", None)  # the server decides: 2 ms on a GPU, off on the CPU
+    assert (settings.model_uri, settings.host, settings.port) == ("models:/gpu-usecases-recsys@champion", "127.0.0.1",
+                                                                  5009)
+    workers, announce = settings.workers, settings.announce
+    assert workers == len(os.sched_getaffinity(0)) and settings.events.endswith("recsys-events.db")
     assert "with %d worker(s)" % workers in announce, "said by the server once its store is checked"
     assert "Serving" not in capsys.readouterr().out
     assert cli.main(["serve", "finance", "--workers", "2"]) == 2  # MLflow's server: one line, no traceback
@@ -221,7 +232,7 @@ def server_command(monkeypatch, *args):
     """The `mlflow server` command line `usecases server ARGS` would exec."""
     executed = []
     monkeypatch.setattr(os, "execv", lambda path, argv: executed.append(argv))
-    monkeypatch.setattr(cli, "_check_database", lambda uri, source: None)  # tests/test_team_server.py checks it
+    monkeypatch.setattr(server, "check_database", lambda uri, source: None)  # tests/test_team_server.py checks it
     cli.main(["server", *args])
     (argv,) = executed
     options = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--")}

@@ -13,7 +13,7 @@ import pytest
 from mlflow.entities import Metric
 
 from common.tracking import results
-from tests.cli_helpers import in_process
+from tests.cli_helpers import in_process, plain_tables
 
 REPO = Path(__file__).resolve().parents[1]
 AMD = {"cpu_model": "AMD EPYC", "cpu_cores": "2", "cpu_bf16": "false"}
@@ -50,7 +50,7 @@ def folder(tmp_path, monkeypatch):
 
 def table(page: str, title: str) -> list[str]:
     """The data rows of the table under a `## ` heading that starts with `title`."""
-    section = page.split(f"\n## {title}", 1)[1].split("\n## ", 1)[0]
+    section = plain_tables(page).split(f"\n## {title}", 1)[1].split("\n## ", 1)[0]
     return [line for line in section.splitlines() if line.startswith("|")][2:]
 
 
@@ -76,7 +76,7 @@ def test_a_row_per_machine_newest_first_with_its_newest_run(capsys, folder):
     assert "0.1111" not in page and "0.9999" not in page
     log_run({**AMD, "git_dirty": "true"}, 4, 0.1300)  # uncommitted code: never its commit's result
     assert report(capsys).returncode == 0
-    assert "| AMD EPYC | no | 2 | none | 2.14.1 | 3df813f+ |" in (folder / "recsys.md").read_text()
+    assert "| AMD EPYC | no | 2 | none | 2.14.1 | 3df813f+ |" in plain_tables((folder / "recsys.md").read_text())
     assert table(page, "On a GPU") == [
         "| NVIDIA H100 | `usecases run recsys --preset default --device cuda` | `ease` ndcg@10 0.2345 | 102 s | 2.14.1 "
         "| 3df813f | 2026-12-06 |"]

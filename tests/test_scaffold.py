@@ -162,7 +162,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
 def test_an_export_holds_that_use_case_only(exports, name):
     export = exports[name]
     for required in ("pyproject.toml", "Makefile", ".ci/run", ".github/workflows/ci.yml", "README.md",
-                     "UPSTREAM.json", "mlflow/README.md", "common/runner.py", "usecases/cli.py",
+                     "UPSTREAM.json", "mlflow/README.md", "common/runner.py", "usecases/cli/__init__.py",
                      f"usecases/{name}/presets/smoke.yaml", "tests/conftest.py", "tests/cli_helpers.py",
                      "tests/services.py", f"tests/{name}/__init__.py", "tests/common/test_training.py"):
         assert (export / required).is_file(), required
@@ -170,7 +170,8 @@ def test_an_export_holds_that_use_case_only(exports, name):
     pattern = re.compile("|".join(others), re.IGNORECASE)
     mentions = [str(path) for path in export.rglob("*.py") if pattern.search(path.read_text())]
     assert mentions == []
-    assert sorted(path.name for path in (export / "usecases").iterdir() if path.is_dir()) == [name]
+    assert sorted(path.name for path in (export / "usecases").iterdir() if (path / "presets").is_dir()) == [name]
+    assert (export / "usecases" / "cli" / "bench.py").is_file()
     assert not (export / "mlflow" / "__init__.py").exists()
 
 
@@ -222,7 +223,7 @@ def test_export_refuses_a_non_empty_folder_unless_forced_and_then_replaces_what_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["keep.txt"]
     assert export("medical", str(tmp_path), "--force").returncode == 0
     assert export("recsys", str(tmp_path), "--force").returncode == 0  # over an earlier export: nothing of it left
-    assert sorted(path.name for path in (tmp_path / "usecases").iterdir() if path.is_dir()) == ["recsys"]
+    assert sorted(path.name for path in (tmp_path / "usecases").iterdir() if (path / "presets").is_dir()) == ["recsys"]
     assert not (tmp_path / "tests" / "medical").exists() and (tmp_path / "keep.txt").read_text() == "mine"
 
 

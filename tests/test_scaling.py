@@ -1,4 +1,4 @@
-"""`usecases bench NAME --scale`: the scale preset at several sizes on each engine, each run its own process, and
+"""`usecases bench scale NAME`: the scale preset at several sizes on each engine, each run its own process, and
 one NAME-scale run with the table and the log-log plot of cost against size."""
 
 import io
@@ -16,7 +16,7 @@ pytest.importorskip("distributed")
 @pytest.mark.slow  # 40 s: two sizes on two engines; the engines themselves are tested in the default suite
 def test_the_cost_growth_of_both_engines_is_one_run_with_its_table_and_plot(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    result = usecases("bench", "recsys", "--scale", "--sizes", "1,2", "--base", "200", "--set", "models=[pop]",
+    result = usecases("bench", "scale", "recsys", "--sizes", "1,2", "--base", "200", "--set", "models=[pop]",
                       "--set", "data.synthetic.items=2000", "--set", "runtime.workers=1")
     assert result.returncode == 0, result.stderr[-2000:]
     (run,) = runs("recsys-scale")
@@ -61,6 +61,6 @@ def test_a_use_case_without_a_size_to_scale_or_bad_sizes_is_one_line(capsys):
 
     with pytest.raises(UserError, match="'medical' declares no size to scale"):
         scale_bench(replace(USECASE, scale=None), [], [1], ["pandas"], None, None)
-    assert_rejected(capsys, "recsys", "bench", "recsys", "--scale", "--sizes", "1,x", names=("--sizes 1,x",))
-    assert_rejected(capsys, "recsys", "bench", "recsys", "--scale", "--scale-engines", "spark",
+    assert_rejected(capsys, "recsys", "bench", "scale", "recsys", "--sizes", "1,x", names=("--sizes 1,x",))
+    assert_rejected(capsys, "recsys", "bench", "scale", "recsys", "--scale-engines", "spark",
                     names=("--scale-engines takes pandas, dask",))

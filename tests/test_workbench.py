@@ -153,7 +153,7 @@ def test_usecases_server_serves_the_local_store_and_prints_the_uri(tmp_path, mon
     (clone / "mlflow").mkdir(parents=True)
     shutil.copy(Path(usecases.__file__).parents[1] / "pyproject.toml", clone / "pyproject.toml")
     port = free_port()
-    script = (f"import common.tracking.runs as t; from pathlib import Path; t.project_root = lambda: Path({str(clone)!r}); "
+    script = (f"import common.tracking.stores as t; from pathlib import Path; t.project_root = lambda: Path({str(clone)!r}); "
               f"from usecases.cli import main; main(['server', '--port', '{port}', '--workers', '1'])")
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                                stderr=subprocess.DEVNULL, start_new_session=True,

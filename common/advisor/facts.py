@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     """Keep a run's facts as JSON (from the store MLFLOW_TRACKING_URI names, or --tracking-uri)."""
     import mlflow
 
-    from common.tracking.runs import tracking_uri
+    from common.tracking.stores import tracking_uri
 
     parser = argparse.ArgumentParser(prog="python -m common.advisor.facts", description=main.__doc__)
     parser.add_argument("run_id")

@@ -1,6 +1,6 @@
 """`usecases advise NAME --serve --target-rps RATE [--p99-ms MS]`: how many instances of each catalogue row carry a
 serving load at a p99 latency, and what a month of them costs, from the serving capacity MEASURED by the newest
-`usecases bench NAME --serve` run (experiment NAME-serve, tag `preset=serve`).
+`usecases bench serve NAME` run (experiment NAME-serve, tag `preset=serve`).
 
 The bench logs, per server S (`exact`, `ann`; `ours`, `mlflow`, `ours_batch` in older runs) and concurrency C,
 `serve/S/cC/requests_per_s`, `p50_ms`, `p99_ms` and `errors`, and the tag `workers`: the server's worker processes,
@@ -29,9 +29,10 @@ from pathlib import Path
 from common.advisor.budget import HOURS_PER_MONTH
 from common.advisor.catalog import Instance, load_catalogue
 from common.advisor.estimate import Range
-from common.advisor.formats import money, span
+from common.advisor.formats import json_safe, money, span
 from common.advisor.serve_launch import BATCHED, RETRIEVALS, write_serve_files
 from common.errors import UserError
+from common.tabular import render_table
 
 # Requests/s a cloud vCPU serves, over one of the bench machine's cores (low, expected, high). A cloud vCPU is one
 # hyperthread of a physical core: with its sibling busy too, it gets about 0.6 of a core to itself (two threads on one
@@ -130,7 +131,8 @@ def find_bench(usecase: str, run_id: str | None):
     """The bench run: `run_id`, else the newest finished `preset=serve` run of experiment NAME-serve."""
     import mlflow
 
-    from common.tracking.runs import experiment_name, tracking_uri
+    from common.tracking.runs import experiment_name
+    from common.tracking.stores import tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
     client = mlflow.MlflowClient()
@@ -141,7 +143,7 @@ def find_bench(usecase: str, run_id: str | None):
             raise UserError(f"--run {run_id}: no such run in {tracking_uri()}") from None
         if not _measured(run):
             raise UserError(f"--run {run_id}: not a serving bench run (no serve/SERVER/cN/requests_per_s metrics): "
-                            f"run `usecases bench {usecase} --serve`")
+                            f"run `usecases bench serve {usecase}`")
         return run
     names = dict.fromkeys((experiment_name(f"{usecase}-serve"), f"{usecase}-serve"))  # as tracked, or as named
     ids = [experiment.experiment_id for name in names if (experiment := client.get_experiment_by_name(name))]
@@ -150,8 +152,8 @@ def find_bench(usecase: str, run_id: str | None):
         max_results=20)
     found = [run for run in found if _measured(run)]
     if not found:
-        raise UserError(f"no serving bench run of '{usecase}' in {tracking_uri()}: run `usecases bench {usecase} "
-                        "--serve` first")
+        raise UserError(f"no serving bench run of '{usecase}' in {tracking_uri()}: run `usecases bench serve "
+                        f"{usecase}` first")
     return found[0]
 
 
@@ -251,7 +253,7 @@ def fleet_command(usecase: str, run_id: str | None, catalog: Path | None, output
         report["launch"] = write_serve_files(launch, usecase, cheapest, sized.server, extra, tracking,
                                              f"for {target_rps:,.0f} requests/s at p99 <= {p99_ms:g} ms")
     if output == "json":
-        return json.dumps(_json_safe(report), indent=2, allow_nan=False)
+        return json.dumps(json_safe(report), indent=2, allow_nan=False)
     text = _render(report, rows, cheapest, markdown=output == "markdown")
     if launch is not None:
         text += "\n\nLaunch files:\n" + "\n".join(f"- {line}" for line in report["launch"]["lines"])
@@ -317,13 +319,7 @@ def _render(report: dict, rows: list[FleetRow], cheapest: FleetRow | None, markd
               f"{100 * HEADROOM:.0f} % of their capacity (the autoscaler's CPU target); a month is "
               f"{HOURS_PER_MONTH:g} h "
               "at each row's price (its source dates it). The GPUs are not used: the server was sized per CPU core."]
-    if markdown:
-        lines += ["", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-        lines += ["| " + " | ".join(row) + " |" for row in cells]
-    else:
-        widths = [max(len(row[column]) for row in [header, *cells]) for column in range(len(header))]
-        lines += ["", "  ".join(name.ljust(width) for name, width in zip(header, widths)).rstrip()]
-        lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    lines += ["", render_table(cells, header, markdown=markdown)]
     lines.append("")
     if cheapest is None:
         lines.append("Cheapest: none (no row of the catalogue has a price)")
@@ -342,9 +338,3 @@ def _clean(value: float):
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
 
 
-def _json_safe(value):
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -44,3 +44,13 @@ def speedup(value: Range) -> str:
 
 def milliseconds(seconds: float) -> str:
     return f"{figure(1000 * seconds)} ms"
+
+
+def json_safe(value):
+    """Infinity (a spot run that never finishes, data read from memory) and NaN (unknown) as null: JSON has
+    neither."""
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value

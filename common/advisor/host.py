@@ -19,7 +19,6 @@ and counted ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 # Levels as everywhere in the estimator: (slow, expected, fast).
 # Fitted to catalog/host_bound.csv (`calibrate_host`): the envelope rounded up to 1 µs, the geometric mean; the
@@ -53,33 +52,3 @@ GPU_STARTUP_S = (10.0, 4.0, 1.5)
 # out): 2.9 to 3.6 s for the use cases' runs measured on the machine of the README, with HOST_SPEED's spread;
 # up to 8 s assumed where a CUDA build of torch loads its libraries at import.
 PROCESS_START_S = (8.0, 3.5, 2.5)
-FLAT_LATENCY = 1.10  # a published latency within this of the batch-1 latency of its table is host-bound
-
-
-@dataclass(frozen=True)
-class HostBound:
-    """One published latency of a table (`group`: model, GPU and precision), with the operators of its forward
-    pass as the probe counts them."""
-
-    group: str
-    batch_size: int
-    latency_s: float
-    ops: float
-
-
-def flat_part(figures: list[HostBound]) -> list[HostBound]:
-    """The figures whose latency is within FLAT_LATENCY of their table's batch-1 latency: there the host, not the GPU,
-    sets the time (the GPU's share grows with the batch, the host's does not)."""
-    first = {figure.group: figure.latency_s for figure in figures if figure.batch_size == 1}
-    return [figure for figure in figures if figure.group in first and
-            figure.latency_s <= FLAT_LATENCY * first[figure.group]]
-
-
-def calibrate_host(figures: list[HostBound]) -> tuple[float, float]:
-    """The host's slow and expected seconds per operator: each host-bound figure's latency over its operators, the
-    envelope rounded up to 1 µs and the geometric mean."""
-    implied = [figure.latency_s / figure.ops for figure in flat_part(figures)]
-    if not implied:
-        raise ValueError("no host-bound figure to calibrate the host on")
-    slow = math.ceil(max(implied) * 1e6 - 1e-9) * 1e-6
-    return slow, math.exp(sum(math.log(value) for value in implied) / len(implied))

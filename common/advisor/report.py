@@ -8,33 +8,67 @@ import json
 import math
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.advisor.advise import actions, advise, recommend
 from common.advisor.catalog import load_catalogue
 from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts, calibrated, facts_from_file, facts_from_run
-from common.advisor.formats import duration, money, span
+from common.advisor.formats import duration, json_safe, money, span
 from common.advisor.lines import SPOT_MATTERS
 from common.advisor.rows import Choice, Options, Row
+from common.tabular import render_table
 from common.errors import UserError
 
 ESTIMATED = "estimated: low-high (expected)"
 
 
-def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: Path | None, output: str,
-                   workload: Path | None, options: Options | None = None, data_gb: float | None = None,
-                   launch: Path | None = None, tracking: str | None = None) -> str:
-    """The report as printed; a run's is logged to it as `advise/advice.{md,json}` and `advise/cost_vs_time.png`;
-    with `launch`, the recommended training instance's launch files are written there."""
-    options = options or Options()
-    gpus, instances = load_catalogue(catalog)
-    if workload is not None:
-        facts = facts_from_file(workload, gpus)
-        task = facts.task
-        source = f"workload {workload} (times and costs per 1M samples)"
+@dataclass(frozen=True)
+class AdviseRequest:
+    """What `usecases advise` was asked: a use case's run (the latest, or `run_id`) or a `workload` file, the task,
+    a catalogue of one's own, the output format, the limits and stated load (`options`), a data set size to scale
+    to, and where to write the pick's launch files (with the tracking server they log to)."""
+
+    usecase: str | None = None
+    run_id: str | None = None
+    task: str = "both"
+    catalog: Path | None = None
+    output: str = "table"
+    workload: Path | None = None
+    options: Options = field(default_factory=Options)
+    data_gb: float | None = None
+    launch: Path | None = None
+    tracking: str | None = None
+
+
+def advise_command(request: AdviseRequest) -> str:
+    """The report as printed. The estimates are pure (`advice`); the effects are here, at the edge: a run's report
+    is logged to it as `advise/advice.{md,json}` and `advise/cost_vs_time.png`, and with `launch` the recommended
+    training instance's launch files are written there."""
+    gpus, instances = load_catalogue(request.catalog)
+    facts, source = _facts(request, gpus)
+    report, rows, picks, todo = advice(facts, source, instances, gpus, request)
+    if request.launch is not None:
+        report["launch"] = _launch(request.launch, facts, picks, request.tracking)
+    text = (json.dumps(json_safe(report), indent=2, allow_nan=False) if request.output == "json" else
+            _render(report, rows, picks, todo, markdown=request.output == "markdown"))
+    if request.launch is not None and request.output != "json":
+        text += "\n\nLaunch files:\n" + "\n".join(f"- {line}" for line in report["launch"]["lines"])
+    if facts.run_id is not None:
+        _log_to_run(facts.run_id, report, rows, picks, todo)
+    return text
+
+
+def _facts(request: AdviseRequest, gpus) -> tuple[RunFacts, str]:
+    """What the estimates start from, and how the report names it: the workload file, or the run (its GPU rates
+    from the latest GPU run of its preset where it ran on a CPU), scaled to `data_gb`."""
+    if request.workload is not None:
+        facts = facts_from_file(request.workload, gpus)
+        source = f"workload {request.workload} (times and costs per 1M samples)"
     else:
-        run = _find_run(usecase, run_id)
+        usecase = request.usecase
+        run = _find_run(usecase, request.run_id)
         facts = facts_from_run(run, usecase, gpus)
         source = f"run {run.info.run_id} of {usecase}, measured on " + (
             f"{facts.gpu_count} x {facts.gpu}" if facts.gpu else f"a CPU ({facts.cores} cores)")
@@ -43,9 +77,17 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
             if reference is not None:
                 facts = calibrated(facts, facts_from_run(reference, usecase, gpus))
                 source += f", its GPU rates from run {reference.info.run_id} on {facts.rates_gpu}"
-    if data_gb is not None:
-        facts = facts.scaled_to(data_gb)
-        source += f", scaled to a {data_gb:g} GB data set"
+    if request.data_gb is not None:
+        facts = facts.scaled_to(request.data_gb)
+        source += f", scaled to a {request.data_gb:g} GB data set"
+    return facts, source
+
+
+def advice(facts: RunFacts, source: str, instances, gpus, request: AdviseRequest):
+    """The estimates on every instance, the picks and what the measurements call for, and the report of them:
+    computed only (no file written, no call to MLflow)."""
+    options = request.options
+    task = facts.task if request.workload is not None else request.task
     rows = advise(facts, instances, gpus, task, options)
     picks = recommend(rows, options)
     todo = actions(facts, rows, picks, options)
@@ -57,15 +99,7 @@ def advise_command(usecase: str | None, run_id: str | None, task: str, catalog: 
                          "requests_per_s": options.requests_per_s,
                          "spot_interruptions_per_hour": options.interruptions_per_hour},
               "actions": todo, "measured": _measured(facts)}
-    if launch is not None:
-        report["launch"] = _launch(launch, facts, picks, tracking)
-    text = (json.dumps(_json_safe(report), indent=2, allow_nan=False) if output == "json" else
-            _render(report, rows, picks, todo, markdown=output == "markdown"))
-    if launch is not None and output != "json":
-        text += "\n\nLaunch files:\n" + "\n".join(f"- {line}" for line in report["launch"]["lines"])
-    if facts.run_id is not None:
-        _log_to_run(facts.run_id, report, rows, picks, todo)
-    return text
+    return report, rows, picks, todo
 
 
 def _launch(folder: Path, facts: RunFacts, picks: dict[str, Choice | None], tracking: str | None) -> dict:
@@ -83,7 +117,8 @@ def _launch(folder: Path, facts: RunFacts, picks: dict[str, Choice | None], trac
 def _find_run(usecase: str | None, run_id: str | None):
     import mlflow
 
-    from common.tracking.runs import experiment_name, tracking_uri
+    from common.tracking.runs import experiment_name
+    from common.tracking.stores import tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
     client = mlflow.MlflowClient()
@@ -144,16 +179,6 @@ def _as_dict(row: Row, task: str) -> dict:
             "spot": row.spot.as_dict(row.run_cost) if row.spot else None,
             "serving_month": row.serving.as_dict() if row.serving else None,
             "whole_run": row.whole.as_dict() if row.whole else None}
-
-
-def _json_safe(value):
-    """Infinity (a spot run that never finishes, data read from memory) and NaN (unknown) as null: JSON has
-    neither."""
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _clean(value: float):
@@ -222,13 +247,7 @@ def _render(report: dict, rows: list[Row], picks: dict[str, Choice | None], todo
     lines = [f"Advice for {report['source']}. Every figure below is {ESTIMATED}, on-demand prices (spot where "
              "marked) as each row's source dates them. A whole run is every phase the run logged, training one of "
              "them; --format json has each phase and model, and the measured figures under 'measured'."]
-    if markdown:
-        lines += ["", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-        lines += ["| " + " | ".join(row) + " |" for row in cells]
-    else:
-        widths = [max(len(row[column]) for row in [header, *cells]) for column in range(len(header))]
-        lines += ["", "  ".join(name.ljust(width) for name, width in zip(header, widths))]
-        lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in cells]
+    lines += ["", render_table(cells, header, markdown=markdown)]
     lines += ["", "Recommendations (estimated):"]
     requests = report["stated"]["requests_per_s"]
     names = {"train_cheapest": "run, the cheapest that fits", "train_fastest": "run, the fastest within 1.5x of that "
@@ -265,7 +284,7 @@ def _log_to_run(run_id: str, report: dict, rows: list[Row], picks: dict, todo: l
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
         (out / "advice.md").write_text(_render(report, rows, picks, todo, markdown=True) + "\n")
-        (out / "advice.json").write_text(json.dumps(_json_safe(report), indent=2, allow_nan=False))
+        (out / "advice.json").write_text(json.dumps(json_safe(report), indent=2, allow_nan=False))
         _plot(rows, out / "cost_vs_time.png")
         client = mlflow.MlflowClient()
         for path in sorted(out.iterdir()):

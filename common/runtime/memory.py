@@ -1,5 +1,5 @@
 """Peak resident memory of a run's whole process tree (this process, Dask workers, DataLoader workers), sampled in
-a background thread: what decides whether a run fits a machine, and what `usecases bench --scale` compares."""
+a background thread: what decides whether a run fits a machine, and what `usecases bench scale` compares."""
 
 from __future__ import annotations
 

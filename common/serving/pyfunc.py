@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -111,23 +112,34 @@ def _running(pid: int) -> bool:
     return True
 
 
-def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, *, name: str, package: str,
-               requirements: list[str], optional_inputs: tuple[str, ...] = (),
-               metadata: dict | None = None, params: dict | None = None, entry: str = ENTRY,
-               kind: str = "") -> Served | None:
-    """Log `model` (loaded from `bundle`) as the run's `model`: `example` is probed through it and the signature
-    inferred from its answer, the `optional_inputs` columns marked as not required, `params` (name: default) as
-    MLflow inference params. `name` is the run's model this
-    is, `package` the use case's, `requirements` the distributions it needs (pinned as installed here), `entry` the
-    file beside the package's `__init__.py` that sets the served class (a use case serving two kinds of model has one
-    each), `kind` the kind of model it is (`Served.kind`).
+@dataclass(frozen=True)
+class Publication:
+    """How a served model is logged: `name` is the run's model it is, `package` the use case's, `requirements` the
+    distributions it needs (pinned as installed here), `entry` the file beside the package's `__init__.py` that sets
+    the served class (a use case serving two kinds of model has one each), `kind` the kind of model (`Served.kind`),
+    `optional_inputs` the input columns marked as not required, `params` (name: default) MLflow's inference params,
+    `metadata` what the model's MLmodel carries."""
 
-    Returns what was logged, or None where the tracker does not write (another rank, a test)."""
+    name: str
+    package: str
+    requirements: tuple[str, ...]
+    entry: str = ENTRY
+    kind: str = ""
+    optional_inputs: tuple[str, ...] = ()
+    params: dict | None = None
+    metadata: dict | None = None
+
+
+def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, publication: Publication) -> Served | None:
+    """Log `model` (loaded from `bundle`) as the run's `model`, as `publication` says: `example` is probed through
+    it and the signature inferred from its answer. Returns what was logged, or None where the tracker does not
+    write (another rank, a test)."""
     if not tracker.active:
         return None
+    package, params = publication.package, publication.params
     signature = infer_signature(example, model.predict(None, example, params), params)
-    if optional_inputs:
-        inputs = Schema([ColSpec(spec.type, spec.name, required=spec.name not in optional_inputs)
+    if publication.optional_inputs:
+        inputs = Schema([ColSpec(spec.type, spec.name, required=spec.name not in publication.optional_inputs)
                          for spec in signature.inputs.inputs])
         signature = ModelSignature(inputs, signature.outputs, signature.params)
     with tempfile.TemporaryDirectory() as folder:
@@ -136,15 +148,15 @@ def log_served(model: ServedModel, bundle: dict, example, tracker: Tracker, *, n
         code = _stage_package(package, Path(folder) / "code")
         info = mlflow.pyfunc.log_model(
             name="model",
-            python_model=str(Path(sys.modules[package].__file__).with_name(entry)),
+            python_model=str(Path(sys.modules[package].__file__).with_name(publication.entry)),
             artifacts={BUNDLE: str(path)},
             signature=signature,
             input_example=example,
-            metadata=metadata,
+            metadata=publication.metadata,
             code_paths=[str(code), str(Path(sys.modules["common"].__file__).parent)],
-            pip_requirements=public_requirements(requirements),
+            pip_requirements=public_requirements(list(publication.requirements)),
         )
-    return Served(name, info.model_uri, kind)
+    return Served(publication.name, info.model_uri, publication.kind)
 
 
 def public_requirements(packages: list[str]) -> list[str]:

@@ -177,7 +177,7 @@ def run_checks(device: str = "auto") -> list[Check]:
 
     from common.paths import cache_dir
     from common.runtime.devices import cpu_has_native_bf16
-    from common.tracking.runs import check_reachable, tracking_uri
+    from common.tracking.stores import check_reachable, tracking_uri
 
     try:
         import pynvml as nvml

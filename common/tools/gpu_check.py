@@ -2,8 +2,8 @@
 
 A lent GPU machine is short: minutes, its start included. So the steps run in priority order, each with a fixed cap
 (`CAPS`): `usecases doctor --device cuda`, every benchmark, every use case's `default` preset on the GPU, and, for a
-use case with its own server, `usecases bench NAME --serve` on the champion the run registered; then, on what is left,
-the `gpu` tests and the whole-slide benchmark (`usecases bench NAME --slides`, where a use case has its preset). A step
+use case with its own server, `usecases bench serve NAME` on the champion the run registered; then, on what is left,
+the `gpu` tests and the whole-slide benchmark (`usecases bench slides NAME`, where a use case has its preset). A step
 gets its cap, or its share of what is left in proportion to the caps still to come when less is left; a step that
 finishes early leaves its time to the later ones. A run writes each model's metrics to its summary as soon as that
 model is done, so a run stopped at its cap still gives the numbers of the models it finished. It writes
@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.config import available_presets
+from common.tabular import render_table
 from common.usecase import RunRequest, UseCase
 
 DEFAULT_BUDGET_S = 420  # what a 15-minute lease leaves for measuring, after the machine's start and the install
-SLIDES_PRESET = "slides-smoke"  # a use case with this preset has a whole-slide benchmark (`bench NAME --slides`)
+SLIDES_PRESET = "slides-smoke"  # a use case with this preset has a whole-slide benchmark (`bench slides NAME`)
 # Seconds a priority step may take at most; their sum for the three use cases fits DEFAULT_BUDGET_S with time to spare
 # (a test checks it). The goals on one H200 (issue 31): the three default runs in 15, 45 and 30 s.
 CAPS = {"doctor": 30, "bench": 45, "run": 75, "serve": 45}
@@ -70,13 +71,13 @@ def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
               for case in usecases if case.has_benchmark]
     steps += [Step(f"run {case.name}", [*cli, *RunRequest(case, device="cuda").command_line()], "run")
               for case in usecases]
-    steps += [Step(f"serve {case.name}", [*cli, "bench", case.name, "--serve", "--batch-ms", "2"], "serve")
+    steps += [Step(f"serve {case.name}", [*cli, "bench", "serve", case.name, "--batch-ms", "2"], "serve")
               # the champion the run registered, scored on the GPU one request at a time and micro-batched
               for case in usecases if case.server() is not None]
     steps.append(Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"],
                       "gpu tests"))
-    steps += [Step(f"bench {case.name} --slides", [*cli, "bench", case.name, "--slides", "--preset", SLIDES_PRESET,
-                                                   "--device", "cuda", "--set", "benchmark.gigapixel=false"], "slides")
+    steps += [Step(f"bench slides {case.name}", [*cli, "bench", "slides", case.name, "--preset", SLIDES_PRESET,
+                                                  "--device", "cuda", "--set", "benchmark.gigapixel=false"], "slides")
               # tiles/s on the GPU; writing the gigapixel slide (minutes on one core) would spend the step's share
               for case in usecases if case.has_benchmark and SLIDES_PRESET in available_presets(case.presets_dir)]
     return steps
@@ -122,12 +123,13 @@ def _execute_one(step: Step, summary_file: Path, run: Callable, clock: Callable[
 
 
 def markdown_rows(steps: list[Step], gpu: str, primary: dict[str, tuple[str, str]]) -> list[str]:
-    """`| GPU | use case | command | primary metric | wall time |` rows for the use case READMEs' GPU tables."""
-    rows = ["| GPU | use case | command | result | wall time |", "| --- | --- | --- | --- | --- |"]
+    """The lines of a `| GPU | use case | command | result | wall time |` table for the use case READMEs' GPU
+    tables."""
+    rows = []
     for step in steps:
         if not step.name.startswith(("run ", "bench ")):
             continue
-        kind, name = step.name.split()[:2]
+        kind, name = step.name.split()[0], step.name.split()[-1]
         models = step.summary.get("models", {})
         if step.returncode is None:
             result = "not run"
@@ -143,15 +145,14 @@ def markdown_rows(steps: list[Step], gpu: str, primary: dict[str, tuple[str, str
             result = f"speedup {speedups[0]:.2f}x over the plain loop" if speedups else "ok"
         if models and not step.passed:
             result = f"{result} (of {', '.join(models)}: {step.state})"
-        rows.append(f"| {gpu} | {name} | `usecases {' '.join(step.command[3:])}` | {result} | {step.seconds:.0f} s |")
-    return rows
+        rows.append([gpu, name, f"`usecases {' '.join(step.command[3:])}`", result, f"{step.seconds:.0f} s"])
+    return render_table(rows, ["GPU", "use case", "command", "result", "wall time"]).split("\n")
 
 
 def step_table(steps: list[Step]) -> list[str]:
     """What ran and what did not: each step's outcome, time and timeout."""
-    rows = ["| step | outcome | seconds | timeout |", "| --- | --- | --- | --- |"]
-    rows += [f"| {step.name} | {step.state} | {step.seconds:.0f} | {step.timeout_s:.0f} |" for step in steps]
-    return rows
+    rows = [[step.name, step.state, f"{step.seconds:.0f}", f"{step.timeout_s:.0f}"] for step in steps]
+    return render_table(rows, ["step", "outcome", "seconds", "timeout"]).split("\n")
 
 
 def gpu_check(usecases: list[UseCase], out: Path, budget_s: float = DEFAULT_BUDGET_S,

@@ -13,6 +13,7 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -20,29 +21,43 @@ import numpy as np
 WARMUP_S = 1.0  # answers in the first second are not counted: workers warm their caches
 
 
-async def _connection(host: str, port: int, path: str, bodies: list[bytes], offset: int, started: float,
-                      until: float, latencies: list[float], errors: list[str]) -> None:
+@dataclass
+class Load:
+    """What every connection of one measurement shares: the target, the bodies sent round-robin, the clock, and the
+    latencies (seconds) and errors counted after the warm-up."""
+
+    host: str
+    port: int
+    path: str
+    bodies: list[bytes]
+    started: float
+    until: float
+    latencies: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+async def _connection(load: Load, offset: int) -> None:
     reader = writer = None
     index = offset
-    while time.perf_counter() < until:
-        body = bodies[index % len(bodies)]
+    while time.perf_counter() < load.until:
+        body = load.bodies[index % len(load.bodies)]
         index += 1
-        request = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        request = (f"POST {load.path} HTTP/1.1\r\nHost: {load.host}:{load.port}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body
         sent = time.perf_counter()
         try:
             if writer is None:
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.open_connection(load.host, load.port)
             writer.write(request)
             status = await _response_status(reader)
         except (OSError, asyncio.IncompleteReadError, ValueError) as error:
-            errors.append(type(error).__name__)
+            load.errors.append(type(error).__name__)
             writer = None
             continue
-        if sent - started >= WARMUP_S:
-            latencies.append(time.perf_counter() - sent)
+        if sent - load.started >= WARMUP_S:
+            load.latencies.append(time.perf_counter() - sent)
             if status != 200:
-                errors.append(f"HTTP {status}")
+                load.errors.append(f"HTTP {status}")
     if writer is not None:
         writer.close()
 
@@ -66,14 +81,10 @@ async def _response_status(reader: asyncio.StreamReader) -> int:
 
 async def drive(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
     parts = urlsplit(url)
-    latencies: list[float] = []
-    errors: list[str] = []
     started = time.perf_counter()
-    until = started + WARMUP_S + seconds
-    await asyncio.gather(*(_connection(parts.hostname, parts.port or 80, parts.path or "/", bodies,
-                                       index * 7919, started, until, latencies, errors)
-                           for index in range(concurrency)))
-    measured = np.asarray(latencies) * 1000
+    load = Load(parts.hostname, parts.port or 80, parts.path or "/", bodies, started, started + WARMUP_S + seconds)
+    await asyncio.gather(*(_connection(load, index * 7919) for index in range(concurrency)))
+    measured, errors = np.asarray(load.latencies) * 1000, load.errors
     return {"concurrency": concurrency, "seconds": seconds, "requests": len(measured),
             "requests_per_s": len(measured) / seconds,
             "p50_ms": float(np.percentile(measured, 50)) if len(measured) else float("nan"),

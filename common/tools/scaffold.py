@@ -313,9 +313,10 @@ def export_usecase(usecase: UseCase, others: list[UseCase], folder: Path, force:
               "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with _staging(folder) as staged:
         shutil.copytree(root / "common", staged / "common", ignore=IGNORED)
-        for name in ("__init__.py", "__main__.py", "cli.py"):
-            (staged / "usecases").mkdir(exist_ok=True)
+        (staged / "usecases").mkdir()
+        for name in ("__init__.py", "__main__.py"):
             shutil.copy2(root / "usecases" / name, staged / "usecases" / name)
+        shutil.copytree(root / "usecases" / "cli", staged / "usecases" / "cli", ignore=IGNORED)
         shutil.copytree(usecase.folder, staged / "usecases" / usecase.name, ignore=IGNORED)
         for relative in (*SHARED_TESTS, f"tests/{usecase.name}"):
             _copy(root / relative, staged / relative)

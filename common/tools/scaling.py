@@ -1,4 +1,4 @@
-"""`usecases bench NAME --scale`: how a use case's cost grows with its data, on each engine.
+"""`usecases bench scale NAME`: how a use case's cost grows with its data, on each engine.
 
 The use case's `scale` preset runs at 1x, 4x and 16x of a base size (its declared size keys, such as
 `data.synthetic.users`, multiplied together; the first names the size), once per engine, each run a fresh `usecases run` process, so that its wall time and the

@@ -1,4 +1,4 @@
-"""`usecases bench NAME --serve`: the use case's own server against MLflow's scoring server on the same model, the
+"""`usecases bench serve NAME`: the use case's own server against MLflow's scoring server on the same model, the
 same requests, at several concurrencies, one server at a time, from a load generator in another process
 (`loadgen.py`); requests per second, p50 and p99 and errors for each, and the ratio, logged as a NAME-serve run.
 
@@ -36,71 +36,91 @@ REQUEST_BODIES = 512
 P99_MS = 30.0  # the latency target a server's capacity is stated at
 
 
-def serve_bench(usecase: UseCase, model_uri: str, concurrencies: list[int], seconds: float,
-                workers: int | None, batch_ms: float | None = None, retrievals: list[str] | None = None,
-                p99_ms: float = P99_MS) -> pd.DataFrame:
+def serve_bench(usecase: UseCase, settings: ServeBench) -> pd.DataFrame:
     """Both servers at every concurrency (and ours micro-batching for `batch_ms`, ours then unbatched; or, with
-    `retrievals`, ours serving by each of them, e.g. exact and ann, instead of MLflow's); each server's capacity per
+    `retrieval`, ours serving by each mode, e.g. exact and ann, instead of MLflow's); each server's capacity per
     core at `p99_ms`. Returns the table that was logged and printed."""
-    from common.tracking.runs import tracked_run
-
     own = usecase.server()
     if own is None:
         raise UserError(f"use case '{usecase.name}' has no server of its own to compare with MLflow's")
-    if any(level < 1 for level in concurrencies) or seconds <= 0:
-        raise UserError(f"--concurrency takes positive integers and --seconds a positive time (got "
-                        f"{','.join(map(str, concurrencies))} and {seconds:g})")
-    if batch_ms is not None and batch_ms <= 0:
-        raise UserError(f"--batch-ms must be above 0 to compare micro-batching, got {batch_ms:g}")
-    if p99_ms <= 0:
-        raise UserError(f"--p99-ms must be above 0, got {p99_ms:g}")
-    servers = {"ours": [] if batch_ms is None else ["--batch-ms", "0"],
-               **({BATCHED: ["--batch-ms", f"{batch_ms:g}"]} if batch_ms is not None else {}), "mlflow": ["--mlflow"]}
-    if retrievals and (set(retrievals) - {"exact", "ann"} or len(set(retrievals)) < len(retrievals)):
-        raise UserError(f"--retrieval {','.join(retrievals)}: expected distinct modes of exact and ann, e.g. exact,ann")
-    if retrievals:  # the same server, retrieving one way each
-        servers = {mode: ["--retrieval", mode, *(["--batch-ms", f"{batch_ms:g}"] if batch_ms is not None else [])]
-                   for mode in retrievals}
-    workers = workers or usable_cores()
-    bodies = own.bench_requests(load_served(model_uri), REQUEST_BODIES, 0)
+    servers = _servers(settings)
+    settings = settings.model_copy(update={"workers": settings.workers or usable_cores()})
+    bodies = own.bench_requests(load_served(settings.model_uri), REQUEST_BODIES, 0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as folder:
         requests = Path(folder) / "bodies.json"
         requests.write_text(json.dumps(bodies))
         for server, options in servers.items():
-            rows += _measure(usecase.name, server, options, model_uri, requests, concurrencies, seconds, workers,
-                             Path(folder))
+            rows += _measure(usecase.name, server, options, settings, requests, Path(folder))
     table = pd.DataFrame(rows)
-    ratios = _ratios(table, *(retrievals[::-1] if retrievals and len(retrievals) == 2 else ("ours", "mlflow")))
-    capacity = capacity_per_core(table, p99_ms, workers)
-    tags = {"preset": "serve", "model_uri": model_uri, "workers": str(workers), "cpu_model": cpu_model(),
-            "concurrency": ",".join(map(str, concurrencies))}
-    settings = ServeBench(model_uri=model_uri, concurrency=concurrencies, seconds=seconds, workers=workers,
-                          batch_ms=batch_ms, retrieval=retrievals, p99_ms=p99_ms)
-    with tracked_run(f"{usecase.name}-serve", settings, tags, run_name=f"{usecase.name}-serve",
-                     description=f"{usecase.name}: its own server against MLflow's scoring server.") as tracker:
-        for row in rows:
-            tracker.log_metrics({f"serve/{row['server']}/c{row['concurrency']}/{name}": row[name]
-                                 for name in ("requests_per_s", "p50_ms", "p99_ms", "errors")})
-        tracker.log_metrics({f"serve/ratio/c{level}": ratio for level, ratio in ratios.items()})
-        tracker.log_metrics({f"serve/{server}/capacity_rps_per_core": value for server, value in capacity.items()})
+    _log(usecase.name, table, settings)
+    _print(table, settings)
+    return table
+
+
+def _servers(settings: ServeBench) -> dict[str, list[str]]:
+    """Each server measured, by name, with its `usecases serve` options; a setting out of range is one line."""
+    batch_ms, retrievals = settings.batch_ms, settings.retrieval
+    if any(level < 1 for level in settings.concurrency) or settings.seconds <= 0:
+        raise UserError(f"--concurrency takes positive integers and --seconds a positive time (got "
+                        f"{','.join(map(str, settings.concurrency))} and {settings.seconds:g})")
+    if batch_ms is not None and batch_ms <= 0:
+        raise UserError(f"--batch-ms must be above 0 to compare micro-batching, got {batch_ms:g}")
+    if settings.p99_ms <= 0:
+        raise UserError(f"--p99-ms must be above 0, got {settings.p99_ms:g}")
+    if retrievals and (set(retrievals) - {"exact", "ann"} or len(set(retrievals)) < len(retrievals)):
+        raise UserError(f"--retrieval {','.join(retrievals)}: expected distinct modes of exact and ann, e.g. exact,ann")
+    if retrievals:  # the same server, retrieving one way each
+        return {mode: ["--retrieval", mode, *(["--batch-ms", f"{batch_ms:g}"] if batch_ms is not None else [])]
+                for mode in retrievals}
+    return {"ours": [] if batch_ms is None else ["--batch-ms", "0"],
+            **({BATCHED: ["--batch-ms", f"{batch_ms:g}"]} if batch_ms is not None else {}), "mlflow": ["--mlflow"]}
+
+
+def _compared(settings: ServeBench) -> tuple[str, str]:
+    """The two servers whose requests per second the headline ratio divides: the second retrieval mode over the
+    first, else ours over MLflow's."""
+    retrievals = settings.retrieval
+    return tuple(retrievals[::-1]) if retrievals and len(retrievals) == 2 else ("ours", "mlflow")
+
+
+def _log(name: str, table: pd.DataFrame, settings: ServeBench) -> None:
+    """The NAME-serve run: each server's speed and tail per concurrency, the ratios, the capacity, table and plot."""
+    from common.tracking.runs import tracked_run
+
+    tags = {"preset": "serve", "model_uri": settings.model_uri, "workers": str(settings.workers),
+            "cpu_model": cpu_model(), "concurrency": ",".join(map(str, settings.concurrency))}
+    with tracked_run(f"{name}-serve", settings, tags, run_name=f"{name}-serve",
+                     description=f"{name}: its own server against MLflow's scoring server.") as tracker:
+        for row in table.to_dict("records"):
+            tracker.log_metrics({f"serve/{row['server']}/c{row['concurrency']}/{metric}": row[metric]
+                                 for metric in ("requests_per_s", "p50_ms", "p99_ms", "errors")})
+        tracker.log_metrics({f"serve/ratio/c{level}": ratio
+                             for level, ratio in _ratios(table, *_compared(settings)).items()})
+        tracker.log_metrics({f"serve/{server}/capacity_rps_per_core": value
+                             for server, value in capacity_per_core(table, settings.p99_ms, settings.workers).items()})
         tracker.log_metrics({f"serve/batch_ratio/c{level}": ratio
                              for level, ratio in _ratios(table, BATCHED, "ours").items()})
         with tempfile.TemporaryDirectory() as out:
             table.to_csv(Path(out) / "serve.csv", index=False)
             _plot(table, Path(out) / "serve.png")
             mlflow.log_artifacts(out)
+
+
+def _print(table: pd.DataFrame, settings: ServeBench) -> None:
+    over, under = _compared(settings)
+    capacity = capacity_per_core(table, settings.p99_ms, settings.workers)
     print(table.to_string(index=False), flush=True)
-    over = f"{retrievals[-1]} over {retrievals[0]}" if retrievals and len(retrievals) == 2 else "ours over MLflow's"
-    print(f"requests per second, {over}: " +
-          ", ".join(f"{ratio:.1f}x at concurrency {level}" for level, ratio in ratios.items()), flush=True)
-    print(f"capacity at p99 <= {p99_ms:g} ms, requests/s per core ({workers} worker(s), {cpu_model()}): " + ", ".join(
-        f"{server} {value:,.0f}" for server, value in capacity.items()), flush=True)
-    if batch_ms is not None:
-        print(f"micro-batched ({batch_ms:g} ms) over unbatched: " + ", ".join(
+    named = {"mlflow": "MLflow's"}
+    print(f"requests per second, {over} over {named.get(under, under)}: " +
+          ", ".join(f"{ratio:.1f}x at concurrency {level}" for level, ratio in _ratios(table, over, under).items()),
+          flush=True)
+    print(f"capacity at p99 <= {settings.p99_ms:g} ms, requests/s per core ({settings.workers} worker(s), "
+          f"{cpu_model()}): " + ", ".join(f"{server} {value:,.0f}" for server, value in capacity.items()), flush=True)
+    if settings.batch_ms is not None:
+        print(f"micro-batched ({settings.batch_ms:g} ms) over unbatched: " + ", ".join(
             f"{ratio:.2f}x at concurrency {level}" for level, ratio in _ratios(table, BATCHED, "ours").items()),
             flush=True)
-    return table
 
 
 class ServeBench(ConfigModel):
@@ -139,23 +159,23 @@ def _ratios(table: pd.DataFrame, over: str = "ours", under: str = "mlflow") -> d
     return {int(level): float(row[over] / row[under]) for level, row in speeds.iterrows() if row[under] > 0}
 
 
-def _measure(name: str, server: str, options: list[str], model_uri: str, requests: Path, concurrencies: list[int],
-             seconds: float, workers: int | None, folder: Path) -> list[dict]:
+def _measure(name: str, server: str, options: list[str], settings: ServeBench, requests: Path,
+             folder: Path) -> list[dict]:
     """Start one server (`usecases serve` with `options`), drive it at each concurrency, stop it."""
     port = free_port()
-    command = [sys.executable, "-m", "usecases", "serve", name, "--model-uri", model_uri, "--port", str(port),
+    command = [sys.executable, "-m", "usecases", "serve", name, "--model-uri", settings.model_uri, "--port", str(port),
                *options]
     if server != "mlflow":
-        command += ["--events", str(folder / "events.db"), *(["--workers", str(workers)] if workers else [])]
+        command += ["--events", str(folder / "events.db"), "--workers", str(settings.workers)]
     log.info("serve bench: starting %s server", server)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
         _wait_ready(process, port, server)
         rows = []
-        for level in concurrencies:
-            log.info("serve bench: %s server, concurrency %d, %g s", server, level, seconds)
-            rows.append({"server": server, **_drive(port, requests, level, seconds)})
+        for level in settings.concurrency:
+            log.info("serve bench: %s server, concurrency %d, %g s", server, level, settings.seconds)
+            rows.append({"server": server, **_drive(port, requests, level, settings.seconds)})
         return rows
     finally:
         stop_process_group(process)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import mlflow
 
 from common.errors import UserError
-from common.tracking.runs import experiment_name, metric_name, tracking_uri
+from common.tracking.runs import experiment_name, metric_name
+from common.tracking.stores import tracking_uri
 
 
 def compare_runs(usecase: str, metric: str, mode: str):

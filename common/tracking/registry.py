@@ -5,9 +5,11 @@ data trained on last (`champion-synthetic`), and the latest challenger. Versions
 
 import logging
 import math
+from dataclasses import dataclass
 
 import mlflow
 
+from common.errors import UserError
 from common.tracking.runs import EXPERIMENT_PREFIX, Tracker, is_unique_violation
 
 log = logging.getLogger(__name__)
@@ -23,10 +25,29 @@ def data_alias(data_sha256: str) -> str:
     return f"champion-{data_sha256[:12]}"
 
 
-def register_champion(tracker: Tracker, model_uri: str, usecase: str, metric: str, mode: str, value: float,
-                      data_sha256: str, *, test_value: float = math.nan, data_source: str = "",
-                      synthetic: bool = False, kind: str = "") -> str:
-    """Register the run's model at `model_uri` as a new version of `gpu-usecases-<usecase>` and compare it with the
+@dataclass(frozen=True)
+class Candidate:
+    """A run's model offered to the registry: where it is, the use case and kind of model it is, the primary metric
+    and which way is better (`mode`), its value on validation (what competes) and on test (a report), and the data it
+    was trained on (a source starting with `synthetic` is synthetic data)."""
+
+    model_uri: str
+    usecase: str
+    metric: str
+    mode: str
+    value: float
+    data_sha256: str
+    test_value: float = math.nan
+    data_source: str = ""
+    kind: str = ""
+
+    @property
+    def synthetic(self) -> bool:
+        return self.data_source.startswith("synthetic")
+
+
+def register_champion(tracker: Tracker, candidate: Candidate) -> str:
+    """Register the candidate as a new version of `gpu-usecases-<usecase>` and compare it with the
     models on the same data and primary metric only, by `value`, the metric on validation data (`test_value`, on
     test data, is a report: choosing by it would make the test set a selection set). The best of every version
     registered on this data under this metric on validation (the earlier on a tie; a version chosen by another
@@ -40,11 +61,13 @@ def register_champion(tracker: Tracker, model_uri: str, usecase: str, metric: st
 
     The best is looked up among all the versions, not taken from the alias, and looked up again after the aliases
     are written, so that runs finishing at the same moment agree on the best of them."""
+    metric, mode, value, data_sha256 = candidate.metric, candidate.mode, candidate.value, candidate.data_sha256
     client = mlflow.MlflowClient()
-    name = registered_name(usecase, kind)
-    version = str(mlflow.register_model(model_uri, name).version)
-    for key, tag in (("primary_metric", metric), ("validation_value", value), ("primary_value", test_value),
-                     ("data_sha256", data_sha256), ("data_source", data_source), ("run_id", tracker.run_id)):
+    name = registered_name(candidate.usecase, candidate.kind)
+    version = str(mlflow.register_model(candidate.model_uri, name).version)
+    for key, tag in (("primary_metric", metric), ("validation_value", value), ("primary_value", candidate.test_value),
+                     ("data_sha256", data_sha256), ("data_source", candidate.data_source),
+                     ("run_id", tracker.run_id)):
         client.set_model_version_tag(name, version, key, str(tag))
     same_data = data_alias(data_sha256)
     before = _version_by_alias(client, name, same_data)
@@ -52,7 +75,7 @@ def register_champion(tracker: Tracker, model_uri: str, usecase: str, metric: st
         before = None
     champion_value = _validation_value(before)
     best = _best_on(client, name, data_sha256, metric, mode) or version
-    latest = SYNTHETIC_ALIAS if synthetic else "champion"
+    latest = SYNTHETIC_ALIAS if candidate.synthetic else "champion"
     for _ in range(ALIAS_ATTEMPTS):
         _set_alias(client, name, same_data, best)
         if best != version:
@@ -129,3 +152,28 @@ def _set_alias(client, name: str, alias: str, version) -> None:
         if not is_unique_violation(exc):
             raise
         client.set_registered_model_alias(name, alias, version)
+
+
+def served_model(usecase, model_uri: str | None, data_sha256: str | None = None) -> tuple[str, str]:
+    """The model `usecases serve` serves (`model_uri`, else the use case's champion on the data trained on last or
+    on `data_sha256`), and how to name it in one line; the tracking store is checked first."""
+    from common.tracking.stores import check_reachable, tracking_uri
+
+    uri = tracking_uri()
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    if model_uri is not None:
+        return model_uri, model_uri
+    if data_sha256 is not None and len(data_sha256) < 12:
+        raise UserError(f"--data-sha256 {data_sha256}: give at least its first 12 hex digits")
+    found = served_champion(mlflow.MlflowClient(), usecase.name, data_sha256, usecase.served_kinds)
+    if found is None:
+        on = f" on data {data_sha256[:12]}" if data_sha256 else ""
+        raise UserError(f"no champion of '{usecase.name}'{on} in {uri} yet (run `usecases run {usecase.name}` "
+                        f"first, or pass --model-uri)")
+    version, alias = found
+    model_uri = f"models:/{version.name}@{alias}"
+    source = version.tags.get("data_source") or "data"
+    fallback = "no run on real data has registered a model yet; " if alias == SYNTHETIC_ALIAS else ""
+    return model_uri, (f"the champion of '{usecase.name}' on {source} ({fallback}data "
+                       f"{version.tags.get('data_sha256', '?')[:12]}, version {version.version}, {model_uri})")

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from common.errors import UserError
 from common.paths import project_root, write_json_atomic, write_text_atomic
-from common.tracking.runs import check_reachable, experiment_name, metric_name
+from common.tabular import render_table
+from common.tracking.runs import experiment_name, metric_name
+from common.tracking.stores import check_reachable
 
 KINDS = {"run": "", "benchmark": "-benchmark"}  # each kind of row and the suffix of its experiment
 MACHINE = ("cpu_model", "cpu_bf16", "cpu_cores", "gpu")
@@ -171,11 +173,11 @@ def render(data: dict) -> str:
         lines += ["", f"## {title}: preset `{preset}`, data `{source}` ({digest})", "", *_table(rows, metric)]
     gpu_rows = [row for row in data["rows"] if row["gpu"] != "none"]
     if gpu_rows:
-        lines += ["", "## On a GPU", "", "| GPU | command | result | time | torch | commit | date |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {row['gpu']} | `usecases {'bench' if row['kind'] == 'benchmark' else 'run'} {name} --preset "
-                  f"{row['preset']} --device cuda` | {_gpu_result(row, metric)} | {_seconds(row['time_s'])} | "
-                  f"{row['torch']} | {row['commit']} | {row['date']} |" for row in gpu_rows]
+        cells = [[row["gpu"], f"`usecases {'bench run' if row['kind'] == 'benchmark' else 'run'} {name} --preset "
+                              f"{row['preset']} --device cuda`", _gpu_result(row, metric), _seconds(row["time_s"]),
+                  row["torch"], row["commit"], row["date"]] for row in gpu_rows]
+        lines += ["", "## On a GPU", "",
+                  render_table(cells, ["GPU", "command", "result", "time", "torch", "commit", "date"])]
     return "\n".join(lines) + "\n"
 
 
@@ -187,13 +189,10 @@ def _table(rows: list[dict], metric: str) -> list[str]:
     header = ["CPU", "BF16", "cores", "GPU", "torch", "commit", "date", *(["served"] if served else []),
               *[f"`{column}`" if models and column not in (metric, f"val {metric}") else column
                 for column in columns], "time"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for row in rows:
-        cells = [row["cpu_model"], row["cpu_bf16"], row["cpu_cores"], row["gpu"], row["torch"], row["commit"],
-                 row["date"], *([f"`{row['served']}`" if row["served"] else "-"] if served else []),
-                 *[_number(row["results"].get(column)) for column in columns], _seconds(row["time_s"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    cells = [[row["cpu_model"], row["cpu_bf16"], row["cpu_cores"], row["gpu"], row["torch"], row["commit"],
+              row["date"], *([f"`{row['served']}`" if row["served"] else "-"] if served else []),
+              *[_number(row["results"].get(column)) for column in columns], _seconds(row["time_s"])] for row in rows]
+    return render_table(cells, header).split("\n")
 
 
 def _gpu_result(row: dict, metric: str) -> str:

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import time
-import urllib.request
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from common.config import flatten
 from common.errors import UserError
 from common.runtime.interrupt import Terminated
 from common.tracking.lifecycle import heartbeat, process_tags
+from common.tracking.stores import tracking_uri
 from common.paths import git, project_root, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -33,74 +33,6 @@ EXPERIMENT_PREFIX = "gpu-usecases"
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 DESCRIPTION_TAG = "mlflow.note.content"
 SYSTEM_METRICS_INTERVAL_S = 2  # MLflow's 10 s default misses the short smoke runs (3 s of tracked time) entirely
-
-
-def local_store() -> Path:
-    return project_root() / "mlflow"
-
-
-def default_tracking_uri() -> str:
-    return f"sqlite:///{local_store() / 'mlflow.db'}"
-
-
-def tracking_uri() -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
-    if uri == default_tracking_uri():
-        local_store().mkdir(parents=True, exist_ok=True)
-    return uri
-
-
-def server_stores(backend_store_uri: str | None, artifacts_destination: str | None) -> tuple[str, str]:
-    """What `usecases server` serves: the store named by --backend-store-uri, else by MLFLOW_TRACKING_URI, else the
-    local one; artifacts in --artifacts-destination (a folder or a URI such as s3://bucket/path), else beside a
-    SQLite store (the layout that runs tracked straight into that store use)."""
-    store = backend_store_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
-    source = "--backend-store-uri" if backend_store_uri else "MLFLOW_TRACKING_URI"
-    if store.startswith(("http://", "https://")):
-        raise UserError(f"{source} {store} is a tracking server, not a store: a server serves a database "
-                        f"(pass --backend-store-uri sqlite:///PATH or postgresql://..., or unset MLFLOW_TRACKING_URI)")
-    if artifacts_destination is None:
-        if not store.startswith("sqlite:///"):
-            raise UserError(f"{source} {store}: say where the server keeps artifacts with --artifacts-destination "
-                            f"(a folder, or s3://bucket/path)")
-        artifacts_destination = str(Path(store.removeprefix("sqlite:///")).parent / "artifacts")
-    if "://" not in artifacts_destination:
-        Path(artifacts_destination).mkdir(parents=True, exist_ok=True)
-    if store.startswith("sqlite:///"):
-        Path(store.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    return store, artifacts_destination
-
-
-def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, before any training, when a tracking server cannot be reached (MLflow itself would retry
-    for minutes, and only when the run starts)."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
-            response.read()
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise UserError(f"MLFLOW_TRACKING_URI {uri}: the tracking server cannot be reached ({reason})") from None
-    check_login(uri, timeout_s)
-
-
-def check_login(uri: str, timeout_s: float = 5.0) -> None:
-    """A server with a login (`usecases server --auth`) answers 401 to a client without the right one: one line,
-    before any training, instead of MLflow's traceback at the run's first call."""
-    from mlflow.utils.credentials import get_default_host_creds
-    from mlflow.utils.rest_utils import http_request
-
-    try:
-        response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
-                                max_retries=0, timeout=timeout_s, params={"max_results": 1})
-    except Exception:  # anything else is MLflow's to report, on its first call
-        return
-    if response.status_code == 401:
-        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
-        who = f"the login of MLFLOW_TRACKING_USERNAME={user}" if user else "a client without a login"
-        raise UserError(f"MLFLOW_TRACKING_URI {uri}: the tracking server refused {who} (401: set "
-                        f"MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of the server)")
 
 
 def experiment_name(usecase: str) -> str:

@@ -128,16 +128,7 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
         peak = torch.cuda.max_memory_allocated(device) if cuda else None
         module.zero_grad(set_to_none=True)
         module.eval()
-        output_bytes = 0
-        infer_flops = infer_ops = math.nan
-        if predict is not None:
-            part = tuple(tensor[:PREDICT_SAMPLES] for tensor in batch)
-            with torch.no_grad(), FlopCounterMode(display=False) as counter, OpCounter() as ops, \
-                    torch.autocast(**autocast):
-                output = predict(module, part)
-            infer_flops = counter.get_total_flops() / len(part[0]) * size
-            output_bytes = _bytes([output]) / len(part[0]) * size
-            infer_ops = ops.ops
+        infer_flops, output_bytes, infer_ops = _inference(module, predict, batch, autocast)
     inputs = _bytes(batch)
     activations = saved[0]
     estimated_peak = 2 * weights + state + activations + inputs
@@ -157,6 +148,19 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
     }
 
 
+def _inference(module: nn.Module, predict: Predict | None, batch: tuple[torch.Tensor, ...],
+               autocast: dict) -> tuple[float, float, float]:
+    """FLOPs, output bytes and operator calls of `predict` on the batch, measured on its first PREDICT_SAMPLES
+    samples and scaled to the whole batch; NaN (0 bytes) without one."""
+    if predict is None:
+        return math.nan, 0, math.nan
+    size = len(batch[0])
+    part = tuple(tensor[:PREDICT_SAMPLES] for tensor in batch)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter, OpCounter() as ops, torch.autocast(**autocast):
+        output = predict(module, part)
+    return counter.get_total_flops() / len(part[0]) * size, _bytes([output]) / len(part[0]) * size, ops.ops
+
+
 class WorkloadProbe(Callback):
     """At the end of a fit that trained, the model's facts, measured on one batch of the fit's batches with the random
     state restored after, so that the run goes on as it would have without them, and logged by rank 0 under
@@ -164,7 +168,7 @@ class WorkloadProbe(Callback):
     is a collective under DDP."""
 
     def on_fit_end(self, trainer: FitState) -> None:
-        if not trainer.history:
+        if not trainer.history or trainer.spec.log_metrics is None:  # nothing trained, or nobody to log them to
             return
         device = trainer.runtime.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

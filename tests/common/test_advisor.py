@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from common.advisor.catalog import FOLDER, INSTANCE_COLUMNS, load_gpus, load_instances, match_gpu
-from common.advisor.estimate import (CALIBRATION, COMPUTE_EFFICIENCY, EFFICIENCY_SPREAD, MEASURED_SPREAD, Published,
-                                     Workload, calibrate, estimate, gpu_precision, leave_one_model_out)
-from common.advisor.host import (HOST_SECONDS_PER_OP, LOOP_OPS, OPTIMIZER_OPS, HostBound, calibrate_host,
-                                 flat_part)
+from common.advisor.estimate import (CALIBRATION, COMPUTE_EFFICIENCY, EFFICIENCY_SPREAD, MEASURED_SPREAD, Workload,
+                                     estimate, gpu_precision)
+from common.advisor.host import HOST_SECONDS_PER_OP, LOOP_OPS, OPTIMIZER_OPS
+from tests.common.advisor_calibration import (HostBound, Published, calibrate, calibrate_host, flat_part,
+                                             leave_one_model_out)
 from common.errors import UserError
 from common.training.loop import supervised
 from common.training.workload import OpCounter, measure_model

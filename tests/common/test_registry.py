@@ -23,9 +23,8 @@ def register(usecase: str, value: float, data: str, metric: str = "auc", test_va
         # requirements given: MLflow's inference of them would take seconds a model
         info = mlflow.pyfunc.log_model(name="model", python_model=Constant(), pip_requirements=["mlflow"])
         tracker = Tracker(active=True, run_id=run.info.run_id)
-        alias = registry.register_champion(tracker, info.model_uri, usecase, metric, "max", value, data,
-                                           test_value=test_value, data_source=source, synthetic=source == "synthetic",
-                                           kind=kind)
+        alias = registry.register_champion(tracker, registry.Candidate(info.model_uri, usecase, metric, "max", value,
+                                                                       data, test_value, source, kind))
     return alias, mlflow.MlflowClient().get_registered_model(registry.registered_name(usecase, kind)).aliases
 
 

@@ -123,7 +123,7 @@ def test_a_request_written_as_a_command_line_is_read_back_as_the_same_request(pl
 
     request = RunRequest(plugin, "smoke", ["a=1", "b.c=[1, 2]"], "cpu", "pandas", tmp_path / "data.csv",
                          tmp_path / "summary.json", resume=not bench, bench=bench)
-    args = cli._parser().parse_args(request.command_line())
+    args = cli.parser().parse_args(request.command_line())
     assert (args.command, args.name, args.preset, args.overrides, args.device, args.frames, args.data,
             args.summary, getattr(args, "resume", False)) == \
         ("bench" if bench else "run", "scored", "smoke", ["a=1", "b.c=[1, 2]"], "cpu", "pandas",

@@ -22,7 +22,7 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, ErrorCode
 
 from common.config import ConfigModel
 from common.serving.bundle import decode, encode, load_bundle, save_bundle
-from common.serving.pyfunc import BadInput, ServedModel, log_served, server_scratch
+from common.serving.pyfunc import BadInput, Publication, ServedModel, log_served, server_scratch
 from common.tracking.runs import Tracker, tracked_run
 from tests.cli_helpers import mlflow_server
 
@@ -149,12 +149,11 @@ class Config(ConfigModel):
 def test_a_logged_model_serves_what_the_probe_answered_and_refuses_with_400(servedcase):
     bundle = {"weights": np.array([1.0, 2.0]), "matrix": sp.csr_matrix(np.eye(2))}
     example = pd.DataFrame({"x": [1.0, 2.0], "k": [2, 2]})
-    assert log_served(servedcase.Scaler.from_bundle(bundle), bundle, example, Tracker(active=False), name="scaler",
-                      package="servedcase", requirements=["numpy"]) is None  # another rank writes nothing
+    assert log_served(servedcase.Scaler.from_bundle(bundle), bundle, example, Tracker(active=False),
+                      Publication("scaler", "servedcase", ("numpy",))) is None  # another rank writes nothing
     with tracked_run("serving", Config(), {}) as tracker:
-        served = log_served(servedcase.Scaler.from_bundle(bundle), bundle, example, tracker, name="scaler",
-                            package="servedcase", requirements=["numpy"], optional_inputs=("k",),
-                            metadata={"kind": "test"})
+        served = log_served(servedcase.Scaler.from_bundle(bundle), bundle, example, tracker, Publication(
+            "scaler", "servedcase", ("numpy",), optional_inputs=("k",), metadata={"kind": "test"}))
     assert served.model == "scaler" and served.uri.startswith("models:/")
     model = mlflow.pyfunc.load_model(served.uri)
     assert model.predict(example)["y"].tolist() == [6.0, 12.0]
@@ -197,7 +196,7 @@ def test_a_model_loaded_from_a_team_server_leaves_no_download_behind_once_its_pr
         monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
         with tracked_run("serving", Config(), {}) as tracker:
             served = log_served(servedcase.Scaler.from_bundle(bundle), bundle, pd.DataFrame({"x": [1.0]}), tracker,
-                                name="scaler", package="servedcase", requirements=["numpy"])
+                                Publication("scaler", "servedcase", ("numpy",)))
         root = Path(__file__).resolve().parents[2]
         left = {}
         for loader in ("mlflow", "ours"):

@@ -114,6 +114,46 @@ def test_a_broken_plugin_is_one_line_and_the_others_still_load(plugins):
         resolve("nope", found)
 
 
+SERVER_WITHOUT_BENCH = '''
+def serve(settings):
+    return 0
+
+
+def default_events(tracking_uri):
+    return "events.db"
+'''
+
+
+def test_a_server_without_the_plugin_protocol_is_one_line_when_discovered(plugins):
+    """A use case's server.py is checked against `ServerPlugin` from its source, before anything of it runs."""
+    (plugins / "good" / "server.py").write_text(SERVER_WITHOUT_BENCH)
+    with pytest.raises(UserError) as refused:
+        resolve("good", discover("testcases", plugins))
+    assert "testcases.good.server does not define bench_requests" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert "testcases.good.server" not in sys.modules
+    (plugins / "good" / "server.py").write_text(SERVER_WITHOUT_BENCH + "\n\ndef bench_requests(loaded, count, seed):\n"
+                                                "    return []\n")
+    found = resolve("good", discover("testcases", plugins))
+    from common.server_plugin import ServerPlugin
+
+    assert isinstance(found.server(), ServerPlugin)
+
+
+def test_server_settings_are_checked_once_and_travel_as_one_value(monkeypatch):
+    from common.server_plugin import ServerSettings
+
+    with pytest.raises(UserError, match="--batch-ms must be at least 0, got -1"):
+        ServerSettings("runs:/x/model", batch_ms=-1)
+    with pytest.raises(UserError, match="--retrieval fast: expected one of exact, ann"):
+        ServerSettings("runs:/x/model", retrieval="fast")
+    settings = ServerSettings("runs:/x/model", port=5009, workers=3, events="redis://h:6379/0", batch_ms=2.0,
+                              ann_index=Path("index.faiss"))
+    monkeypatch.delenv("USECASES_SERVE_SETTINGS", raising=False)
+    settings.to_environment()
+    assert ServerSettings.from_environment() == settings and settings.ann_index == "index.faiss"
+
+
 def test_an_installed_package_registers_through_its_entry_point(plugins, monkeypatch):
     class Dist:
         name, version = "acme-usecases", "2.0"

@@ -9,6 +9,7 @@ import pytest
 from common.config import load_config
 from tests.cli_helpers import assert_rejected, free_port, runs, usecases
 from usecases import cli
+from usecases.cli.options import engine_overrides
 from usecases.finance import USECASE, Config
 from usecases.finance.pipeline import baseline_forecasts, load_data
 
@@ -77,5 +78,5 @@ def test_the_dask_engine_without_dask_says_which_extra_to_install(capsys, monkey
     (["--engine", "pandas", "--cluster", "tcp://h:8786"], ["runtime.engine=pandas", "runtime.cluster=tcp://h:8786"]),
 ])
 def test_engine_options_are_the_config_s_runtime_keys(options, overrides):
-    args = cli._parser().parse_args(["run", "finance", *options])
-    assert cli._engine_overrides(args) == overrides
+    args = cli.parser().parse_args(["run", "finance", *options])
+    assert engine_overrides(args) == overrides

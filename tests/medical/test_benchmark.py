@@ -1,4 +1,4 @@
-"""`usecases bench medical`: both loops train in one run, each timed after its warm-up epoch."""
+"""`usecases bench run medical`: both loops train in one run, each timed after its warm-up epoch."""
 
 import json
 
@@ -11,7 +11,7 @@ from tests.cli_helpers import runs, usecases
 def test_bench_reports_both_throughputs_without_the_warm_up_epoch(tmp_path):
     summary = tmp_path / "bench.json"
     small = ["--set", "data.synthetic.train=64", "--set", "data.synthetic.val=32", "--set", "data.synthetic.test=32"]
-    result = usecases("bench", "medical", "--preset", "smoke", "--set", "benchmark.epochs=2", *small,
+    result = usecases("bench", "run", "medical", "--preset", "smoke", "--set", "benchmark.epochs=2", *small,
                       "--summary", str(summary), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     models = json.loads(summary.read_text())["models"]

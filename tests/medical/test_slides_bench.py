@@ -1,4 +1,4 @@
-"""`usecases bench medical --slides`: the pipeline and the plain per-tile loop timed on the same tiles in one run, a
+"""`usecases bench slides medical`: the pipeline and the plain per-tile loop timed on the same tiles in one run, a
 gigapixel-style slide tiled and encoded in a child process whose peak memory is measured; a preset that reads no
 slides refused in one line."""
 
@@ -28,7 +28,7 @@ SMALL = ["data.synthetic_slides.slides=10", "data.synthetic_slides.size=1024", "
 def test_both_loops_time_the_same_tiles_and_the_gigapixel_child_is_measured(capsys, tmp_path):
     overrides = [*SMALL, f"data.slides.cache_dir={tmp_path / 'cache'}"]
     summary = tmp_path / "bench.json"
-    result = in_process(capsys, "bench", "medical", "--slides", "--device", "cpu", "--summary", str(summary),
+    result = in_process(capsys, "bench", "slides", "medical", "--device", "cpu", "--summary", str(summary),
                         *[part for item in overrides for part in ("--set", item)])
     assert result.returncode == 0, result.stderr[-3000:]
     models = json.loads(summary.read_text())["models"]
@@ -92,7 +92,7 @@ def test_without_normalisation_both_loops_encode_the_same_tiles_alike(two_slides
 
 
 def test_slides_needs_a_preset_that_reads_slides(capsys):
-    line = user_error(capsys, "bench", "medical", "--slides", "--preset", "smoke")
-    assert "--slides" in line and "smoke" in line and "slides-smoke" in line
-    assert "--scale" in user_error(capsys, "bench", "medical", "--slides", "--scale")
+    line = user_error(capsys, "bench", "slides", "medical", "--preset", "smoke")
+    assert "bench slides: preset 'smoke' reads" in line and "slides-smoke" in line
+    assert "--scale --slides" in user_error(capsys, "bench", "medical", "--slides", "--scale")
     assert runs("medical-benchmark") == []

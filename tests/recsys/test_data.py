@@ -19,7 +19,8 @@ from scipy.stats import spearmanr
 from common.errors import DataUnavailable, UserError
 from usecases.recsys import movielens
 from usecases.recsys.config import Config, Data, Synthetic
-from usecases.recsys.data import UNKNOWN, load_interactions
+from usecases.recsys.data import load_interactions
+from usecases.recsys.ranking import UNKNOWN
 from usecases.recsys.logs import read_log
 from usecases.recsys.movielens import read_movielens
 from usecases.recsys.pipeline import INTERACTION_BYTES, load_data

@@ -120,7 +120,7 @@ def test_a_log_without_its_user_column_is_one_line(capsys, tmp_path):
 
 def test_bench_reports_epoch_and_ranking_speed_against_the_plain_loop_and_implicit(tmp_path):
     summary = tmp_path / "bench.json"
-    result = usecases("bench", "recsys", "--preset", "smoke", "--set", "benchmark.epochs=2", "--summary", str(summary))
+    result = usecases("bench", "run", "recsys", "--preset", "smoke", "--set", "benchmark.epochs=2", "--summary", str(summary))
     assert result.returncode == 0, result.stderr[-3000:]
     models = json.loads(summary.read_text())["models"]
     ours, plain = models["pipeline"], models["plain_loop"]

@@ -10,7 +10,8 @@ import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
-from usecases.recsys.evaluate import full_ranking, rows_as_dense, sample_users, top_k
+from usecases.recsys.evaluate import full_ranking, rows_as_dense, sample_users
+from usecases.recsys.ranking import top_k
 
 CPU = torch.device("cpu")
 N_ITEMS = 11  # item 0 (unknown) and the catalogue 1..10

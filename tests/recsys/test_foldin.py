@@ -295,8 +295,16 @@ def test_arrays_that_do_not_fit_are_refused_in_one_line(call, message):
 
 
 def test_fold_in_imports_only_numpy_scipy_torch_and_the_standard_library():
-    tree = ast.parse(Path(foldin.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"numpy", "scipy", "torch", "collections", "copy", "dataclasses"}
+    """And the bottom layer of the use case (`ranking.py`, the unknown id's code), which holds to the same."""
+    from usecases.recsys import ranking
+
+    for module in (foldin, ranking):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.level == 0}
+        local = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+        assert imported <= {"numpy", "scipy", "torch", "collections", "copy", "dataclasses", "__future__",
+                            "warnings", "typing"}
+        assert local <= {"ranking"}

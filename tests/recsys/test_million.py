@@ -24,7 +24,7 @@ def million(tmp_path_factory):
     assert result.returncode == 0, result.stderr[-3000:]
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the largest child's: the run's
     (run,) = runs("recsys", env["MLFLOW_TRACKING_URI"])
-    bench = usecases("bench", "recsys", "--serve", "--model-uri", f"runs:/{run.info.run_id}/model", "--retrieval",
+    bench = usecases("bench", "serve", "recsys", "--model-uri", f"runs:/{run.info.run_id}/model", "--retrieval",
                      "exact,ann", "--concurrency", str(CONCURRENCY), "--seconds", "10", timeout=1200, env=env)
     assert bench.returncode == 0, bench.stderr[-3000:]
     return json.loads(summary.read_text()), run, peak_kib * 1024, env

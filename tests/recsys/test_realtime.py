@@ -15,7 +15,7 @@ from usecases.recsys import config as cfg
 from usecases.recsys.baselines import ALS, EASE, ItemKNN, als_available
 from usecases.recsys.data import load_interactions
 from usecases.recsys.models import BPR, LightGCN, NegativeSampler
-from usecases.recsys.pipeline import served_form, serving_bundle
+from usecases.recsys.served import served_form, serving_bundle
 from usecases.recsys.requests import parse_rows
 from usecases.recsys.serving import RecommenderModel
 
@@ -192,7 +192,7 @@ def test_factor_foldin_uses_the_bundles_method():
 
 
 def test_auto_serves_the_foldin_method_that_replays_a_sample_of_the_validation_period_best(clustered, monkeypatch):
-    from usecases.recsys import pipeline
+    from usecases.recsys import served
 
     config, data = clustered
     config = config.model_copy(update={"evaluation": cfg.Evaluation(replay=True)})
@@ -205,20 +205,20 @@ def test_auto_serves_the_foldin_method_that_replays_a_sample_of_the_validation_p
 
     def replayed(name, recommender, events, config, period, users=None):
         asked.append(users)
-        return {"replay_fresh_ndcg@10": fresh[recommender.foldin.spec.method]}
+        return {"replay_fresh_ndcg@10": fresh[recommender.form.foldin.spec.method]}
 
-    monkeypatch.setattr(pipeline, "replayed", replayed)
-    cut = pipeline.Cut(train, (data.train,))
+    monkeypatch.setattr(served, "replayed", replayed)
+    cut = served.Cut(train, (data.train,))
     period = data.val_events["user"].nunique()
     sampled = config.model_copy(update={"serving": cfg.Serving(foldin={"choice_users": period - 1})})
-    chosen, figures, replay = pipeline.chosen_foldin("lightgcn", form, data, sampled, cut, CPU)
+    chosen, figures, replay = served.chosen_foldin("lightgcn", form, data, sampled, cut, CPU)
     assert chosen["foldin"]["method"] == "gradient" and "foldin_choices" not in chosen
     assert asked == [period - 1] * 3 and replay is None  # the chosen method's whole replay is still to run
     assert figures == {f"foldin_{method}_val_replay_ndcg@10": value for method, value in fresh.items()}
     every = config.model_copy(update={"serving": cfg.Serving(foldin={"choice_users": period + 5})})
-    _, _, replay = pipeline.chosen_foldin("lightgcn", form, data, every, cut, CPU)
+    _, _, replay = served.chosen_foldin("lightgcn", form, data, every, cut, CPU)
     assert asked[3:] == [period] * 3 and replay == {"replay_fresh_ndcg@10": 0.3}  # the whole one: reused
-    without_replay, none, no_replay = pipeline.chosen_foldin("lightgcn", form, data, config.model_copy(
+    without_replay, none, no_replay = served.chosen_foldin("lightgcn", form, data, config.model_copy(
         update={"evaluation": cfg.Evaluation(replay=False)}), cut, CPU)
     assert without_replay["foldin"]["method"] == "least_squares" and none == {} and no_replay is None
 
@@ -231,8 +231,8 @@ def test_a_factor_model_logged_without_foldin_answers_from_its_trained_rows():
 
 def sequence_bundle(data, train) -> dict:
     """A SASRec served form (untrained weights: the batch and one-at-a-time paths must agree on any network)."""
-    from usecases.recsys.sasrec import SASRecNetwork, SequenceScorer, left_padded, sequences_by_user, \
-        served_sequence_form
+    from usecases.recsys.sasrec import sequences_by_user
+    from usecases.recsys.sequence import SASRecNetwork, SequenceScorer, left_padded, served_sequence_form
 
     torch.manual_seed(0)
     network = SASRecNetwork(n_items=data.n_items, dim=8, layers=1, heads=2, dropout=0.0, max_len=6).eval()
@@ -274,6 +274,6 @@ def test_the_model_answers_a_batch_of_requests_each_at_its_own_k(clustered):
     together = model.recommend_requests([(first, 2, ()), (second, 5, [[data.item_ids[4]]])])
     assert together == [model.recommend(first, 2), model.recommend(second, 5, [[data.item_ids[4]]])]
     model.recommender.to(CPU)
-    model.recommender.device = torch.device("meta")  # any device but the CPU: every row through recommend_batch
+    model.recommender.form.device = torch.device("meta")  # any device but the CPU: every row through recommend_batch
     with pytest.raises(NotImplementedError):  # (no meta kernels for the sparse product: the path was taken)
         model.recommend(first, 2)

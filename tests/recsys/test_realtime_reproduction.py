@@ -98,7 +98,7 @@ def test_new_users_of_science_fiction_get_mostly_science_fiction(finished):
 def test_the_serving_bench_drives_both_servers_without_errors(finished, tmp_path):
     _, uri, run = finished
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    result = usecases("bench", "recsys", "--serve", "--model-uri", f"runs:/{run.info.run_id}/model",
+    result = usecases("bench", "serve", "recsys", "--model-uri", f"runs:/{run.info.run_id}/model",
                       "--concurrency", "1,8", "--seconds", "3", timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     bench = max(runs("recsys-serve", uri), key=lambda run: run.info.start_time)  # this one: the newest

@@ -15,10 +15,10 @@ import torch
 from usecases.recsys import config as cfg
 from usecases.recsys.data import Interactions
 from usecases.recsys.foldin import FoldIn
-from usecases.recsys.pipeline import serving_bundle
+from usecases.recsys.served import serving_bundle
 from usecases.recsys.replay import replay, replay_gains
-from usecases.recsys.sasrec import SASRecNetwork, SequenceScorer, left_padded, sequences_by_user, \
-    served_sequence_form
+from usecases.recsys.sasrec import sequences_by_user
+from usecases.recsys.sequence import SASRecNetwork, SequenceScorer, left_padded, served_sequence_form
 from usecases.recsys.serving import Recommender
 
 ITEMS, TRAINED, NEWCOMERS, DIM = 40, 45, 6, 6
@@ -159,7 +159,7 @@ def test_users_known_without_trained_rows_are_served_from_their_history_not_popu
     a factor form), as a stranger sending those events gets it."""
     served = recommender(form, cut="newcomers' first three events too")
     for user, first in NEWCOMER_FIRST.sort_values("timestamp", kind="stable").groupby("user")["item"]:
-        assert not served.cold[user]
+        assert not served.form.cold[user]
         items, scores = served.recommend(int(user), np.zeros(0, np.int64), 10)
         stranger_items, stranger_scores = served.recommend(0, first.to_numpy(np.int64), 10)
         # folded in when the bundle was made (a batch) or per request (one user): NEAR_TIE of the largest score

@@ -20,8 +20,8 @@ from usecases.recsys.baselines import Popularity
 from usecases.recsys.config import Config
 from usecases.recsys.data import Interactions
 from usecases.recsys.evaluate import full_ranking
-from usecases.recsys.sasrec import (SASRecNetwork, SequenceScorer, fit_sasrec, left_padded, sequences_by_user,
-                                    served_sequence_form, training_windows)
+from usecases.recsys.sasrec import fit_sasrec, sequences_by_user, training_windows
+from usecases.recsys.sequence import SASRecNetwork, SequenceScorer, left_padded, served_sequence_form
 
 CPU = torch.device("cpu")
 CYCLE = 20  # items 1..20; item i is always followed by item i % 20 + 1

@@ -12,7 +12,7 @@ from mlflow.exceptions import MlflowException
 from usecases.recsys import config as cfg
 from usecases.recsys.baselines import EASE, ItemKNN, Popularity
 from usecases.recsys.data import load_interactions
-from usecases.recsys.pipeline import served_form, serving_bundle
+from usecases.recsys.served import served_form, serving_bundle
 from common.serving.bundle import load_bundle, save_bundle
 from usecases.recsys.publish import latency
 from usecases.recsys.serving import Recommender, RecommenderModel

@@ -18,5 +18,5 @@ USECASE = UseCase.declare(
     primary_metric=("qlike_sq", "min"),  # of the served model, on the return scale; the registry's champion by it
     summary_columns=summary_columns,
     requirements=("arch>=7.0",),
-    scale={"data.synthetic.tickers": 12},  # x 2,500 days each: 12, 48 and 192 tickers for bench --scale
+    scale={"data.synthetic.tickers": 12},  # x 2,500 days each: 12, 48 and 192 tickers for bench scale
 )

@@ -279,7 +279,30 @@ def neural_walk(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) 
             for block, (train_rows, val_rows) in zip(blocks, windows) for member in range(members)]
     with job.phase("fit/neural", "device"):
         ensemble = train_ensemble(fits, features, targets, config, job)
-    inputs, features = features, features.to(device)
+    parts, windows_seen, inputs_ahead, latest, refit = _each_refit(frame, ensemble, features, starts, windows,
+                                                                   forecast_rows, config, device)
+    latest["models"] = [ensemble.member(fit) for fit in refit.tolist()]  # the last refit's members: served
+    with job.phase("fit/tails", "serial"):  # every refit's joint VaR/ES head, on its own window (`joint.py`)
+        heads = fit_heads(*map(list, zip(*windows_seen)))
+    latest["head"] = heads[-1].state_dict()
+    joint_parts = [part.assign(**head.columns(scaled)) for part, head, scaled in zip(parts, heads, inputs_ahead)]
+    outcomes = frame[["ticker", "target_date", "target_date_h", "target_ret", "target_ret_h"]].set_axis(
+        ["ticker", "date", "date_h", "ret", "ret_h"], axis=1)
+    forecasts = pd.concat(parts).join(outcomes)
+    renewals = walk_starts(frame, validation, mask, config.evaluation.refit_every)
+    return {"training": forecasts, "out_of_sample": recalibrate(forecasts, renewals, horizon),
+            "out_of_sample_evt": recalibrate(forecasts, renewals, horizon, evt_columns),
+            "fz": pd.concat(joint_parts).join(outcomes)}, latest
+
+
+def _each_refit(frame: pd.DataFrame, ensemble, inputs: torch.Tensor, starts: list, windows: list,
+                forecast_rows: pd.Series, config: Config, device: torch.device):
+    """Per refit: its forecasts over its block (its members' mean, scaled by its window's overnight factors), its
+    window's scaled inputs, standardised returns and tails (what the joint head trains on), its block's scaled
+    inputs; and the last refit's model description and member indices, served."""
+    horizon, target, names = config.evaluation.horizon, config.neural.target, feature_names(config.data.exogenous)
+    members = config.neural.ensemble
+    features = inputs.to(device)
     parts, windows_seen, inputs_ahead, latest, refit = [], [], [], {}, None
     for position, (start, (train_rows, val_rows)) in enumerate(zip(starts, windows)):
         end = starts[position + 1] if position + 1 < len(starts) else pd.Timestamp.max
@@ -301,18 +324,7 @@ def neural_walk(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) 
                   "architecture": {**config.neural.model_dump(exclude={"ensemble", "target"}), "horizon": horizon},
                   "overnight_factors": {} if factors is None else factors.to_dict(),
                   "mu": mu, "trained_until": str(start.date()), "training_tails": tails}
-    latest["models"] = [ensemble.member(fit) for fit in refit.tolist()]  # the last refit's members: served
-    with job.phase("fit/tails", "serial"):  # every refit's joint VaR/ES head, on its own window (`joint.py`)
-        heads = fit_heads(*map(list, zip(*windows_seen)))
-    latest["head"] = heads[-1].state_dict()
-    joint_parts = [part.assign(**head.columns(scaled)) for part, head, scaled in zip(parts, heads, inputs_ahead)]
-    outcomes = frame[["ticker", "target_date", "target_date_h", "target_ret", "target_ret_h"]].set_axis(
-        ["ticker", "date", "date_h", "ret", "ret_h"], axis=1)
-    forecasts = pd.concat(parts).join(outcomes)
-    renewals = walk_starts(frame, validation, mask, config.evaluation.refit_every)
-    return {"training": forecasts, "out_of_sample": recalibrate(forecasts, renewals, horizon),
-            "out_of_sample_evt": recalibrate(forecasts, renewals, horizon, evt_columns),
-            "fz": pd.concat(joint_parts).join(outcomes)}, latest
+    return parts, windows_seen, inputs_ahead, latest, refit
 
 
 def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job,

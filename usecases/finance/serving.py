@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from common.serving.pyfunc import BadInput, ServedModel, log_served
+from common.serving.pyfunc import BadInput, Publication, ServedModel, log_served
 from common.usecase import Served
 from .features import HAR_WINDOWS, HISTORY_DAYS, add_features
 from .gas import log_scale
@@ -166,8 +166,7 @@ def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> Served | None:
         return None
     bundle = forecaster_bundle(latest)
     served = log_served(VolatilityForecaster.from_bundle(bundle), bundle, input_example(panel, latest["exogenous"]),
-                        job.tracker, name="neural", package=__package__,
-                        requirements=["torch", "numpy", "pandas", "mlflow"])
+                        job.tracker, Publication("neural", __package__, ("torch", "numpy", "pandas", "mlflow")))
     job.tracker.set_tags({"model_trained_until": latest["trained_until"],
                           "model_overnight_factors": json.dumps(bundle["overnight_factors"])})
     return served

@@ -88,7 +88,7 @@ def _steady(history: list[dict[str, float]]) -> dict[str, float]:
 
 
 def benchmark(config: Config, data: ImageSet | SlideSet, job: Job) -> dict[str, dict[str, float]]:
-    if isinstance(data, SlideSet):  # a preset with data.source slides (`bench medical --slides`)
+    if isinstance(data, SlideSet):  # a preset with data.source slides (`bench slides medical`)
         return slides_benchmark(config, data, job)
     if job.runtime.distributed:
         from common.errors import UserError

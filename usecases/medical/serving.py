@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from common.serving.pyfunc import BadInput, ServedModel, log_served
+from common.serving.pyfunc import BadInput, Publication, ServedModel, log_served
 from common.usecase import Served
 from .models import build_classifier
 
@@ -67,6 +67,5 @@ def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job
     example = data.images["test"][:EXAMPLE_IMAGES]
     if example.shape[-1] == 1:
         example = example[..., 0]
-    return log_served(ImageClassifierModel.from_bundle(bundle), bundle, example, job.tracker, name=arch["name"],
-                      package=__package__, requirements=["torch", "torchvision", "numpy", "pandas", "mlflow"],
-                      metadata=metadata)
+    return log_served(ImageClassifierModel.from_bundle(bundle), bundle, example, job.tracker, Publication(
+        arch["name"], __package__, ("torch", "torchvision", "numpy", "pandas", "mlflow"), metadata=metadata))

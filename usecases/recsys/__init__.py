@@ -22,5 +22,5 @@ USECASE = UseCase.declare(
     # implicit's ALS baseline (skipped without it); Redis Streams as the server's event store across machines
     optional_requirements={"als": ("implicit>=0.7",), "events": ("redis>=5",)},
     has_benchmark=True,
-    scale={"data.synthetic.users": 25_000},  # x 100 interactions each: 2.5 M, 10 M and 40 M for bench --scale
+    scale={"data.synthetic.users": 25_000},  # x 100 interactions each: 2.5 M, 10 M and 40 M for bench scale
 )

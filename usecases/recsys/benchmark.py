@@ -25,7 +25,7 @@ from common.training.loop import make_optimizer
 from .baselines import als_available
 from .config import Config
 from .data import Interactions
-from .evaluate import top_k
+from .ranking import top_k
 from .train import fit_ranker, seconds_per_epoch
 
 log = logging.getLogger(__name__)

@@ -32,11 +32,10 @@ from .preprocess import encode, filter_interactions
 from .splits import check_evaluable, check_ratios, drop_unrankable, split
 from .synthetic import synthetic_log
 
-__all__ = ["UNKNOWN", "Interactions", "RawLog", "load_interactions", "read_path", "read_source"]
+__all__ = ["Interactions", "RawLog", "load_interactions", "read_path", "read_source"]
 
 log = logging.getLogger(__name__)
 
-UNKNOWN = 0  # the code of an unseen user or item; real ids are encoded from 1
 PANDAS_BASE_BYTES = 1.4 * 2**30  # a pandas-engine run's peak resident memory: this, plus per interaction of the log
 PANDAS_BYTES_PER_INTERACTION = 120  # (the scale preset: 1.8 GB at 4 M, 3.0 GB at 16 M, 13.4 GB at 100 M)
 PANDAS_MEMORY_SHARE = 0.8  # of the free memory a run may plan to use

@@ -25,8 +25,6 @@ all users for the cost of its share.
 from __future__ import annotations
 
 import time
-import warnings
-from typing import Protocol
 
 import numpy as np
 import scipy.sparse as sp
@@ -35,17 +33,9 @@ import torch
 from common.errors import UserError
 from common.runtime.devices import Runtime
 from common.runtime.sharding import all_reduce_max, all_reduce_sum, my_share
-from .data import UNKNOWN
+from .ranking import Scorer, top_k
 
 METRICS = ("hit", "recall", "precision", "mrr", "ndcg", "coverage")
-
-
-class Scorer(Protocol):
-    """What every recommender offers the evaluation and the server."""
-
-    def score(self, users: torch.Tensor) -> torch.Tensor:
-        """Scores (B, n_items), higher is better, for a LongTensor of user codes on the model's device."""
-        ...
 
 
 def rows_as_dense(matrix: sp.csr_matrix, rows: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
@@ -58,34 +48,6 @@ def rows_as_dense(matrix: sp.csr_matrix, rows: torch.Tensor | np.ndarray, device
     dense[torch.from_numpy(row_of_value).to(device), torch.from_numpy(picked.indices.astype(np.int64)).to(device)] = (
         torch.from_numpy(picked.data.astype(np.float32)).to(device))
     return dense
-
-
-def csr_tensor(matrix: sp.csr_matrix) -> torch.Tensor:
-    """A scipy CSR matrix as a torch sparse CSR tensor (on the CPU; `.to(device)` moves it), sharing its values."""
-    matrix = matrix if matrix.has_sorted_indices else matrix.sorted_indices()
-    with warnings.catch_warnings():  # torch calls its sparse CSR support beta; products on it are what we use
-        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        return torch.sparse_csr_tensor(torch.from_numpy(matrix.indptr.astype(np.int64)),
-                                       torch.from_numpy(matrix.indices.astype(np.int64)),
-                                       torch.from_numpy(matrix.data), size=matrix.shape, check_invariants=True)
-
-
-def top_k(scorer: Scorer, users: torch.Tensor, exclude: sp.csr_matrix, k: int,
-          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best items (B, k) and their scores for each user, never item 0 nor the user's items in `exclude`
-    (its rows are user codes). When a user has fewer than k candidates, the tail has score -inf. Scores are computed
-    in fp32 even inside an autocast region (the training loop validates in one): bf16 or fp16 scores tie items."""
-    users = users.to(device)
-    with torch.no_grad(), torch.autocast(device.type, enabled=False):
-        scores = scorer.score(users).float()
-    picked = exclude[users.cpu().numpy()]
-    per_user = np.diff(picked.indptr)
-    rows = np.concatenate([np.arange(len(per_user)), np.repeat(np.arange(len(per_user)), per_user)])
-    items = np.concatenate([np.full(len(per_user), UNKNOWN), picked.indices])
-    masked = scores.index_put((torch.from_numpy(rows).to(device), torch.from_numpy(items.astype(np.int64)).to(device)),
-                              torch.tensor(-torch.inf, device=device))
-    best_scores, best_items = torch.topk(masked, min(k, masked.shape[1]), dim=1)
-    return best_items, best_scores
 
 
 def sample_users(truth: sp.csr_matrix, count: int | None, seed: int) -> sp.csr_matrix:

@@ -5,73 +5,26 @@ Two stores behind one interface (`EventStore`), chosen by `open_event_store(url_
 - SQLite (a path, or `sqlite:///PATH`): one file in WAL mode shared by the worker processes of one machine;
 - Redis Streams (`redis://HOST:PORT/DB`): for servers on several machines; needs the `redis` client.
 
-An event is a user id, an item id (each a string or an integer, kept as text: the served model maps raw ids by
-`str`) and a timestamp in whole seconds since the epoch, from 1995-01-01 to a day after now (the time of the append
-when left out): the rules of `schema.py`, which `/invocations` follows too. `append` returns once the events are
+What an event is and how it is checked: `event_types.py`. `append` returns once the events are
 committed: an acknowledged event survives a kill of the process. Nothing is deduplicated here; the fold-in does that.
 A retraining job pages through every event with `read_since`, handing back the cursor it was given to say it has
 the events before it.
 """
 
 import os
-import re
-import reprlib
 import sqlite3
 import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from common.errors import UserError, one_line
-from .schema import BadField, checked_id, checked_timestamp, refused_as, shown
+from .event_types import START, BadEvent, Event, EventStore, EventStoreUnavailable, checked_cursor, parse_events
 
-__all__ = ["START", "BadEvent", "Event", "EventStore", "EventStoreUnavailable", "RedisEventStore", "SQLiteEventStore",
-           "open_event_store"]
+__all__ = ["START", "BadEvent", "Event", "EventStore", "EventStoreUnavailable", "SQLiteEventStore", "open_event_store"]
 
-START = "0"  # the cursor before the first event
-FIELDS = ("user_id", "item_id", "timestamp")
 BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's write lock (each one takes microseconds)
-REDIS_RECENT_PER_USER = 1000  # events kept in a user's own stream (approximately: at least this many)
-REDIS_STREAM_LENGTH = 10_000_000  # events kept in the stream that retraining reads (approximately)
-
-
-class BadEvent(UserError):
-    """An event that cannot be recorded, said in one line naming its index and field (HTTP 400 on a server)."""
-
-
-class EventStoreUnavailable(UserError):
-    """A store that cannot be opened, written or read, said in one line: a server's start stops on it (`check`), and
-    a request that meets it later gets HTTP 503 with the line."""
-
-
-@dataclass(frozen=True)
-class Event:
-    """One thing a user did, ids as text (as the served model maps raw ids)."""
-
-    user_id: str
-    item_id: str
-    timestamp: int
-
-
-class EventStore(Protocol):
-    def append(self, events: Event | dict | list[Event | dict]) -> int:
-        """Record one event or a list of them, all or none; the number recorded, once committed."""
-
-    def recent(self, user_id: str | int, limit: int) -> list[str]:
-        """The item ids of the user's latest `limit` events, newest last."""
-
-    def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
-        """Up to `count` events after `cursor`, oldest first, and the cursor to pass next, which says that the events
-        up to it are handled; [] when none is new."""
-
-    def check(self) -> None:
-        """Open, write and read the store once (a server's start), or `EventStoreUnavailable`."""
-
-    def close(self) -> None: ...
 
 
 def open_event_store(url_or_path: str | Path) -> EventStore:
@@ -86,45 +39,11 @@ def open_event_store(url_or_path: str | Path) -> EventStore:
             raise UserError(f"events: {text!r} names no file: write sqlite:///relative.db or sqlite:////absolute.db")
         return SQLiteEventStore(Path(text.removeprefix("sqlite:///")).expanduser())
     if scheme in ("redis", "rediss"):
+        from .redis_events import RedisEventStore
+
         return RedisEventStore(text)
     raise UserError(f"events: unknown store {scheme}:// in {text!r}: give a file path, sqlite:///PATH or "
                     f"redis://HOST:PORT/DB")
-
-
-@refused_as(BadEvent)
-def parse_events(events: Any) -> list[Event]:
-    """`events` (an event or a list of them, each an `Event` or a dict of `FIELDS`) checked by the servers' rules
-    (`schema.py`), as `Event`s."""
-    batch = [events] if isinstance(events, (dict, Event)) else events
-    if not isinstance(batch, (list, tuple)):
-        raise BadField(f"events: expected an event (an object with user_id, item_id and an optional timestamp) "
-                       f"or a list of them, got {shown(events)}")
-    now = int(time.time())
-    return [_parsed(raw, index, now) for index, raw in enumerate(batch)]
-
-
-def _parsed(raw: Any, index: int, now: int) -> Event:
-    if isinstance(raw, Event):
-        raw = {"user_id": raw.user_id, "item_id": raw.item_id, "timestamp": raw.timestamp}
-    if not isinstance(raw, dict):
-        raise BadField(f"event {index}: expected an object with user_id, item_id and an optional timestamp, "
-                       f"got {shown(raw)}")
-    unknown = [str(key) for key in raw if key not in FIELDS]
-    if unknown:
-        raise BadField(f"event {index}: unknown field {reprlib.repr(unknown[0])}: an event has {', '.join(FIELDS)}")
-    user_id, item_id = (str(checked_id(raw.get(field), f"event {index}: {field}")) for field in ("user_id", "item_id"))
-    timestamp = raw.get("timestamp")
-    if timestamp is None:
-        return Event(user_id, item_id, now)
-    return Event(user_id, item_id, checked_timestamp(timestamp, f"event {index}: timestamp", now))
-
-
-def _checked_cursor(cursor: str | None, shape: str) -> str:
-    """`cursor` if it has the `shape` (a regular expression) of the store's cursors."""
-    cursor = START if cursor is None else str(cursor)
-    if not re.fullmatch(shape, cursor):
-        raise UserError(f"events: cursor {reprlib.repr(cursor)} is not one read_since returned (or {START!r})")
-    return cursor
 
 
 SCHEMA = """
@@ -236,7 +155,7 @@ class SQLiteEventStore:
         return [item for item, in reversed(rows)]
 
     def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
-        after = int(_checked_cursor(cursor, r"\d+"))
+        after = int(checked_cursor(cursor, r"\d+"))
         with self._database("read") as connection:
             rows = connection.execute("SELECT seq, user_id, item_id, ts FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
                                       (after, max(1, int(count)))).fetchall()
@@ -291,130 +210,3 @@ def _foreign_tables(connection: sqlite3.Connection) -> str:
         if columns != ["seq", "user_id", "item_id", "ts"]:
             foreign.insert(0, f"events of columns {', '.join(columns)}")
     return ", ".join(foreign[:5])
-
-
-def _redis_client_module():
-    try:
-        import redis
-    except ImportError:
-        raise UserError("the redis extra is not installed: pip install redis") from None
-    return redis
-
-
-class RedisEventStore:
-    """Redis Streams, for servers on several machines. Each event is added, in one MULTI/EXEC, to two streams:
-    - the user's own (`PREFIX:user:ID`, capped near `REDIS_RECENT_PER_USER`), so that `recent` is one XREVRANGE
-      of `limit` entries whatever the traffic of other users (one shared stream would have to be scanned);
-    - `PREFIX:events`, every user's events in arrival order (capped near `REDIS_STREAM_LENGTH`), which a
-      retraining job reads through the consumer group `group` (XREADGROUP, XACK).
-
-    An event acknowledged is in the Redis server, which a worker's restart does not touch; whether it survives a
-    restart of Redis itself is Redis's persistence setting (`--appendonly yes`). The client reconnects by itself
-    after a fork.
-    """
-
-    def __init__(self, url: str, prefix: str = "recsys", group: str = "retrain", consumer: str = "retrain-1"):
-        redis = _redis_client_module()
-        parts = urlsplit(url)
-        self.where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"  # without a password
-        self.stream, self.user_prefix = f"{prefix}:events", f"{prefix}:user:"
-        self.check_key = f"{prefix}:check"
-        self.group, self.consumer = group, consumer
-        self._response_error, self._redis_error = redis.ResponseError, redis.RedisError
-        self._has_group = False
-        try:
-            self.client = redis.Redis.from_url(url, decode_responses=True)
-            self.client.ping()
-        except (ValueError, redis.RedisError) as error:
-            raise EventStoreUnavailable(f"events: cannot use {self.where}: {one_line(error)}") from None
-
-    @contextmanager
-    def _redis(self, doing: str):
-        """Redis's errors (the server gone, out of memory, a read-only replica) as `EventStoreUnavailable`."""
-        try:
-            yield
-        except self._redis_error as error:
-            raise EventStoreUnavailable(f"events: cannot {doing} {self.where}: {one_line(error)}") from None
-
-    def check(self) -> None:
-        """A round trip, as a server does before it binds its port: the stream retraining reads is a stream (or not
-        there yet), and a key written (expiring in a minute) is read back; a replica that refuses writes, a server
-        out of memory or that key taken by something else is one line now rather than HTTP 500 at the first
-        request."""
-        with self._redis("read"):
-            kind = self.client.type(self.stream)
-        if kind not in ("stream", "none"):
-            raise EventStoreUnavailable(f"events: {self.where}: key {self.stream!r} holds a {kind}, not a stream of "
-                                        "events: give the events a Redis database of their own (redis://HOST:PORT/DB)")
-        with self._redis("write"):
-            token = f"{os.getpid()}:{time.time_ns()}"
-            self.client.set(self.check_key, token, ex=60)
-            if self.client.get(self.check_key) != token:
-                raise EventStoreUnavailable(f"events: {self.where}: a key written was not read back")
-
-    def append(self, events: Event | dict | list[Event | dict]) -> int:
-        checked = parse_events(events)
-        if not checked:
-            return 0
-        pipeline = self.client.pipeline(transaction=True)
-        for event in checked:
-            pipeline.xadd(self.user_prefix + event.user_id, {"item": event.item_id, "ts": event.timestamp},
-                          maxlen=REDIS_RECENT_PER_USER, approximate=True)
-            pipeline.xadd(self.stream, {"user": event.user_id, "item": event.item_id, "ts": event.timestamp},
-                          maxlen=REDIS_STREAM_LENGTH, approximate=True)
-        with self._redis("write"):
-            pipeline.execute()
-        return len(checked)
-
-    def recent(self, user_id: str | int, limit: int) -> list[str]:
-        if limit < 1:
-            return []
-        with self._redis("read"):
-            entries = self.client.xrevrange(self.user_prefix + str(user_id), count=int(limit))
-        return [fields["item"] for _, fields in reversed(entries)]
-
-    def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
-        """Through the consumer group: the entries up to `cursor` are acknowledged (XACK), then this consumer's
-        entries delivered after it but never acknowledged are read again (a job that restarts from its last saved
-        cursor), else the group's next undelivered ones."""
-        cursor, count = _checked_cursor(cursor, r"\d+(-\d+)?"), max(1, int(count))
-        with self._redis("read"):
-            return self._read_since(cursor, count)
-
-    def _read_since(self, cursor: str, count: int) -> tuple[list[Event], str]:
-        self._create_group()
-        while True:
-            self._acknowledge(cursor)
-            entries = self._read_group(cursor, count) or self._read_group(">", count)
-            if not entries:
-                return [], cursor
-            cursor = entries[-1][0]
-            events = [Event(fields["user"], fields["item"], int(fields["ts"])) for _, fields in entries if fields]
-            if events:  # else every entry was trimmed off the stream while pending: skip past them
-                return events, cursor
-
-    def _create_group(self) -> None:
-        if self._has_group:
-            return
-        try:
-            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except self._response_error as error:
-            if "BUSYGROUP" not in str(error):
-                raise
-        self._has_group = True
-
-    def _acknowledge(self, cursor: str) -> None:
-        while True:
-            done = self.client.xpending_range(self.stream, self.group, min="-", max=cursor, count=1000,
-                                              consumername=self.consumer)
-            if not done:
-                return
-            self.client.xack(self.stream, self.group, *(entry["message_id"] for entry in done))
-
-    def _read_group(self, after: str, count: int) -> list[tuple[str, dict | None]]:
-        answer = self.client.xreadgroup(self.group, self.consumer, {self.stream: after}, count=count)
-        streams = answer.values() if isinstance(answer, dict) else (entries for _, entries in answer or [])
-        return [(entry_id, fields) for entries in streams for entry_id, fields in entries]
-
-    def close(self) -> None:
-        self.client.close()

@@ -19,7 +19,8 @@ import scipy.sparse as sp
 import torch
 from scipy.special import expit
 
-UNKNOWN_ITEM = 0  # data.UNKNOWN, the code of ids the run never read; not imported because data.py needs pandas
+from .ranking import UNKNOWN
+
 LEAST_SQUARES_METHODS = ("als", "least_squares")
 METHODS = (*LEAST_SQUARES_METHODS, "gradient", "graph")
 CACHE_BYTES = 2**20  # a CPU block of padded histories: its gathered item rows at most this
@@ -296,7 +297,7 @@ def merged_history(known: np.ndarray, *events: np.ndarray, max_length: int | Non
                             for index, part in enumerate((known, *events))])
     latest = len(codes) - 1 - np.unique(codes[::-1], return_index=True)[1]
     merged = codes[np.sort(latest)]
-    merged = merged[merged != UNKNOWN_ITEM]
+    merged = merged[merged != UNKNOWN]
     return merged if max_length is None else merged[max(len(merged) - max_length, 0):]
 
 
@@ -304,7 +305,7 @@ def excluded_items(seen: np.ndarray, *events: np.ndarray) -> np.ndarray:
     """The sorted codes to set to -inf before top-k: the bundle's seen row, every event (uncapped) and the unknown
     item."""
     parts = [_codes(part, f"events[{index - 1}]" if index else "seen") for index, part in enumerate((seen, *events))]
-    return np.unique(np.concatenate([[UNKNOWN_ITEM], *parts]))
+    return np.unique(np.concatenate([[UNKNOWN], *parts]))
 
 
 def _codes(values, where: str) -> np.ndarray:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .evaluate import csr_tensor
+from .ranking import csr_tensor
 
 INIT_STD = 0.1
 DENSE_POSITIVES_BYTES = 256 * 2**20  # a users x items table of booleans up to this size; else sorted keys

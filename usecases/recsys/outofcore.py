@@ -117,18 +117,26 @@ def prepare(source: Source, config: Config, client) -> Prepared:
 
 
 def _compute(source: Source, config: Config, client, work: Path) -> None:
-    import dask.dataframe as dd
+    """The prepared matrices, ids and titles of `source` in `work`: its positives de-duplicated per user, the
+    k-core kept, split, and written as CSR."""
+    shards, titles = source.write_shards(client, work / "raw")
+    positives = _positives(source, shards, config, client, work / "positives")
+    kept = _kept_ids(source, positives, config, client)
+    counts, sizes = _split_counts(source, positives, kept, config, client, work / "splits")
+    _write_prepared(source, kept, (counts, sizes), titles, config, work)
 
-    data = config.data
+
+def _positives(source: Source, shards: list[Path], config: Config, client, folder: Path) -> list[Path]:
+    """The log's rows above the rating threshold, shuffled by user and de-duplicated, as Parquet shards."""
+    import dask.dataframe as dd
     import pyarrow.parquet as pq
 
-    shards, titles = source.write_shards(client, work / "raw")
     lengths = [pq.ParquetFile(path).metadata.num_rows for path in shards]
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
     frame = dd.from_map(_numbered_shard, shards, offsets, meta=_numbered_shard(shards[0], 0)[:0])
-    if data.rating_threshold is not None:
+    threshold = config.data.rating_threshold
+    if threshold is not None:
         rated, highest = client.compute([frame["rating"].count(), frame["rating"].max()], sync=True)
-        threshold = data.rating_threshold
         if not rated:
             raise UserError(f"{source.source}: data.rating_threshold={threshold} needs ratings but there are none "
                             "(data.columns.rating names the column); set data.rating_threshold=null")
@@ -140,10 +148,23 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
         frame = frame.to_backend("cudf")  # the shuffle, sort and de-duplication on the workers' GPUs
     if not source.by_user:
         frame = frame.shuffle(on="user", npartitions=frame.npartitions)
-    positives = work / "positives"
-    frame.map_partitions(_deduplicated, meta=frame._meta).to_parquet(str(positives), write_index=False,
+    frame.map_partitions(_deduplicated, meta=frame._meta).to_parquet(str(folder), write_index=False,
                                                                      compute_kwargs={"scheduler": client})
-    shards = sorted(positives.glob("*.parquet"))
+    return sorted(folder.glob("*.parquet"))
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Every user and item id of the positives, and which the k-core filter keeps."""
+
+    users: np.ndarray
+    items: np.ndarray
+    keep_users: np.ndarray
+    keep_items: np.ndarray
+
+
+def _kept_ids(source: Source, shards: list[Path], config: Config, client) -> Kept:
+    data = config.data
     uniques = client.gather(client.map(_shard_ids, shards, pure=False))
     users = np.unique(np.concatenate([shard_users for shard_users, _ in uniques]))
     items = np.unique(np.concatenate([shard_items for _, shard_items in uniques]))
@@ -158,13 +179,19 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
             raise UserError(f"{source.source}: every interaction is of one {key} ('{ids[kept][0]}') after "
                             f"de-duplication and the data.* filters; a recommender needs several: is the {key} "
                             f"column the right one (data.columns.{key})?")
-    user_codes = np.where(keep_users, np.cumsum(keep_users), 0)
-    item_codes = np.where(keep_items, np.cumsum(keep_items), 0)
-    coded = client.scatter({"users": users, "items": items, "user_codes": user_codes, "item_codes": item_codes},
-                           broadcast=True, hash=False)
+    return Kept(users, items, keep_users, keep_items)
+
+
+def _split_counts(source: Source, shards: list[Path], kept: Kept, config: Config, client,
+                  out: Path) -> tuple[list, dict[str, int]]:
+    """Each shard's rows coded and split (written to `out`), each shard's counts, and each split's size."""
+    user_codes = np.where(kept.keep_users, np.cumsum(kept.keep_users), 0)
+    item_codes = np.where(kept.keep_items, np.cumsum(kept.keep_items), 0)
+    coded = client.scatter({"users": kept.users, "items": kept.items, "user_codes": user_codes,
+                            "item_codes": item_codes}, broadcast=True, hash=False)
     cuts = _temporal_cuts(client, shards, coded, config) if config.split == "temporal" else None
     counts = client.gather(client.map(_split_shard, shards, range(len(shards)), coded=coded, config=config, cuts=cuts,
-                                      out=work / "splits", pure=False))
+                                      out=out, pure=False))
     sizes = {name: sum(shard[name][1].sum() for shard in counts) for name in SPLITS}
     held_out = {name: sum(shard[f"{name}_held_out"] for shard in counts) for name in ("val", "test")}
     for name in ("val", "test"):
@@ -175,15 +202,20 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
     if empty:
         raise UserError(f"{source.source}: split={config.split} leaves the {' and '.join(empty)} split empty; "
                         "--engine pandas says why in detail")
-    n_users, n_items = int(keep_users.sum()) + 1, int(keep_items.sum()) + 1
+    return counts, sizes
+
+
+def _write_prepared(source: Source, kept: Kept, split: tuple[list, dict], titles, config: Config, work: Path) -> None:
+    counts, sizes = split
+    n_users, n_items = int(kept.keep_users.sum()) + 1, int(kept.keep_items.sum()) + 1
     for name in MATRICES:
         _write_csr(work, name, counts, n_users, n_items)
-    pd.DataFrame({"id": users[keep_users]}).to_parquet(work / "user_ids.parquet")
-    pd.DataFrame({"id": items[keep_items]}).to_parquet(work / "item_ids.parquet")
+    pd.DataFrame({"id": kept.users[kept.keep_users]}).to_parquet(work / "user_ids.parquet")
+    pd.DataFrame({"id": kept.items[kept.keep_items]}).to_parquet(work / "item_ids.parquet")
     if titles is not None:
         titles = titles[~titles.index.duplicated()]
-        pd.DataFrame({"title": titles.reindex(items[keep_items]).fillna("").astype(str).to_numpy()}).to_parquet(
-            work / "titles.parquet")
+        pd.DataFrame({"title": titles.reindex(kept.items[kept.keep_items]).fillna("").astype(str).to_numpy()}
+                     ).to_parquet(work / "titles.parquet")
     write_json_atomic({"source": source.source, "sha256": source.sha256, "users": n_users - 1, "items": n_items - 1,
                        **{f"{name}_interactions": int(sizes[name]) for name in SPLITS}}, work / "meta.json")
     log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), prepared on Dask in %s",

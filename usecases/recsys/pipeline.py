@@ -21,24 +21,23 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
-import torch
 
 from common.errors import UserError
 from common.job import Job
 from common.paths import stored_bytes
 from common.runtime.devices import all_cores
+from common.serving.ann import VectorIndex
 from common.usecase import RunResult
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
 from .data import Interactions, expected_interactions, load_interactions
 from .evaluate import full_ranking, sample_users
-from .foldin import FoldIn
-from .models import LightGCN, PairwiseRanker
 from .movielens import movielens_files, movielens_folder, movielens_format
-from .replay import replay
 from .retrieval import KINDS, ann_figures, build_index
-from .sasrec import SequenceScorer, fit_sasrec, sequences_by_user, served_sequence_form
+from .sasrec import fit_sasrec, sequences_by_user
+from .sequence import SequenceScorer
 from .publish import log_recommender
+from .served import Cut, bundle_at, chosen_foldin, replayed, served_at, served_form
 from .serving import Recommender
 from .train import fit_ranker, seconds_per_epoch
 
@@ -162,94 +161,173 @@ def _fitted(name: str, data: Interactions, config: Config, job: Job, val: sp.csr
     return scorer, {"fit_seconds": time.perf_counter() - started}
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What every model of a run is fitted, ranked and served on: the splits as matrices (validation and test of
+    a seeded sample of users), what was seen before the test period, the users first seen in the validation period
+    (`untrained_truth`), and the history known at each cut of the log."""
+
+    config: Config
+    data: Interactions
+    job: Job
+    train: sp.csr_matrix
+    val: sp.csr_matrix
+    test: sp.csr_matrix
+    seen_before_test: sp.csr_matrix
+    untrained: sp.csr_matrix | None
+    cuts: dict[str, Cut]
+
+    @classmethod
+    def of(cls, config: Config, data: Interactions, job: Job) -> Setting:
+        train, evaluation, seed = data.matrix("train"), config.evaluation, config.runtime.seed
+        validation_period = data.val if data.val_events is None else data.val_events  # with its new users
+        seen_before_test = (train + data.matrix("val" if data.val_events is None else "val_events")).sign().tocsr()
+        cuts = {"train": Cut(train, (data.train,)), "test": Cut(seen_before_test, (data.train, validation_period)),
+                "known": Cut(data.matrix("known"), (data.train, data.val_events, data.test_events))}
+        return cls(config, data, job, train, sample_users(data.matrix("val"), evaluation.sample_users, seed),
+                   sample_users(data.matrix("test"), evaluation.sample_users, seed), seen_before_test,
+                   untrained_truth(data, seen_before_test, config), cuts)
+
+    def ranking(self, scorer, truth: sp.csr_matrix, exclude: sp.csr_matrix, ks: list[int],
+                collective: bool = True) -> dict[str, float]:
+        """Full ranking on the run's device; `collective=False` where rank 0 alone ranks (no all-reduce)."""
+        runtime = self.job.runtime
+        return full_ranking(scorer, truth, exclude, ks, runtime.device, self.config.evaluation.batch_users,
+                            runtime if collective else None)
+
+    def test_ndcg(self, scorer, collective: bool = True) -> float:
+        return self.ranking(scorer, self.test, self.seen_before_test, self.config.evaluation.ks,
+                            collective)["ndcg@10"]
+
+
+@dataclass
+class Evaluated:
+    """A model after its fit and evaluation: its metrics, its served form (the fold-in chosen), its validation
+    NDCG@10, the cut its test ranking read the history at, and its ANN index where it has one."""
+
+    metrics: dict[str, float]
+    form: dict
+    validation: float
+    cut: str
+    index: VectorIndex | None = None
+
+
 def run(config: Config, data: Interactions, job: Job) -> RunResult:
     """Under DDP every rank fits every model (the learned ones together, the baselines each alone: deterministic,
     and no rank waits in a collective while another fits) and ranks its share of the users; rank 0 logs."""
-    runtime = job.runtime
-    train = data.matrix("train")
-    val = sample_users(data.matrix("val"), config.evaluation.sample_users, config.runtime.seed)
-    test = sample_users(data.matrix("test"), config.evaluation.sample_users, config.runtime.seed)
-    validation_period = data.val if data.val_events is None else data.val_events  # with the users first seen there
-    seen_before_test = (train + data.matrix("val" if data.val_events is None else "val_events")).sign().tocsr()
-    untrained = untrained_truth(data, seen_before_test, config)
-    models, forms, validation, indices = {}, {}, {}, {}
+    setting = Setting.of(config, data, job)
     if data.prepare_seconds is not None:
         job.tracker.log_metrics({"time/preprocess_s": data.prepare_seconds})
-
-    def ranking(scorer, truth, exclude, ks):
-        return full_ranking(scorer, truth, exclude, ks, runtime.device, config.evaluation.batch_users, runtime)
-
-    cuts = {"train": Cut(train, (data.train,)), "test": Cut(seen_before_test, (data.train, validation_period)),
-            "known": Cut(data.matrix("known"), (data.train, data.val_events, data.test_events))}
+    evaluated = {}
     for name in config.models:
-        try:
-            with job.phase(f"fit/{name}", FIT_SCALES.get(name, "device")):
-                scorer, fitted = fit_model(name, data, config, job, val)
-        except ModelUnavailable as exc:
-            log.warning("%s; skipped", exc)
-            continue
-        with job.phase(f"evaluate/{name}"):
-            started = time.perf_counter()
-            validation[name] = ranking(scorer, val, train, [10])["ndcg@10"]
-            evaluated = "train"  # the history the test ranking used, which served_ndcg@10 serves with
-            if isinstance(scorer, SequenceScorer):  # ranks from each user's sequence as known at the test cut
-                scorer = scorer.with_history(sequences_by_user(pd.concat(cuts["test"].frames), data.n_users))
-                evaluated = "test"
-            metrics = ranking(scorer, test, seen_before_test, config.evaluation.ks)
-            models[name] = {**metrics, **fitted, "val_ndcg@10": validation[name],
-                            "evaluate_seconds": time.perf_counter() - started}
-            forms[name] = served_form(scorer, config, train)
-        val_replay = None
-        if runtime.is_main and "foldin_choices" in forms[name]:  # rank 0 serves: it alone replays the methods
-            with job.phase(f"foldin/{name}"):
-                forms[name], chosen, val_replay = chosen_foldin(name, forms[name], data, config, cuts["train"],
-                                                                runtime.device)
-            models[name].update(chosen)
-        forms[name].pop("foldin_choices", None)
-        served = {}  # the served form at each cut, with the fold-in it serves
-        with job.phase(f"evaluate/{name}"):
-            for key, cut in (("served_ndcg@10", evaluated), ("served_fresh_ndcg@10", "test")):
-                served[cut] = served.get(cut) or Recommender(bundle_at(forms[name], data, config, cuts[cut]))
-                models[name][key] = ranking(served[cut], test, seen_before_test, config.evaluation.ks)["ndcg@10"]
-        if forms[name]["kind"] in KINDS and config.serving.retrieval != "exact" and runtime.is_main:
-            with job.phase(f"index/{name}", "cores"):
-                indices[name] = build_index(served[evaluated], config)
-            job.tracker.set_tags({f"ann_index/{name}": indices[name].spec})
-            with job.phase(f"evaluate/{name}"):
-                models[name].update(ann_figures(
-                    served[evaluated], indices[name], test, config,
-                    lambda scorer: full_ranking(scorer, test, seen_before_test, config.evaluation.ks, runtime.device,
-                                                config.evaluation.batch_users)))  # rank 0 alone: no collective
-        if untrained is not None and runtime.is_main:  # by the fold-in served, which rank 0 alone chooses
-            as_served = served["test"]
-            models[name]["served_untrained_ndcg@10"] = full_ranking(
-                as_served, untrained, seen_before_test, config.evaluation.ks, runtime.device,
-                config.evaluation.batch_users)["ndcg@10"]
-        if config.evaluation.replay and runtime.is_main:
-            with job.phase(f"replay/{name}"):
-                at_test_cut = served_at(forms[name], data, config, cuts["test"], runtime.device)
-                models[name].update(replayed(name, at_test_cut, data.test_events, config))
-                if config.serving.select_by == "val_replay":  # what was known at the validation cut, its period
-                    if val_replay is None:  # else the fold-in choice replayed it whole
-                        at_val_cut = served_at(forms[name], data, config, cuts["train"], runtime.device)
-                        val_replay = replayed(name, at_val_cut, data.val_events, config, "validation")
-                    models[name].update({f"val_{key}": value for key, value in val_replay.items()})
-        log.info("%s: test NDCG@10 %.4f (served form %.4f), recall@10 %.4f", name, metrics["ndcg@10"],
-                 models[name]["served_ndcg@10"], metrics["recall@10"])
-        job.model_done(name, models[name])
-    if not models:
-        return RunResult(models)
-    if not runtime.is_main:
+        model = evaluate_model(name, setting)
+        if model is not None:
+            evaluated[name] = model
+            job.model_done(name, model.metrics)
+    if not evaluated or not job.runtime.is_main:
         return RunResult({})
-    best = served_choice(models, validation, config)
+    models = {name: model.metrics for name, model in evaluated.items()}
+    best = served_choice(models, {name: model.validation for name, model in evaluated.items()}, config)
     job.tracker.set_tags({"served_model": best})
-    bundle = bundle_at(forms[best], data, config, cuts["known"])
-    if best in indices:
-        bundle["ann"] = indices[best].stored()
-    with job.phase("serving_bundle", "serial"):
-        figures, served = log_recommender(bundle, best, job, config.serving.retrieval, config.serving.ann.auto_above_ms)
-    models[best].update(figures)
-    return RunResult(models, served)
+    return RunResult(models, serve(best, evaluated[best], setting))
+
+
+def evaluate_model(name: str, setting: Setting) -> Evaluated | None:
+    """Fit one model, rank it on validation and test, choose its fold-in, rank its served form, index and replay
+    it (rank 0 alone where only rank 0 serves); None where it cannot run here."""
+    job, config, is_main = setting.job, setting.config, setting.job.runtime.is_main
+    try:
+        with job.phase(f"fit/{name}", FIT_SCALES.get(name, "device")):
+            scorer, fitted = fit_model(name, setting.data, config, job, setting.val)
+    except ModelUnavailable as exc:
+        log.warning("%s; skipped", exc)
+        return None
+    model = ranked(name, scorer, fitted, setting)
+    val_replay = None
+    if is_main and "foldin_choices" in model.form:  # rank 0 serves: it alone replays the methods
+        with job.phase(f"foldin/{name}"):
+            model.form, chosen, val_replay = chosen_foldin(name, model.form, setting.data, config,
+                                                           setting.cuts["train"], job.runtime.device)
+        model.metrics.update(chosen)
+    model.form.pop("foldin_choices", None)
+    served = ranked_as_served(name, model, setting)
+    if model.form["kind"] in KINDS and config.serving.retrieval != "exact" and is_main:
+        indexed(name, model, served[model.cut], setting)
+    if setting.untrained is not None and is_main:  # by the fold-in served, which rank 0 alone chooses
+        model.metrics["served_untrained_ndcg@10"] = setting.ranking(
+            served["test"], setting.untrained, setting.seen_before_test, config.evaluation.ks, False)["ndcg@10"]
+    if config.evaluation.replay and is_main:
+        with job.phase(f"replay/{name}"):
+            model.metrics.update(replays(name, model.form, val_replay, setting))
+    log.info("%s: test NDCG@10 %.4f (served form %.4f), recall@10 %.4f", name, model.metrics["ndcg@10"],
+             model.metrics["served_ndcg@10"], model.metrics["recall@10"])
+    return model
+
+
+def ranked(name: str, scorer, fitted: dict, setting: Setting) -> Evaluated:
+    """The model ranked on validation and on test, a sequence model from each user's sequence known at the test
+    cut, and its served form."""
+    with setting.job.phase(f"evaluate/{name}"):
+        started = time.perf_counter()
+        validation = setting.ranking(scorer, setting.val, setting.train, [10])["ndcg@10"]
+        cut = "train"  # the history the test ranking used, which served_ndcg@10 serves with
+        if isinstance(scorer, SequenceScorer):
+            scorer = scorer.with_history(sequences_by_user(pd.concat(setting.cuts["test"].frames),
+                                                           setting.data.n_users))
+            cut = "test"
+        metrics = setting.ranking(scorer, setting.test, setting.seen_before_test, setting.config.evaluation.ks)
+        metrics = {**metrics, **fitted, "val_ndcg@10": validation, "evaluate_seconds": time.perf_counter() - started}
+        return Evaluated(metrics, served_form(scorer, setting.config, setting.train), validation, cut)
+
+
+def ranked_as_served(name: str, model: Evaluated, setting: Setting) -> dict[str, Recommender]:
+    """The served form ranked on test with the history its test ranking used, and with the history known at the
+    test cut; the served model at each cut."""
+    served = {}
+    with setting.job.phase(f"evaluate/{name}"):
+        for key, cut in (("served_ndcg@10", model.cut), ("served_fresh_ndcg@10", "test")):
+            served[cut] = served.get(cut) or Recommender(bundle_at(model.form, setting.data, setting.config,
+                                                                   setting.cuts[cut]))
+            model.metrics[key] = setting.test_ndcg(served[cut])
+    return served
+
+
+def indexed(name: str, model: Evaluated, served: Recommender, setting: Setting) -> None:
+    """The model's ANN index over its item vectors, and what two-stage serving by it costs and ranks."""
+    job = setting.job
+    with job.phase(f"index/{name}", "cores"):
+        model.index = build_index(served, setting.config)
+    job.tracker.set_tags({f"ann_index/{name}": model.index.spec})
+    with job.phase(f"evaluate/{name}"):  # rank 0 alone: no collective
+        model.metrics.update(ann_figures(served, model.index, setting.test, setting.config,
+                                         lambda scorer: setting.ranking(scorer, setting.test, setting.seen_before_test,
+                                                                        setting.config.evaluation.ks, False)))
+
+
+def replays(name: str, form: dict, val_replay: dict | None, setting: Setting) -> dict[str, float]:
+    """The test period replayed through the form served at its start; with `serving.select_by: val_replay`, the
+    validation period's too (unless the fold-in choice replayed it whole already), as `val_...` figures."""
+    data, config, device = setting.data, setting.config, setting.job.runtime.device
+    figures = replayed(name, served_at(form, data, config, setting.cuts["test"], device), data.test_events, config)
+    if config.serving.select_by == "val_replay":  # what was known at the validation cut, its period
+        if val_replay is None:
+            val_replay = replayed(name, served_at(form, data, config, setting.cuts["train"], device),
+                                  data.val_events, config, "validation")
+        figures.update({f"val_{key}": value for key, value in val_replay.items()})
+    return figures
+
+
+def serve(best: str, model: Evaluated, setting: Setting):
+    """Log the chosen model for serving, with everything known (and its index), and add its serving figures."""
+    config = setting.config
+    bundle = bundle_at(model.form, setting.data, config, setting.cuts["known"])
+    if model.index is not None:
+        bundle["ann"] = model.index.stored()
+    with setting.job.phase("serving_bundle", "serial"):
+        figures, served = log_recommender(bundle, best, setting.job, config.serving.retrieval,
+                                          config.serving.ann.auto_above_ms)
+    model.metrics.update(figures)
+    return served
 
 
 def untrained_truth(data: Interactions, seen_before_test: sp.csr_matrix, config: Config) -> sp.csr_matrix | None:
@@ -274,127 +352,3 @@ def served_choice(models: dict[str, dict[str, float]], validation: dict[str, flo
     return max(validation, key=validation.get)
 
 
-def replayed(name: str, recommender: Recommender, events, config: Config, period: str = "test",
-             users: int | None = None) -> dict[str, float]:
-    """The replay of a period's events through a served form that knows what was known before it: of a seeded
-    sample of `users` of its users, else of `evaluation.replay_users` (null: every one)."""
-    if events is None:
-        log.warning("%s: no replay (the Dask engine keeps no frame of the %s period)", name, period)
-        return {}
-    started = time.perf_counter()
-    figures = replay(recommender, events, max_users=users or config.evaluation.replay_users, seed=config.runtime.seed)
-    figures["replay_seconds"] = time.perf_counter() - started
-    if figures["replay_events"]:
-        log.info("%s: replay of %d %s events: next-event NDCG@10 %.4f frozen, %.4f fresh", name,
-                 figures["replay_events"], period, figures["replay_frozen_ndcg@10"], figures["replay_fresh_ndcg@10"])
-    return figures
-
-
-def served_form(scorer, config: Config, train: sp.csr_matrix) -> dict:
-    """What the served model scores with, on the CPU: factors (and how to fold a user's events in), an item-item
-    matrix, or popularity alone."""
-    if isinstance(scorer, SequenceScorer):
-        return served_sequence_form(scorer)
-    if isinstance(scorer, PairwiseRanker):
-        users, items = scorer.embeddings()
-        form = {"kind": "factors", "users": users.detach().float().cpu(), "items": items.detach().float().cpu()}
-        return {**form, **_learned_foldin(scorer, config, train)}
-    if isinstance(scorer, ALS):
-        users, items = scorer.factors()
-        foldin = FoldIn("als", regularization=config.als.regularization, alpha=config.als.alpha)
-        return {"kind": "factors", "users": users.cpu(), "items": items.cpu(), "foldin": foldin.as_plain()}
-    if isinstance(scorer, ItemKNN):
-        return {"kind": "item_item", "similarity": scorer.similarity_matrix()}
-    if isinstance(scorer, EASE):
-        return {"kind": "item_item", "similarity": scorer.similarity_matrix(config.serving.item_neighbours,
-                                                                            config.serving.max_similarity_mb * 2**20)}
-    return {"kind": "popularity"}
-
-
-FOLDIN_METHODS = {"bpr": ("gradient", "least_squares"), "lightgcn": ("least_squares", "gradient", "graph")}
-
-
-def _learned_foldin(scorer: PairwiseRanker, config: Config, train: sp.csr_matrix) -> dict:
-    """BPR and LightGCN fold events in as `serving.foldin` says; with `auto`, every method is offered
-    (`foldin_choices`, the first the default) and `chosen_foldin` keeps the best on the validation replay of a
-    sample of its users.
-    LightGCN's graph fold-in needs its layer-0 user rows, the items' summed layers and their training degrees."""
-    settings, name = config.serving.foldin, "lightgcn" if isinstance(scorer, LightGCN) else "bpr"
-    method = getattr(settings, name)
-    methods = FOLDIN_METHODS[name] if method == "auto" else (method,)
-    choices = {}
-    for candidate in methods:
-        if candidate == "graph":
-            choices[candidate] = FoldIn("graph", layers=scorer.layers).as_plain()
-        elif candidate == "gradient":
-            choices[candidate] = FoldIn("gradient", steps=settings.steps, lr=settings.lr,
-                                        weight_decay=getattr(config, name).weight_decay,
-                                        seed=config.runtime.seed).as_plain()
-        else:
-            choices[candidate] = FoldIn("least_squares", regularization=settings.regularization).as_plain()
-    form = {"foldin": choices[methods[0]], **({"foldin_choices": choices} if len(choices) > 1 else {})}
-    if "graph" in choices:
-        egos, layer_sum = scorer.foldin_tables()
-        degree = torch.from_numpy(np.diff(train.tocsc().indptr).astype(np.float32))
-        form.update({"egos": egos.cpu(), "layer_sum": layer_sum.cpu(), "degree": degree})
-    return form
-
-
-def chosen_foldin(name: str, form: dict, data: Interactions, config: Config, cut: Cut,
-                  device: torch.device) -> tuple[dict, dict, dict | None]:
-    """The form with the fold-in method whose replay of the validation period (what was known at its start) ranks
-    the next events best on a seeded sample of its users (`serving.foldin.choice_users`), and each method's figure
-    there; with them the chosen method's replay where the sample is the whole replay (else None: the caller replays
-    the period for the chosen method alone). A form without choices as it is."""
-    choices = form.get("foldin_choices")
-    if not choices:
-        return form, {}, None
-    form = {key: value for key, value in form.items() if key != "foldin_choices"}
-    if not config.evaluation.replay or data.val_events is None:
-        return form, {}, None
-    period = data.val_events["user"].nunique()
-    whole = min(config.evaluation.replay_users or period, period)  # the users a replay of the period counts
-    sample = min(config.serving.foldin.choice_users or whole, whole)
-    replays = {method: replayed(f"{name} ({method} fold-in)",
-                                served_at({**form, "foldin": foldin}, data, config, cut, device),
-                                data.val_events, config, "validation", users=sample)
-               for method, foldin in choices.items()}
-    scores = {method: figures["replay_fresh_ndcg@10"] for method, figures in replays.items()}
-    best = max(scores, key=scores.get)
-    log.info("%s: fold-in by %s (validation replay NDCG@10 of %d of its %d users: %s)", name, best, sample, period,
-             ", ".join(f"{method} {value:.4f}" for method, value in scores.items()))
-    return ({**form, "foldin": choices[best]},
-            {f"foldin_{method}_val_replay_ndcg@10": value for method, value in scores.items()},
-            replays[best] if sample == whole else None)
-
-
-@dataclass(frozen=True)
-class Cut:
-    """What was known at a point of the log: the history (unordered) and the frames it came from, in time order
-    (a sequence form is served from each user's events in order)."""
-
-    history: sp.csr_matrix
-    frames: tuple
-
-
-def served_at(form: dict, data: Interactions, config: Config, cut: Cut, device: torch.device) -> Recommender:
-    """The served model of `form` at `cut`, scoring batches on `device` (what a replay ranks with)."""
-    return Recommender(bundle_at(form, data, config, cut)).to(device)
-
-
-def bundle_at(form: dict, data: Interactions, config: Config, cut: Cut) -> dict:
-    """The served model of `form` knowing what was known at `cut`."""
-    if form["kind"] == "sequence":
-        known = sequences_by_user(pd.concat(cut.frames), data.n_users)
-        form = served_sequence_form(SequenceScorer.from_form(form).with_history(known))
-    return serving_bundle(form, data, config, cut.history)
-
-
-def serving_bundle(form: dict, data: Interactions, config: Config, history: sp.csr_matrix) -> dict:
-    """A served model: `form` applied to `history` (whose items are also the ones not recommended again, and whose
-    counts are the popularity); users without training rows (`trained`) are served from their history in it."""
-    return {**form, "history": history, "seen": history, "popularity": np.asarray(history.sum(axis=0)).ravel(),
-            "trained": torch.from_numpy(np.diff(data.matrix("train").indptr) > 0),
-            "user_ids": data.user_ids, "item_ids": data.item_ids, "titles": data.titles,
-            "k": config.serving.k, "latency_users": config.serving.latency_users,
-            "max_events": config.serving.foldin.max_events, "ann_candidates": config.serving.ann.candidates}

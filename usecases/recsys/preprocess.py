@@ -59,7 +59,7 @@ def k_core(frame: pd.DataFrame, min_user: int, min_item: int) -> pd.DataFrame:
 
 def encode(frame: pd.DataFrame, titles: pd.Series | None = None
            ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Codes 1..n in the order of the sorted raw ids (0 stays `data.UNKNOWN`); the raw ids and titles by code."""
+    """Codes 1..n in the order of the sorted raw ids (0 stays `ranking.UNKNOWN`); the raw ids and titles by code."""
     user_codes, users = pd.factorize(frame["user"], sort=True)
     item_codes, items = pd.factorize(frame["item"], sort=True)
     encoded = pd.DataFrame({"user": user_codes.astype(np.int64) + 1, "item": item_codes.astype(np.int64) + 1,

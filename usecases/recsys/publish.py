@@ -12,9 +12,9 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from common.serving.pyfunc import log_served
+from common.serving.pyfunc import Publication, log_served
 from common.usecase import Served
-from .data import UNKNOWN
+from .ranking import UNKNOWN
 from .serving import RecommenderModel, python_value
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,8 @@ def log_recommender(bundle: dict, model_name: str, job, retrieval: str = "exact"
     example = request_example(bundle, known[:2])
     with warnings.catch_warnings():  # ids are never missing: MLflow's advice on integer columns does not apply
         warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
-        logged = log_served(served, bundle, example, job.tracker, name=model_name, package=__package__,
-                            requirements=["torch", "numpy", "pandas", "scipy", "mlflow"],
-                            optional_inputs=("k", "recent_items", "recent_timestamps"), params={"k": bundle["k"]},
-                            metadata={"model": model_name, "kind": bundle["kind"]})
+        logged = log_served(served, bundle, example, job.tracker, Publication(
+            model_name, __package__, ("torch", "numpy", "pandas", "scipy", "mlflow"),
+            optional_inputs=("k", "recent_items", "recent_timestamps"), params={"k": bundle["k"]},
+            metadata={"model": model_name, "kind": bundle["kind"]}))
     return figures, logged

@@ -19,7 +19,7 @@ import torch
 
 from common.serving.ann import VectorIndex, overlap
 from .config import Config
-from .data import UNKNOWN
+from .ranking import UNKNOWN
 
 log = logging.getLogger(__name__)
 

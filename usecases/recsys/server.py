@@ -15,8 +15,9 @@ first waits at most `--batch-ms` (default 2) for others, and the batch is scored
 
 from __future__ import annotations
 
-import os
+import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,17 +29,13 @@ from starlette.routing import Route
 
 from common.errors import UserError, one_line
 from common.serving.microbatch import MicroBatcher
+from common.server_plugin import ServerSettings
 from common.serving.protocol import JSON, ScoringInput, bad_request, scoring_routes, unavailable
-from .events import BadEvent, EventStore, EventStoreUnavailable, open_event_store
+from .event_types import BadEvent, EventStore, EventStoreUnavailable
+from .events import open_event_store
 from .requests import parse_rows, requested_k
 from .serving import RecommenderModel
 
-MODEL_VARIABLE = "USECASES_SERVE_MODEL_URI"  # how the supervisor tells each worker process what to load
-EVENTS_VARIABLE = "USECASES_SERVE_EVENTS"
-DEVICE_VARIABLE = "USECASES_SERVE_DEVICE"
-BATCH_VARIABLE = "USECASES_SERVE_BATCH_MS"
-RETRIEVAL_VARIABLE = "USECASES_SERVE_RETRIEVAL"
-INDEX_VARIABLE = "USECASES_SERVE_ANN_INDEX"
 GPU_BATCH_MS = 2.0  # the queueing a request may spend waiting for others on a GPU
 
 
@@ -75,7 +72,7 @@ def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: flo
 
 
 def app_from_environment() -> Starlette:
-    """Each uvicorn worker's app: the model and event store the supervisor named in the environment."""
+    """Each uvicorn worker's app: the model and event store of the settings the supervisor handed down."""
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -83,14 +80,13 @@ def app_from_environment() -> Starlette:
     threadpool_limits(1)  # NumPy's BLAS too: a one-user product on two threads of a busy machine took 7.7 ms, not 0.1
     from common.runtime.devices import select_device
 
-    model = loaded_recommender(os.environ[MODEL_VARIABLE])
-    device = select_device(os.environ.get(DEVICE_VARIABLE, "auto"))
+    settings = ServerSettings.from_environment()
+    model = loaded_recommender(settings.model_uri)
+    device = select_device(settings.device)
     model.recommender.to(device)
-    with_retrieval(model, os.environ.get(RETRIEVAL_VARIABLE), os.environ.get(INDEX_VARIABLE))
-    batch_ms = os.environ.get(BATCH_VARIABLE)
-    events = os.environ.get(EVENTS_VARIABLE)
-    return create_app(model, open_event_store(events) if events else None,
-                      float(batch_ms) if batch_ms else GPU_BATCH_MS if device.type != "cpu" else 0.0)
+    with_retrieval(model, settings.retrieval, settings.ann_index)
+    batch_ms = settings.batch_ms if settings.batch_ms is not None else GPU_BATCH_MS if device.type != "cpu" else 0.0
+    return create_app(model, open_event_store(settings.events) if settings.events else None, batch_ms)
 
 
 def loaded_recommender(model_uri: str) -> RecommenderModel:
@@ -121,7 +117,7 @@ def with_retrieval(model: RecommenderModel, retrieval: str | None, index: str | 
 
 
 def bench_requests(loaded, count: int, seed: int) -> list[dict]:
-    """For `usecases bench recsys --serve`: `count` one-user requests of known users, K=10 as a param, every other
+    """For `usecases bench serve recsys`: `count` one-user requests of known users, K=10 as a param, every other
     one with three recent items (a fold-in on every second request)."""
     model = loaded.unwrap_python_model()
     rng = np.random.default_rng(seed)
@@ -141,47 +137,58 @@ def bench_requests(loaded, count: int, seed: int) -> list[dict]:
 def default_events(tracking_uri: str) -> str:
     """The embedded default, one SQLite file that the workers share: beside a SQLite tracking store, else in the
     project's mlflow/ folder."""
-    from common.tracking.runs import local_store
+    from common.tracking.stores import local_store
 
     sqlite = tracking_uri.startswith("sqlite:///")
     folder = Path(tracking_uri.removeprefix("sqlite:///")).parent if sqlite else local_store()
     return str(folder / "recsys-events.db")
 
 
-def serve(model_uri: str, host: str, port: int, workers: int, events: str | None, device: str = "auto",
-          batch_ms: float | None = None, announce: str | None = None, retrieval: str | None = None,
-          ann_index: str | Path | None = None) -> int:
-    """Run uvicorn with `workers` processes, each loading `model_uri` on `device`; concurrent requests are
-    micro-batched for `batch_ms` (None: 2 ms on a GPU, off on the CPU); `announce` is printed once the store and the
-    device are checked, before the port is bound; returns when it stops."""
+def serve(settings: ServerSettings) -> int:
+    """Run uvicorn with `settings.workers` processes; the event store, the device and the retrieval are checked
+    first, so that one that cannot be used is one line before the port is bound; returns when it stops."""
     from common.runtime.devices import select_device
     from common.serving.workers import run_workers
 
-    if events:  # a store that cannot be used is one line now, before the port is bound, not a 500 per request
-        store = open_event_store(events)
+    if settings.events:  # a store that cannot be used is one line now, not a 500 per request
+        store = open_event_store(settings.events)
         try:
             store.check()
         finally:
             store.close()
-    if batch_ms is not None and batch_ms < 0:
-        raise UserError(f"--batch-ms must be at least 0, got {batch_ms:g}")
-    select_device(device)  # a device this machine lacks is one line now
-    if retrieval or ann_index:  # a mode or an index the model cannot serve is one line now, not in every worker
-        path, modules = list(sys.path), dict(sys.modules)
-        try:
-            with_retrieval(loaded_recommender(model_uri), retrieval, str(ann_index) if ann_index else None)
-        finally:  # the model's copy of the code goes first on sys.path when it loads: the workers import this tree's
-            sys.path[:] = path
-            sys.modules.clear()
-            sys.modules.update(modules)
-    settings = {MODEL_VARIABLE: model_uri, EVENTS_VARIABLE: events, DEVICE_VARIABLE: device,
-                BATCH_VARIABLE: None if batch_ms is None else str(batch_ms), RETRIEVAL_VARIABLE: retrieval,
-                INDEX_VARIABLE: str(ann_index) if ann_index else None}
-    for name, value in settings.items():
-        os.environ.pop(name, None)
-        if value is not None:
-            os.environ[name] = value
-    if announce:
-        print(announce, flush=True)
-    run_workers(f"{__name__}:app_from_environment", host, port, workers, log_level="warning", access_log=False)
+    select_device(settings.device)  # a device this machine lacks is one line now
+    if settings.retrieval or settings.ann_index:  # a mode or an index the model cannot serve: one line now
+        _check_retrieval(settings)
+    settings.to_environment()
+    if settings.announce:
+        print(settings.announce, flush=True)
+    run_workers(f"{__name__}:app_from_environment", settings.host, settings.port, settings.workers,
+                log_level="warning", access_log=False)
     return 0
+
+
+def _check_retrieval(settings: ServerSettings) -> None:
+    """Load the model and its index in a process of its own, as a worker will: loading puts the model's copy of the
+    code first on that process's path, which this one, whose workers import this tree, must not get."""
+    import subprocess
+
+    checked = subprocess.run([sys.executable, "-m", __name__, json.dumps(asdict(settings))], capture_output=True,
+                             text=True)
+    if checked.returncode != 0:
+        lines = checked.stderr.strip().splitlines() or [f"exit code {checked.returncode}"]
+        raise UserError(lines[-1].removeprefix("error: "))
+
+
+def _check_main(argv: list[str]) -> int:
+    """`python -m usecases.recsys.server SETTINGS_JSON`: exit 0 when its model serves by its retrieval."""
+    settings = ServerSettings(**json.loads(argv[0]))
+    try:
+        with_retrieval(loaded_recommender(settings.model_uri), settings.retrieval, settings.ann_index)
+    except UserError as refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_check_main(sys.argv[1:]))

@@ -1,8 +1,8 @@
 """The best model as an MLflow pyfunc: user ids (their latest events, and K) in, their top-K unseen items out.
 
-Every model is served in one of four forms that need no training code: user and item factors (bpr, lightgcn,
-als), an item-item similarity applied to the user's history (itemknn, ease), a sequence network and each user's
-events in order (sasrec), or popularity alone (pop).
+Every model is served in one of four forms (`forms.py`) that need no training code: user and item factors (bpr,
+lightgcn, als), an item-item similarity applied to the user's history (itemknn, ease), a sequence network and each
+user's events in order (sasrec), or popularity alone (pop).
 History, seen items and popularity are everything the run read (train, validation and test); nothing is refit
 on them. A request's `recent_items` (and the events a server recorded) join the user's history at once: item-item
 forms score the merged history, factor forms fold it in (`foldin.py`: ALS in closed form, BPR and LightGCN as the
@@ -15,69 +15,61 @@ most popular items unseen by them (under a factor form logged without fold-in, e
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
 from common.serving.ann import VectorIndex
 from common.serving.pyfunc import ServedModel
-from .data import UNKNOWN
-from .evaluate import csr_tensor, top_k
-from .foldin import FactorFoldIn, FoldIn, excluded_items, item_item_scores, merged_history
+from .foldin import excluded_items
+from .forms import FactorForm, SequenceForm, ServedForm
+from .itemitem import ItemItemForm
+from .ranking import UNKNOWN, row_codes, top_k
 from .requests import UserRequest, parse_rows, requested_k
 from .retrieval import KINDS, TwoStage
 
-DEFAULT_MAX_EVENTS = 200
-KNOWN_CACHE_BYTES = 64 * 2**20  # item-item scores of the known histories of the last users served
+
+FORMS = {form.kind: form for form in (ServedForm, FactorForm, ItemItemForm, SequenceForm)}
+
+
+def form_of(bundle: dict) -> ServedForm:
+    """The served form the bundle describes (its `kind`)."""
+    if bundle["kind"] not in FORMS:
+        raise UserError(f"unknown served form {bundle['kind']!r} (expected one of {', '.join(FORMS)})")
+    return FORMS[bundle["kind"]](bundle)
 
 
 class Recommender:
-    """Scores every item for known user codes, from one of the four served forms; with events, folded in."""
+    """A served form (`forms.py`) behind what serving, the replay and the evaluation call: every item's score, the
+    top k with the seen items left out, one user's or a batch's with their events; exactly, or by two stages
+    (candidates from an ANN index, scored exactly)."""
 
     def __init__(self, bundle: dict):
-        self.kind = bundle["kind"]
-        self.users, self.items = bundle.get("users"), bundle.get("items")
-        self.similarity: sp.csr_matrix | torch.Tensor | None = bundle.get("similarity")
-        self.history: sp.csr_matrix = bundle["history"]
-        self.seen: sp.csr_matrix = bundle["seen"]
-        self.popularity = torch.as_tensor(bundle["popularity"], dtype=torch.float32)
-        self.sequences = None
-        if self.kind == "sequence":  # SASRec: the network and each user's events in order, newest last
-            from .sasrec import SequenceScorer
-
-            self.sequences = SequenceScorer.from_form(bundle)
-            has_rows = (self.sequences.user_sequences != UNKNOWN).any(dim=1)
-        else:
-            has_rows = bundle["trained"] if self.kind == "factors" else np.diff(self.history.indptr) > 0
-        self.has_rows = np.asarray(has_rows, bool)  # factor forms: trained rows, where a fold-in starts (else zero)
-        self.cold = ~torch.as_tensor(self.has_rows)
-        self.cold[UNKNOWN] = True
-        self.max_events = int(bundle.get("max_events", DEFAULT_MAX_EVENTS))
-        self.foldin, self.starts, self.dense_similarity = None, None, None
-        if self.kind == "factors" and bundle.get("foldin") is not None:
-            spec = FoldIn.from_plain(bundle["foldin"])
-            self.foldin = FactorFoldIn(spec, _numpy(self.items), layer_sum=_numpy(bundle.get("layer_sum")),
-                                       degree=_numpy(bundle.get("degree")))
-            self.starts = _numpy(bundle["egos"] if spec.method == "graph" else self.users)
-            self._fold_in_known_histories()
-        elif self.kind == "item_item":
-            self.dense_similarity = _numpy(self.similarity) if isinstance(self.similarity, torch.Tensor) else None
-        self.item_table = np.ascontiguousarray(_numpy(self.items)) if self.items is not None else None
-        self.device = torch.device("cpu")
-        self._on_device: dict[str, torch.Tensor] = {}
-        self._known_cache: dict[int, np.ndarray] = {}
-        self._known_lock = threading.Lock()
-        self._known_cache_size = max(1, KNOWN_CACHE_BYTES // (4 * self.history.shape[1]))
+        self.form = form_of(bundle)
         self.two_stage: TwoStage | None = None
         self.index = None if bundle.get("ann") is None else \
             VectorIndex.from_stored(bundle["ann"], self.item_vectors(), "the model's ANN index")
         self.candidates = int(bundle.get("ann_candidates", 50))
         self.use_retrieval(bundle.get("retrieval", "exact"))
+
+    @property
+    def kind(self) -> str:
+        return self.form.kind
+
+    @property
+    def max_events(self) -> int:
+        return self.form.max_events
+
+    @property
+    def has_rows(self) -> np.ndarray:
+        return self.form.has_rows
+
+    @property
+    def device(self) -> torch.device:
+        return self.form.device
 
     def use_retrieval(self, mode: str, index: VectorIndex | None = None) -> Recommender:
         """Serve by ranking every item (`exact`) or by two stages (`ann`: candidates from `index`, else the
@@ -92,7 +84,7 @@ class Recommender:
             raise UserError(f"this model ({self.kind}) has no ANN index: it is served exact"
                             + ("" if self.kind in KINDS else " (only factor and sequence models have item vectors)"))
         else:
-            self.two_stage = TwoStage(self.index, self.item_vectors(), self.popularity.numpy(), self.candidates)
+            self.two_stage = TwoStage(self.index, self.item_vectors(), self.form.popularity.numpy(), self.candidates)
         return self
 
     @property
@@ -101,102 +93,63 @@ class Recommender:
 
     def item_vectors(self) -> np.ndarray:
         """(items, dim) float32: what a user's query vector is multiplied by (factor and sequence forms)."""
-        if self.kind == "factors":
-            return self.item_table
-        if self.kind == "sequence":
-            return np.ascontiguousarray(self.sequences.network.items.weight.detach().float().cpu().numpy())
-        raise UserError(f"a {self.kind} model has no item vectors to index (serving.retrieval applies to factor "
-                        f"and sequence models)")
+        return self.form.item_vectors()
 
     def query_vectors(self, users: np.ndarray) -> np.ndarray:
-        """(B, dim) float32 vectors of users with trained rows (or a sequence), as served without events; under a
-        factor form with a fold-in, then the vectors their histories fold into from zero (what a user's events
-        make of a query: (2B, dim))."""
-        if self.kind == "sequence":
-            return self.sequences.hidden_states(torch.from_numpy(users)).cpu().numpy()
-        vectors = np.ascontiguousarray(_numpy(self.users)[users], np.float32)
-        if self.foldin is None:
-            return vectors
-        histories = [merged_history(self._row(self.history, user), max_length=self.max_events) for user in users]
-        folded = self.foldin.users(histories, np.zeros((len(users), self.starts.shape[1]), np.float32))
-        return np.concatenate([vectors, np.asarray(folded, np.float32)])
+        """Vectors of users as served without events (`FactorForm.query_vectors` adds their folded histories)."""
+        return self.form.query_vectors(users)
 
     def excluded(self, user: int) -> np.ndarray:
         """The items never served back to the user without events: their seen items and the unknown item."""
-        return excluded_items(self._row(self.seen, user))
+        return excluded_items(row_codes(self.form.seen, user))
 
-    def _query(self, user: int, events: np.ndarray) -> np.ndarray | None:
-        """The user's vector with their events (as `_scores` ranks by it), or None where popularity serves them."""
-        fresh = (events != UNKNOWN).any()
-        if self.kind == "factors":
-            if fresh and self.foldin is not None:
-                history = merged_history(self._row(self.history, user), events, max_length=self.max_events)
-                start = self.starts[user:user + 1] if self.has_rows[user] else np.zeros((1, self.starts.shape[1]))
-                return np.asarray(self.foldin.users([history], start)[0], np.float32)
-            return None if self.cold[user] else np.asarray(_numpy(self.users)[user], np.float32)
-        own = self.sequences.user_sequences[user].numpy()
-        sequence = np.concatenate([own[own != UNKNOWN], events]) if fresh else own[own != UNKNOWN]
-        if not (sequence != UNKNOWN).any() or (not fresh and self.cold[user]):
-            return None
-        return self.sequences.sequence_states([sequence]).cpu().numpy()[0]
-
-    def _two_stage_top_k(self, users: np.ndarray, events: Sequence[np.ndarray] | None, k: int) \
-            -> tuple[np.ndarray, np.ndarray]:
-        """(B, k) item codes and scores of two-stage serving, -inf (and item 0) where fewer items are unseen."""
-        count = min(k, self.seen.shape[1] - 1)
-        items, scores = np.zeros((len(users), count), np.int64), np.full((len(users), count), -np.inf, np.float32)
-        for row, user in enumerate(users.tolist()):
-            best, values = self.recommend(user, np.zeros(0, np.int64) if events is None else events[row], count)
-            items[row, :len(best)], scores[row, :len(best)] = best, values
-        return items, scores
-
-    def _fold_in_known_histories(self) -> None:
-        """Users with a known history but no trained rows (first seen after the training cut) get the vector the
-        fold-in gives that history, from zero as for a new user with those events: folded once here, so that they
-        cost what a trained row costs, in `recommend`, `top_k` and `top_k_batch` alike; only users without history
-        stay cold."""
-        untrained = np.flatnonzero(self.cold.numpy() & (np.diff(self.history.indptr) > 0))
-        untrained = untrained[untrained != UNKNOWN]
-        if not len(untrained):
-            return
-        histories = [merged_history(self._row(self.history, user), max_length=self.max_events) for user in untrained]
-        users = torch.as_tensor(self.users).clone()
-        users[torch.from_numpy(untrained)] = torch.from_numpy(self.foldin.users(histories)).to(users.dtype)
-        self.users = users
-        self.cold[torch.from_numpy(untrained)] = False
+    def to(self, device: torch.device | str) -> Recommender:
+        """Score batches on `device` (`recommend_batch` and `top_k_batch`: what a micro-batching server calls on a GPU,
+        and what a replay calls on the run's device); the one-user numpy path stays on the CPU."""
+        self.form.to(torch.device(device))
+        return self
 
     def score(self, users: torch.Tensor) -> torch.Tensor:
+        """Every item's score for user codes without events (cold users: popularity); under two stages, their
+        candidates' exact scores and -inf elsewhere."""
         codes = users.cpu().numpy()
-        if self.two_stage is not None:  # what two stages serve: their candidates' exact scores, -inf elsewhere
-            queries = [self._query(user, np.zeros(0, np.int64)) for user in codes.tolist()]
+        if self.two_stage is not None:
+            queries = [self.form.query(user, np.zeros(0, np.int64)) for user in codes.tolist()]
             excludes = [self.excluded(user) for user in codes.tolist()]
-            return self.two_stage.dense_scores(queries, excludes, self.history.shape[1], 0).to(users.device)
-        if self.kind == "factors":
-            scores = self.users[users.cpu()] @ self.items.T
-        elif self.kind == "item_item":
-            scores = _times(self.history[codes], self.similarity)
-        elif self.kind == "sequence":
-            scores = self.sequences.score(users.cpu())
-        else:
-            scores = self.popularity.expand(len(codes), -1).clone()
-        scores[self.cold[users.cpu()]] = self.popularity
-        return scores.to(users.device)
+            return self.two_stage.dense_scores(queries, excludes, self.form.n_items, 0).to(users.device)
+        return self._exact_scores(codes).to(users.device)
+
+    def _exact_scores(self, codes: np.ndarray) -> torch.Tensor:
+        scores = self.form.raw_scores(codes)
+        scores[self.form.cold[torch.from_numpy(codes)]] = self.form.popularity
+        return scores
 
     def top_k(self, users: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Item codes and scores, best first, the user's seen items and the unknown item left out."""
         if self.two_stage is not None:
-            return self._two_stage_top_k(np.asarray(users, np.int64), None, k)
-        items, scores = top_k(self, torch.from_numpy(users), self.seen, min(k, self.seen.shape[1] - 1),
+            return self._two_stage_top_k(np.asarray(users, np.int64), k)
+        items, scores = top_k(self, torch.from_numpy(users), self.form.seen, min(k, self.form.n_items - 1),
                               torch.device("cpu"))
         return items.numpy(), scores.numpy()
+
+    def _two_stage_top_k(self, users: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(B, k) item codes and scores of two-stage serving, -inf (and item 0) where fewer items are unseen."""
+        count = min(k, self.form.n_items - 1)
+        items, scores = np.zeros((len(users), count), np.int64), np.full((len(users), count), -np.inf, np.float32)
+        for index, user in enumerate(users.tolist()):
+            best, values = self.recommend(user, np.zeros(0, np.int64), count)
+            items[index, :len(best)], scores[index, :len(best)] = best, values
+        return items, scores
 
     def recommend(self, user: int, events: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One user's top k (item codes, scores; fewer where fewer items are unseen) given their recent item codes,
         oldest first: numpy only, the serving hot path."""
-        exclude = excluded_items(self._row(self.seen, user), events)
+        exclude = excluded_items(row_codes(self.form.seen, user), events)
         if self.two_stage is not None:
-            return self.two_stage.recommend(self._query(user, events), exclude, k)
-        scores = self._scores(user, events)
+            return self.two_stage.recommend(self.form.query(user, events), exclude, k)
+        scores = self.form.user_scores(user, events) if (events != UNKNOWN).any() else None
+        if scores is None:
+            scores = self._exact_scores(np.asarray([user], np.int64)).numpy()[0]
         scores[exclude] = -np.inf
         count = min(k, len(scores) - len(exclude))
         if count <= 0:
@@ -205,24 +158,14 @@ class Recommender:
         best = best[np.argsort(-scores[best], kind="stable")]
         return best, scores[best]
 
-    def to(self, device: torch.device | str) -> Recommender:
-        """Score batches on `device` (`recommend_batch` and `top_k_batch`: what a micro-batching server calls on a GPU,
-        and what a replay calls on the run's device); the one-user numpy path stays on the CPU."""
-        self.device = torch.device(device)
-        self._on_device = {}
-        if self.sequences is not None:
-            from .sasrec import SequenceScorer
-
-            self.sequences = SequenceScorer(self.sequences.network.to(self.device), self.sequences.user_sequences)
-        return self
-
     def recommend_batch(self, users: np.ndarray, events: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray,
                                                                                                 np.ndarray]]:
         """Each user's top k (item codes, scores) given their recent item codes, as `recommend` gives them, scored
-        together on `self.device`: one product and one top-k for a micro-batch of concurrent requests (two-stage
+        together on the device: one product and one top-k for a micro-batch of concurrent requests (two-stage
         serving: one search per row, on the CPU)."""
         if self.two_stage is not None:
-            return [self.recommend(int(user), np.asarray(row, np.int64), k) for user, row in zip(users, events)]
+            return [self.recommend(int(user), np.asarray(events_of_row, np.int64), k)
+                    for user, events_of_row in zip(users, events)]
         best, best_scores = self.top_k_batch(users, events, k)
         return [(items[np.isfinite(values)], values[np.isfinite(values)]) for items, values in zip(best, best_scores)]
 
@@ -230,141 +173,21 @@ class Recommender:
     def top_k_batch(self, users: np.ndarray, events: Sequence[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
         """(B, min(k, n_items)) item codes and scores, best first, ranked as `recommend` ranks each row; a score of
         -inf where the user has fewer unseen items. Rows of one user in a row (a replay's successive requests)
-        cost little more than one: see `_item_item_batch`."""
+        cost little more than one (`ItemItemForm`)."""
         users = np.array(users, np.int64)  # a copy: torch warns of a read-only array (a pandas column's)
-        events = [np.asarray(row, np.int64) for row in events]
-        fresh = np.asarray([(row != UNKNOWN).any() for row in events], bool)
-        scores, popular = self._batch_scores(users, events, fresh)
-        scores[torch.from_numpy(popular).to(self.device)] = self._table("popularity", lambda: self.popularity)
-        seen = self.seen[users]  # what `excluded_items` leaves out per row: seen items, every event, the unknown item
+        events = [np.asarray(events_of_row, np.int64) for events_of_row in events]
+        fresh = np.asarray([(events_of_row != UNKNOWN).any() for events_of_row in events], bool)
+        device = self.form.device
+        scores, popular = self.form.batch_scores(users, events, fresh)
+        scores[torch.from_numpy(popular).to(device)] = self.form.table("popularity", lambda: self.form.popularity)
+        seen = self.form.seen[users]  # what `excluded_items` leaves out per row: seen items, every event, item 0
         rows = np.concatenate([np.repeat(np.arange(len(users)), np.diff(seen.indptr)),
-                               np.repeat(np.arange(len(users)), [len(row) for row in events])])
+                               np.repeat(np.arange(len(users)), [len(events_of_row) for events_of_row in events])])
         codes = np.concatenate([seen.indices.astype(np.int64), *events])
         scores[:, UNKNOWN] = -torch.inf
-        scores[torch.from_numpy(rows).to(self.device), torch.from_numpy(codes).to(self.device)] = -torch.inf
+        scores[torch.from_numpy(rows).to(device), torch.from_numpy(codes).to(device)] = -torch.inf
         best_scores, best = torch.topk(scores, min(k, scores.shape[1]), dim=1)
         return best.cpu().numpy(), best_scores.cpu().numpy()
-
-    def _batch_scores(self, users: np.ndarray, events: list[np.ndarray], fresh: np.ndarray) -> tuple[torch.Tensor,
-                                                                                                     np.ndarray]:
-        """Every item's score per row on the device, and the rows that get popularity instead (as `_scores`)."""
-        cold = self.cold.numpy()[users]
-        if self.kind == "factors":
-            vectors = self._table("users", lambda: torch.as_tensor(self.users))[torch.from_numpy(users).to(self.device)]
-            folded = np.flatnonzero(fresh) if self.foldin is not None else np.zeros(0, np.int64)
-            if len(folded):
-                histories = [merged_history(self._row(self.history, users[row]), events[row],
-                                            max_length=self.max_events) for row in folded]
-                starts = np.where(self.has_rows[users[folded], None], self.starts[users[folded]], 0.0)
-                # numpy's tables on a CPU (its small arrays cost less per operation than torch's), else the device's
-                foldin = self.foldin if self.device.type == "cpu" else self._table("foldin", lambda: self.foldin)
-                vectors[torch.from_numpy(folded).to(self.device)] = \
-                    foldin.vectors(histories, starts).to(self.device, vectors.dtype)
-            popular = cold.copy()
-            popular[folded] = False
-            return vectors @ self._table("items", lambda: torch.as_tensor(self.items)).T, popular
-        if self.kind == "item_item":
-            histories = [self._merged_item_history(user, row) if is_fresh else self._row(self.history, user)
-                         for user, row, is_fresh in zip(users.tolist(), events, fresh)]
-            return self._item_item_batch(users, histories), np.asarray([len(history) == 0 for history in histories])
-        if self.kind == "sequence":
-            own = self.sequences.user_sequences[torch.from_numpy(users).to(self.device)].cpu().numpy()
-            sequences = [np.concatenate([mine[mine != UNKNOWN], row]) if is_fresh else mine[mine != UNKNOWN]
-                         for mine, row, is_fresh in zip(own, events, fresh)]
-            return self.sequences.score_tensor(sequences), cold & ~fresh
-        return torch.empty(len(users), self.history.shape[1], device=self.device), np.ones(len(users), bool)
-
-    def _item_item_batch(self, users: np.ndarray, histories: list[np.ndarray]) -> torch.Tensor:
-        """x·B for each row's binary history x, as one sparse product on the device. x·B is linear in x, so a row of
-        the same user as the row before it is multiplied as its difference from that row (a replay's next request:
-        one more event), and each run of one user's rows is summed back: the product reads a few rows of B per
-        request instead of the user's whole history."""
-        n_items = self.history.shape[1]
-        lengths = np.asarray([len(history) for history in histories])
-        rows = sp.csr_matrix((np.ones(lengths.sum(), np.float32), np.concatenate([np.zeros(0, np.int64), *histories]),
-                              np.concatenate([[0], np.cumsum(lengths)])), shape=(len(histories), n_items))
-        continues = np.concatenate([[False], users[1:] == users[:-1]])[:len(users)]
-        before = sp.vstack([sp.csr_matrix((1, n_items), dtype=np.float32), rows[:-1]], format="csr")
-        differences = (rows - sp.diags(continues.astype(np.float32)) @ before).tocsr()
-        differences.eliminate_zeros()
-        scores = _sparse_times(differences, self._table("similarity", lambda: _torch_matrix(self.similarity)),
-                               self.device)
-        starts = np.flatnonzero(~continues)
-        for first, end in zip(starts, [*starts[1:], len(users)]):
-            if end - first > 1:
-                scores[first:end].cumsum_(dim=0)
-        return scores
-
-    def _merged_item_history(self, user: int, events: np.ndarray) -> np.ndarray:
-        known = self._row(self.history, user)
-        return np.concatenate([known, np.setdiff1d(events[events != UNKNOWN][-self.max_events:], known)])
-
-    def _table(self, name: str, make):
-        """A table (or the fold-in's tables) on the device, moved there once."""
-        if name not in self._on_device:
-            self._on_device[name] = make().to(self.device)
-        return self._on_device[name]
-
-    def _scores(self, user: int, events: np.ndarray) -> np.ndarray:
-        if not (events != UNKNOWN).any() or (self.kind == "factors" and self.foldin is None):
-            return self.score(torch.tensor([user])).numpy()[0]  # a model logged without fold-in: its trained rows
-        if self.kind == "item_item":  # x·B is linear in the history: the known part, cached, plus the new items
-            new = self._merged_item_history(user, events)[len(self._row(self.history, user)):]
-            return self._known_item_item(user) + self._item_item(new)
-        if self.kind == "sequence":  # the user's sequence then the events, in order: repeats count as events
-            own = self.sequences.user_sequences[user].numpy()
-            return self.sequences.score_sequences([np.concatenate([own[own != UNKNOWN], events])])[0]
-        if self.kind == "factors":
-            history = merged_history(self._row(self.history, user), events, max_length=self.max_events)
-            start = self.starts[user:user + 1] if self.has_rows[user] else np.zeros((1, self.starts.shape[1]))
-            vector = self.foldin.users([history], start)
-            return self.item_table @ vector[0]
-        return self.popularity.numpy().copy()
-
-    def _item_item(self, codes: np.ndarray) -> np.ndarray:
-        if self.dense_similarity is not None:
-            return self.dense_similarity[codes].sum(axis=0)
-        return item_item_scores(self.similarity, [codes])[0]
-
-    def _known_item_item(self, user: int) -> np.ndarray:
-        """x_u·B of the user's known history; the last users' are kept (a user's events arrive one after another)."""
-        with self._known_lock:
-            cached = self._known_cache.get(user)
-        if cached is None:
-            cached = self._item_item(self._row(self.history, user))
-            with self._known_lock:  # a scoring server may call from several threads
-                if len(self._known_cache) >= self._known_cache_size:
-                    self._known_cache.pop(next(iter(self._known_cache)))
-                self._known_cache[user] = cached
-        return cached.copy()
-
-    @staticmethod
-    def _row(matrix: sp.csr_matrix, user: int) -> np.ndarray:
-        return matrix.indices[matrix.indptr[user]:matrix.indptr[user + 1]].astype(np.int64)
-
-
-def _numpy(value):
-    return value.numpy() if isinstance(value, torch.Tensor) else value
-
-
-def _torch_matrix(matrix: sp.csr_matrix | torch.Tensor) -> torch.Tensor:
-    """The item-item matrix as torch: dense as it is, sparse as a CSR tensor."""
-    if isinstance(matrix, torch.Tensor):
-        return matrix.float()
-    return csr_tensor(sp.csr_matrix(matrix, dtype=np.float32))
-
-
-def _sparse_times(rows: sp.csr_matrix, similarity: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sparse rows times the item-item matrix `_torch_matrix` made (on `device`), as a dense float32 tensor."""
-    product = torch.sparse.mm(csr_tensor(sp.csr_matrix(rows, dtype=np.float32)).to(device), similarity)
-    return product.to_dense() if product.layout != torch.strided else product
-
-
-def _times(histories: sp.csr_matrix, similarity: sp.csr_matrix | torch.Tensor) -> torch.Tensor:
-    """Histories times the item-item matrix, whole (a tensor) or pruned (sparse)."""
-    if isinstance(similarity, torch.Tensor):
-        return torch.from_numpy(np.asarray(histories @ similarity.numpy(), np.float32))
-    return torch.from_numpy(np.asarray((histories @ similarity).todense(), np.float32))
 
 
 class RecommenderModel(ServedModel):
@@ -410,15 +233,15 @@ class RecommenderModel(ServedModel):
             return [(*answer, count) for answer, count in zip(self.recommender.recommend_batch(users, codes, k),
                                                                unknown)]
         answers: list = [None] * len(rows)
-        without = [index for index, row in enumerate(codes) if not (row != UNKNOWN).any()]
+        without = [index for index, known in enumerate(codes) if not (known != UNKNOWN).any()]
         if without:  # one batched product for the users without events
             items, scores = self.recommender.top_k(users[without], k)
             for index, best, best_scores in zip(without, items, scores):
                 finite = np.isfinite(best_scores)
                 answers[index] = best[finite], best_scores[finite]
-        for index, row in enumerate(codes):
+        for index, known in enumerate(codes):
             if answers[index] is None:
-                answers[index] = self.recommender.recommend(int(users[index]), row, k)
+                answers[index] = self.recommender.recommend(int(users[index]), known, k)
         return [(*answer, count) for answer, count in zip(answers, unknown)]
 
     def _records(self, user_id, items: np.ndarray, scores: np.ndarray, unknown: int) -> list[dict]:

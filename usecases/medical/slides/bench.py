@@ -1,4 +1,4 @@
-"""`usecases bench medical --slides`: tiles per second of read + stain normalisation + encoding, the pipeline
+"""`usecases bench slides medical`: tiles per second of read + stain normalisation + encoding, the pipeline
 against a plain per-tile loop in the same run, and the peak memory of tiling and encoding a gigapixel slide.
 
 The plain loop is what one writes by hand: one OpenSlide handle, `read_region` per tile, torchstain's Macenko per

@@ -10,7 +10,6 @@ A bag is one slide's tile features, (N_tiles, d_in), N_tiles varying between sli
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,10 +24,12 @@ from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 from torch import nn
 
+from common.config import TrainConfig
 from common.errors import UserError
 from ..evaluate import auc, bootstrap_auc_ci, rates, threshold_for_sensitivity
 
 Bag = np.ndarray | torch.Tensor
+VAL_AUC = "val/auc"
 BASELINE_C_VALUES = (0.001, 0.01, 0.1, 1.0, 10.0)
 
 
@@ -43,6 +44,9 @@ class MILSettings:
     weight_decay: float = 1e-5
     epochs: int = 40
     max_tiles: int = 4096  # per training step, for memory; evaluation always uses every tile
+    checkpoint_dir: Path | None = None  # where the fit writes its checkpoints, to resume from
+    checkpoint_every_s: float = 300
+    resume: bool = False
 
 
 @dataclass
@@ -109,44 +113,69 @@ def predict_bags(model: GatedAttentionMIL, bags: Sequence[Bag],
     return _predict(model.to(device), _as_tensors(bags), device)
 
 
+class BagBatches:
+    """What the shared Trainer iterates: one slide a step, `(bag (1, N, d_in), label (1,))`, in a seeded order each
+    epoch; a slide of more than `max_tiles` tiles is trained on a seeded sample of them, kept in their order."""
+
+    def __init__(self, bags: list[torch.Tensor], labels: torch.Tensor, max_tiles: int, seed: int):
+        self.bags, self.labels, self.max_tiles, self.seed, self.epoch = bags, labels, max_tiles, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.bags)
+
+    def __iter__(self):
+        rng = np.random.default_rng([self.seed, self.epoch])
+        for index in rng.permutation(len(self.bags)):
+            bag = self.bags[index]
+            if len(bag) > self.max_tiles:
+                bag = bag[np.sort(rng.choice(len(bag), self.max_tiles, replace=False))]
+            yield bag[None], self.labels[index:index + 1]
+
+
+def bag_loss(model: GatedAttentionMIL, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    bag, label = batch
+    logit, _ = model(bag[0])
+    return nn.functional.binary_cross_entropy_with_logits(logit.reshape(1), label)
+
+
+bag_loss.predict = lambda model, batch: model(batch[0][0])[0]  # what serving runs, for the workload facts
+
+
 def fit_attention_mil(train_bags: Sequence[Bag], train_labels: Sequence[int], val_bags: Sequence[Bag],
                       val_labels: Sequence[int], settings: MILSettings, device: torch.device | str,
                       seed: int) -> tuple[GatedAttentionMIL, MILHistory]:
-    """One slide per step for `settings.epochs` epochs; the weights of the epoch with the best validation AUC are
-    returned (test slides never choose). The same seed gives the same model on the same device; the global random
-    state is left as it was."""
+    """One slide per step for `settings.epochs` epochs, through the shared Trainer in fp32 on one process (the
+    slides are few); the weights of the epoch with the best validation AUC are returned (the first if tied: test
+    slides never choose), with checkpoints by time where `settings.checkpoint_dir` is given. The same seed gives the
+    same model on the same device; the global random state is left as it was."""
+    from common.runtime.devices import Runtime
+    from common.training.loop import Trainer
+    from common.training.spec import TrainSpec
+
     device = torch.device(device)
     train_targets = torch.as_tensor(_check_labels(train_labels, "training"), dtype=torch.float32)
     val_labels = _check_labels(val_labels, "validation")
     train, val = _as_tensors(train_bags), _as_tensors(val_bags)
-    order_rng = np.random.default_rng(seed)
-    history = MILHistory()
+
+    def validate(model: GatedAttentionMIL) -> dict[str, float]:
+        return {VAL_AUC: binary_auc(val_labels, _predict(model, val, device)[0])}
+
+    loop = TrainConfig(epochs=settings.epochs, batch_size=1, lr=settings.lr,
+                       checkpoint_every_s=settings.checkpoint_every_s)
+    spec = TrainSpec(loop, monitor=VAL_AUC, mode="max", checkpoint_dir=settings.checkpoint_dir, name="attention_mil")
     with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        model = GatedAttentionMIL(train[0].shape[1], settings.hidden, settings.attention_hidden,
-                                  settings.dropout).to(device)
+        model = GatedAttentionMIL(train[0].shape[1], settings.hidden, settings.attention_hidden, settings.dropout)
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-        loss_function = nn.BCEWithLogitsLoss()
-        best_state = None
-        for epoch in range(settings.epochs):
-            model.train()
-            losses = []
-            for index in order_rng.permutation(len(train)):
-                bag = train[index]
-                if len(bag) > settings.max_tiles:
-                    bag = bag[np.sort(order_rng.choice(len(bag), settings.max_tiles, replace=False))]
-                logit, _ = model(bag.to(device))
-                loss = loss_function(logit, train_targets[index].to(device))
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.detach())  # no wait for the GPU each step
-            history.train_loss.append(torch.stack(losses).mean().item())
-            history.val_auc.append(binary_auc(val_labels, _predict(model, val, device)[0]))
-            if best_state is None or history.val_auc[-1] > history.val_auc[history.best_epoch]:
-                history.best_epoch, best_state = epoch, copy.deepcopy(model.state_dict())
-    model.load_state_dict(best_state)
-    return model.eval(), history
+        trainer = Trainer(model, optimizer, bag_loss, Runtime(device, None), spec)
+        result = trainer.fit(BagBatches(train, train_targets, settings.max_tiles, seed), validate,
+                             resume=settings.resume)
+    history = MILHistory([epoch["train/loss"] for epoch in result.history],
+                         [epoch[VAL_AUC] for epoch in result.history], result.best_epoch)
+    return trainer.module.eval(), history
 
 
 def mean_pooled(bags: Sequence[Bag]) -> np.ndarray:

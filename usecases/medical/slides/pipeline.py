@@ -29,7 +29,8 @@ from .features import SlideTiles, encode_on_cluster, encode_slides, read_tiles
 from .mil import (MILSettings, fit_attention_mil, fit_pooled_baseline, heatmap_figure, attention_heatmap,
                   pooled_probabilities, predict_bags, slide_metrics)
 from .reader import open_slide, pixel_reader
-from .serving import chosen_tiles, log_slide_classifier, sampled, slide_generator, slide_normaliser
+from .serving import (SlideModel, chosen_tiles, log_slide_classifier, sampled, slide_generator,
+                      slide_normaliser)
 from .stain import ReinhardNormaliser
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ ENCODER_NAME = "tile_encoder"
 
 
 def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
-    settings, runtime, seed = config.data.slides, job.runtime, config.runtime.seed
-    rng = np.random.default_rng(seed)
+    settings, runtime = config.data.slides, job.runtime
+    rng = np.random.default_rng(config.runtime.seed)
     started = time.perf_counter()
     slides, normalisers, reference = prepared_slides(config, data, runtime.device.type, rng, job.phase)
     counts = np.array([len(slide.indices) for slide in slides])
@@ -47,70 +48,112 @@ def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
              counts.min(), counts.max(), f"{settings.mpp:g} µm/px" if settings.mpp else "level 0", settings.tile_px,
              " and ".join(sorted({slide.reader for slide in slides})))
     stain_fit_seconds = time.perf_counter() - started
-
     with job.phase("fit/encoder", "device"):
         network, arch = _trained_encoder(config, data, slides, normalisers, rng, job)
+    bags, tiles_per_s = encoded(network, arch, slides, normalisers, config, job)
+    if not runtime.is_main:
+        return RunResult({})
+    bags = Bags(bags, data)
+    common = {"tiles_per_s": tiles_per_s, "tiles": float(counts.sum()), "slides": float(len(slides)),
+              "stain_fit_seconds": stain_fit_seconds}
+    mil, models, (test_probabilities, attentions) = attention_mil(bags, config, job, common)
+    models["mean_pool_logreg"] = mean_pool_baseline(bags, config, job, common)
+    with job.phase("plots", "serial"):
+        _log_heatmaps([slides[i] for i in bags.test], attentions, test_probabilities, job)
+        job.tracker.log_text(pd.DataFrame({"slide": [str(data.paths[i]) for i in bags.test],
+                                           "label": data.labels[bags.test],
+                                           "probability": test_probabilities}).to_csv(index=False),
+                             "slides/test_probabilities.csv")
+    with job.phase("serving_bundle", "serial"):
+        threshold = models["attention_mil"]["threshold"]
+        served = log_slide_classifier(
+            SlideModel(network, arch, mil, served_slide_settings(config), reference, threshold),
+            data.paths[bags.test[0]],
+            {"positive_class": data.classes[1], "operating_threshold": threshold,
+             "target_sensitivity": config.evaluation.target_sensitivity}, job)
+    return RunResult(models, served)
+
+
+def encoded(network, arch: dict, slides: list[SlideTiles], normalisers: list, config: Config,
+            job: Job) -> tuple[list[np.ndarray], float]:
+    """Each slide's tile features (a bag), read, normalised and encoded on the Dask cluster or here, and the
+    tiles per second."""
+    settings, device = config.data.slides, job.runtime.device
     with job.phase("encode", "cores" if job.dask is not None else "device"):
         if job.dask is not None:
             weights = {name: value.cpu() for name, value in network.state_dict().items()}
             bags, tiles_per_s = encode_on_cluster(job.dask, partial(build_classifier, arch), weights, slides,
-                                                  normalisers, runtime.device, settings.batch_size)
+                                                  normalisers, device, settings.batch_size)
         else:
-            bags, tiles_per_s = encode_slides(network, slides, normalisers, runtime.device, settings.batch_size,
+            bags, tiles_per_s = encode_slides(network, slides, normalisers, device, settings.batch_size,
                                               settings.readers)
-    log.info("features: %d tiles read, normalised and encoded at %.0f tiles/s%s", counts.sum(), tiles_per_s,
+    log.info("features: %d tiles read, normalised and encoded at %.0f tiles/s%s",
+             sum(len(slide.indices) for slide in slides), tiles_per_s,
              " on the Dask cluster" if job.dask is not None else "")
     job.tracker.log_metrics({"tiles_per_s": tiles_per_s})
-    if not runtime.is_main:
-        return RunResult({})
+    return bags, tiles_per_s
 
-    train, val, test = (data.members(split) for split in ("train", "val", "test"))
-    labels = data.labels
-    mil_config = config.mil
+
+class Bags:
+    """The slides' bags and labels by split."""
+
+    def __init__(self, bags: list[np.ndarray], data: SlideSet):
+        self.train, self.val, self.test = (data.members(split) for split in ("train", "val", "test"))
+        self.bags, self.labels = bags, data.labels
+
+    def of(self, members) -> list[np.ndarray]:
+        return [self.bags[index] for index in members]
+
+
+def attention_mil(bags: Bags, config: Config, job: Job, common: dict):
+    """Attention MIL trained on the training slides, its epoch chosen on validation; its metrics, and the test
+    slides' probabilities and attention."""
+    settings, evaluation, device, seed = config.mil, config.evaluation, job.runtime.device, config.runtime.seed
     with job.phase("fit/attention_mil", "device"):
-        mil, history = fit_attention_mil([bags[i] for i in train], labels[train], [bags[i] for i in val],
-                                         labels[val],
-                                         MILSettings(hidden=mil_config.hidden, attention_hidden=mil_config.hidden,
-                                                     dropout=mil_config.dropout, lr=mil_config.lr,
-                                                     weight_decay=mil_config.weight_decay, epochs=mil_config.epochs,
-                                                     max_tiles=mil_config.max_tiles),
-                                         runtime.device, seed)
+        mil, history = fit_attention_mil(bags.of(bags.train), bags.labels[bags.train], bags.of(bags.val),
+                                         bags.labels[bags.val],
+                                         MILSettings(hidden=settings.hidden, attention_hidden=settings.hidden,
+                                                     dropout=settings.dropout, lr=settings.lr,
+                                                     weight_decay=settings.weight_decay, epochs=settings.epochs,
+                                                     max_tiles=settings.max_tiles,
+                                                     checkpoint_dir=job.checkpoint_dir / "attention_mil",
+                                                     resume=job.resume),
+                                         device, seed)
     for epoch, value in enumerate(history.val_auc):
         job.tracker.log_metrics({"attention_mil/val_auc": value}, step=epoch)
-    evaluation = config.evaluation
-    common = {"tiles_per_s": tiles_per_s, "tiles": float(counts.sum()), "slides": float(len(slides)),
-              "stain_fit_seconds": stain_fit_seconds}
     with job.phase("evaluate", "serial"):
-        val_probabilities, _ = predict_bags(mil, [bags[i] for i in val], runtime.device)
-        test_probabilities, attentions = predict_bags(mil, [bags[i] for i in test], runtime.device)
-        models = {"attention_mil": {**slide_metrics(labels[val], val_probabilities, labels[test],
+        val_probabilities, _ = predict_bags(mil, bags.of(bags.val), device)
+        test_probabilities, attentions = predict_bags(mil, bags.of(bags.test), device)
+        models = {"attention_mil": {**slide_metrics(bags.labels[bags.val], val_probabilities, bags.labels[bags.test],
                                                     test_probabilities, evaluation.target_sensitivity,
                                                     evaluation.bootstrap, seed),
                                     "best_epoch": history.best_epoch + 1, **common}}
     job.model_done("attention_mil", models["attention_mil"])
+    return mil, models, (test_probabilities, attentions)
+
+
+def mean_pool_baseline(bags: Bags, config: Config, job: Job, common: dict) -> dict[str, float]:
+    """Logistic regression on mean-pooled features, its C chosen on validation: the baseline."""
+    evaluation = config.evaluation
     with job.phase("fit/mean_pool_logreg", "serial"):
-        pooled = fit_pooled_baseline([bags[i] for i in train], labels[train], [bags[i] for i in val], labels[val])
+        pooled = fit_pooled_baseline(bags.of(bags.train), bags.labels[bags.train], bags.of(bags.val),
+                                     bags.labels[bags.val])
     with job.phase("evaluate", "serial"):
-        models["mean_pool_logreg"] = {
-            **slide_metrics(labels[val], pooled_probabilities(pooled, [bags[i] for i in val]), labels[test],
-                            pooled_probabilities(pooled, [bags[i] for i in test]), evaluation.target_sensitivity,
-                            evaluation.bootstrap, seed), **common}
-    job.model_done("mean_pool_logreg", models["mean_pool_logreg"])
-    with job.phase("plots", "serial"):
-        _log_heatmaps([slides[i] for i in test], attentions, test_probabilities, job)
-        job.tracker.log_text(pd.DataFrame({"slide": [str(data.paths[i]) for i in test], "label": labels[test],
-                                           "probability": test_probabilities}).to_csv(index=False),
-                             "slides/test_probabilities.csv")
-    with job.phase("serving_bundle", "serial"):
-        served = log_slide_classifier(
-            network, arch, mil, {"mpp": settings.mpp, "tile_px": settings.tile_px, "min_tissue": settings.min_tissue,
-                                 "max_tiles": settings.max_tiles, "stain": settings.stain,
-                                 "stain_fit_tiles": settings.stain_fit_tiles, "batch_size": settings.batch_size,
-                                 "seed": seed, "cache_dir": str(settings.cache_dir) if settings.cache_dir else None},
-            reference, models["attention_mil"]["threshold"], data.paths[test[0]],
-            {"positive_class": data.classes[1], "operating_threshold": models["attention_mil"]["threshold"],
-             "target_sensitivity": evaluation.target_sensitivity}, job)
-    return RunResult(models, served)
+        metrics = {**slide_metrics(bags.labels[bags.val], pooled_probabilities(pooled, bags.of(bags.val)),
+                                   bags.labels[bags.test], pooled_probabilities(pooled, bags.of(bags.test)),
+                                   evaluation.target_sensitivity, evaluation.bootstrap, config.runtime.seed),
+                   **common}
+    job.model_done("mean_pool_logreg", metrics)
+    return metrics
+
+
+def served_slide_settings(config: Config) -> dict:
+    """How the served model tiles and normalises a slide: as the run did."""
+    settings = config.data.slides
+    return {"mpp": settings.mpp, "tile_px": settings.tile_px, "min_tissue": settings.min_tissue,
+            "max_tiles": settings.max_tiles, "stain": settings.stain, "stain_fit_tiles": settings.stain_fit_tiles,
+            "batch_size": settings.batch_size, "seed": config.runtime.seed,
+            "cache_dir": str(settings.cache_dir) if settings.cache_dir else None}
 
 
 def prepared_slides(config: Config, data: SlideSet, device_type: str, rng: np.random.Generator,

@@ -13,6 +13,7 @@ sensitivity) and `top_tiles` (JSON: the level-0 x, y and side of the tiles with 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 
 from common.errors import UserError
 from common.paths import cache_dir
-from common.serving.pyfunc import BadInput, ServedModel, log_served
+from common.serving.pyfunc import BadInput, Publication, ServedModel, log_served
 from common.usecase import Served
 from ..models import build_classifier
 from .features import SlideTiles, encode_slides, read_tiles
@@ -132,24 +133,37 @@ def requested_slides(model_input) -> list[Path]:
     return paths
 
 
-def log_slide_classifier(encoder: torch.nn.Module, encoder_architecture: dict, mil: GatedAttentionMIL,
-                         slides_settings: dict, reference, threshold: float, example: Path, metadata: dict,
-                         job) -> Served | None:
-    """Log the slide model as `model` (the encoder, attention MIL, how slides were tiled and normalised), probed on
-    `example`, a slide the run read."""
+SLIDE_REQUIREMENTS = ("torch", "torchvision", "numpy", "pandas", "scipy", "mlflow", "openslide-python",
+                      "openslide-bin", "tifffile", "zarr", "imagecodecs")
+
+
+@dataclass(frozen=True)
+class SlideModel:
+    """What the served slide model is made of: the trained tile encoder and its architecture, attention MIL, how
+    slides were tiled and normalised (`slides`, and Reinhard's reference where that is the stain method), and the
+    operating threshold chosen on validation."""
+
+    encoder: torch.nn.Module
+    encoder_architecture: dict
+    mil: GatedAttentionMIL
+    slides: dict
+    reference: dict | None
+    threshold: float
+
+
+def log_slide_classifier(model: SlideModel, example: Path, metadata: dict, job) -> Served | None:
+    """Log the slide model as `model`, probed on `example`, a slide the run read."""
     if not job.tracker.active:
         return None
-    first = mil.embed[0]
-    bundle = {"encoder_architecture": encoder_architecture,
-              "encoder_state": {key: value.cpu() for key, value in encoder.state_dict().items()},
+    first = model.mil.embed[0]
+    bundle = {"encoder_architecture": model.encoder_architecture,
+              "encoder_state": {key: value.cpu() for key, value in model.encoder.state_dict().items()},
               "mil_dimensions": {"d_in": first.in_features, "hidden": first.out_features,
-                                 "attention_hidden": mil.attention_content[0].out_features,
-                                 "dropout": mil.embed[2].p},
-              "mil_state": {key: value.cpu() for key, value in mil.state_dict().items()},
-              "slides": slides_settings, "threshold": float(threshold),
-              **({"stain_reference": reference} if reference is not None else {})}
+                                 "attention_hidden": model.mil.attention_content[0].out_features,
+                                 "dropout": model.mil.embed[2].p},
+              "mil_state": {key: value.cpu() for key, value in model.mil.state_dict().items()},
+              "slides": model.slides, "threshold": float(model.threshold),
+              **({"stain_reference": model.reference} if model.reference is not None else {})}
     return log_served(SlideClassifierModel.from_bundle(bundle), bundle, pd.DataFrame({"slide": [str(example)]}),
-                      job.tracker, name="attention_mil", package="usecases.medical", entry="slides_entry.py", kind="slides",
-                      requirements=["torch", "torchvision", "numpy", "pandas", "scipy", "mlflow", "openslide-python",
-                                    "openslide-bin", "tifffile", "zarr", "imagecodecs"],
-                      metadata=metadata)
+                      job.tracker, Publication("attention_mil", "usecases.medical", SLIDE_REQUIREMENTS,
+                                               entry="slides_entry.py", kind="slides", metadata=metadata))

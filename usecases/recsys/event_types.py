@@ -1,0 +1,89 @@
+"""What the event store keeps and how it is checked, whatever the backend (`events.py`: SQLite, `redis_events.py`:
+Redis): an event is a user id, an item id (each a string or an integer, kept as text: the served model maps raw ids
+by `str`) and a timestamp in whole seconds since the epoch, from 1995-01-01 to a day after now (the time of the
+append when left out): the rules of `schema.py`, which `/invocations` follows too."""
+
+from __future__ import annotations
+
+import re
+import reprlib
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from common.errors import UserError
+from .schema import BadField, checked_id, checked_timestamp, refused_as, shown
+
+START = "0"  # the cursor before the first event
+FIELDS = ("user_id", "item_id", "timestamp")
+
+
+class BadEvent(UserError):
+    """An event that cannot be recorded, said in one line naming its index and field (HTTP 400 on a server)."""
+
+
+class EventStoreUnavailable(UserError):
+    """A store that cannot be opened, written or read, said in one line: a server's start stops on it (`check`), and
+    a request that meets it later gets HTTP 503 with the line."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing a user did, ids as text (as the served model maps raw ids)."""
+
+    user_id: str
+    item_id: str
+    timestamp: int
+
+
+class EventStore(Protocol):
+    def append(self, events: Event | dict | list[Event | dict]) -> int:
+        """Record one event or a list of them, all or none; the number recorded, once committed."""
+
+    def recent(self, user_id: str | int, limit: int) -> list[str]:
+        """The item ids of the user's latest `limit` events, newest last."""
+
+    def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
+        """Up to `count` events after `cursor`, oldest first, and the cursor to pass next, which says that the events
+        up to it are handled; [] when none is new."""
+
+    def check(self) -> None:
+        """Open, write and read the store once (a server's start), or `EventStoreUnavailable`."""
+
+    def close(self) -> None: ...
+
+
+@refused_as(BadEvent)
+def parse_events(events: Any) -> list[Event]:
+    """`events` (an event or a list of them, each an `Event` or a dict of `FIELDS`) checked by the servers' rules
+    (`schema.py`), as `Event`s."""
+    batch = [events] if isinstance(events, (dict, Event)) else events
+    if not isinstance(batch, (list, tuple)):
+        raise BadField(f"events: expected an event (an object with user_id, item_id and an optional timestamp) "
+                       f"or a list of them, got {shown(events)}")
+    now = int(time.time())
+    return [_parsed(raw, index, now) for index, raw in enumerate(batch)]
+
+
+def _parsed(raw: Any, index: int, now: int) -> Event:
+    if isinstance(raw, Event):
+        raw = {"user_id": raw.user_id, "item_id": raw.item_id, "timestamp": raw.timestamp}
+    if not isinstance(raw, dict):
+        raise BadField(f"event {index}: expected an object with user_id, item_id and an optional timestamp, "
+                       f"got {shown(raw)}")
+    unknown = [str(key) for key in raw if key not in FIELDS]
+    if unknown:
+        raise BadField(f"event {index}: unknown field {reprlib.repr(unknown[0])}: an event has {', '.join(FIELDS)}")
+    user_id, item_id = (str(checked_id(raw.get(field), f"event {index}: {field}")) for field in ("user_id", "item_id"))
+    timestamp = raw.get("timestamp")
+    if timestamp is None:
+        return Event(user_id, item_id, now)
+    return Event(user_id, item_id, checked_timestamp(timestamp, f"event {index}: timestamp", now))
+
+
+def checked_cursor(cursor: str | None, shape: str) -> str:
+    """`cursor` if it has the `shape` (a regular expression) of the store's cursors."""
+    cursor = START if cursor is None else str(cursor)
+    if not re.fullmatch(shape, cursor):
+        raise UserError(f"events: cursor {reprlib.repr(cursor)} is not one read_since returned (or {START!r})")
+    return cursor
