@@ -41,7 +41,7 @@ def run_usecase(request: RunRequest) -> dict:
 
     Whatever the run sets process-wide (threads, seeds, deterministic algorithms, environment, log levels) is undone
     afterwards, so several runs in one process (`usecases demo`) each get the settings their own presets ask for."""
-    from common.runtime.devices import isolated_process_state, use_gpu_frames
+    from common.runtime.process import isolated_process_state, use_gpu_frames
 
     started = time.perf_counter()
     backend = use_gpu_frames(request.frames, request.device)
@@ -84,10 +84,12 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     from common.config import flatten
     from common.job import Job
     from common.paths import write_json_atomic
-    from common.runtime.devices import deterministic_on, precision_notice, seed_everything
+    from common.runtime.devices import precision_notice
+    from common.runtime.process import deterministic_on, seed_everything
     from common.runtime.phases import Phases
     from common.tracking.lifecycle import STATE_FILE, checkpoint_root
-    from common.tracking.runs import tracked_run, write_summary
+    from common.tracking.runs import tracked_run
+    from common.tracking.summary import write_summary
 
     usecase, preset, bench = request.usecase, request.preset, request.bench
     deterministic = deterministic_on(config.runtime.deterministic, runtime.device)
@@ -98,9 +100,7 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     notice = precision_notice(runtime.device, config.runtime.precision)
     if notice and runtime.is_main:
         log.warning(notice)
-    experiment = f"{usecase.name}-benchmark" if bench else usecase.name
-    description = (f"Benchmark of {usecase.name}: our pipeline against a plain loop, in one run."
-                   if bench else usecase.summary())
+    experiment, description = _experiment(usecase, bench)
     root = checkpoint_root(experiment, preset)
     params = flatten(config)
     run_id = _on_main(runtime, lambda: _prepare(request, experiment, description, root, params, data_tags))
@@ -140,9 +140,16 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     return summary
 
 
+def _experiment(usecase: UseCase, bench: bool) -> tuple[str, str]:
+    """The experiment a run goes to, and its description."""
+    if bench:
+        return f"{usecase.name}-benchmark", f"Benchmark of {usecase.name}: our pipeline against a plain loop, in one run."
+    return usecase.name, usecase.summary()
+
+
 def _machine_tags(runtime, deterministic: bool, client) -> dict:
     """Where the run ran: device, precision, determinism, world size, hardware and engine."""
-    from common.runtime.devices import hardware_info
+    from common.runtime.process import hardware_info
     from common.runtime.engine import client_tags
 
     return {"device": runtime.device.type, "precision": runtime.precision,

@@ -231,3 +231,36 @@ def test_the_launched_skypilot_task_loads_in_skypilot(tmp_path, capsys):
     assert check.returncode == 0, check.stderr[-2000:]
     assert "loaded .venv/bin/usecases run finance --preset smoke --resume-if-interrupted" in check.stdout
     assert "MLFLOW_TRACKING_URI" in check.stdout
+
+
+def test_the_estimates_write_no_file_and_call_no_mlflow(tmp_path, monkeypatch):
+    """`advice` only computes: every writer of files and every MLflow call fails here, and the folder it runs in
+    stays as it was; `advise_command` then writes the run's report and the launch files, at the edge."""
+    import builtins
+
+    from common.advisor.catalog import load_catalogue
+    from common.advisor.facts import facts_from_file
+    from common.advisor.report import AdviseRequest, advice
+
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"task": "train", "flops_per_sample": 24.3e9, "bytes_per_sample": 3.3e8,
+                                    "precision": "amp", "batch_size": 256}))
+    gpus, instances = load_catalogue(None)
+    facts = facts_from_file(workload, gpus)
+    monkeypatch.chdir(tmp_path)
+    opened = builtins.open
+
+    def read_only(file, mode="r", *args, **kwargs):
+        assert not set(mode) & set("wax+"), f"advice wrote {file}"
+        return opened(file, mode, *args, **kwargs)
+
+    def no_mlflow(*args, **kwargs):
+        raise AssertionError("advice called MLflow")
+
+    monkeypatch.setattr(builtins, "open", read_only)
+    for name in ("start_run", "log_artifact", "log_artifacts", "log_metrics", "log_dict", "set_tags", "log_figure"):
+        monkeypatch.setattr(mlflow, name, no_mlflow)
+    monkeypatch.setattr(mlflow.MlflowClient, "__init__", no_mlflow)
+    report, rows, picks, todo = advice(facts, "a workload", instances, gpus, AdviseRequest(workload=workload))
+    assert rows and report["rows"] and report["recommendations"] and todo is not None
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["w.json"]

@@ -134,7 +134,7 @@ def test_demo_falls_back_to_synthetic_data_when_a_data_set_is_missing(monkeypatc
 
 
 def test_the_cli_imports_no_pandas_before_choosing_the_dataframe_backend():
-    code = "import sys, usecases.cli, common.runtime.devices; sys.exit('pandas' in sys.modules)"
+    code = "import sys, usecases.cli, common.runtime.devices, common.runtime.process; sys.exit('pandas' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -34,7 +34,7 @@ def test_the_cost_growth_of_both_engines_is_one_run_with_its_table_and_plot(tmp_
 
 def test_several_size_keys_grow_together_and_the_throughput_counts_them_all(monkeypatch):
     """Medical scales its three splits at once: --base sets the first key's 1x value, the others keep their share."""
-    from common.tools import scaling
+    from common.tools import scale_bench as scaling
     from usecases.medical import USECASE
 
     asked = []
@@ -56,7 +56,7 @@ def test_several_size_keys_grow_together_and_the_throughput_counts_them_all(monk
 def test_a_use_case_without_a_size_to_scale_or_bad_sizes_is_one_line(capsys):
     from dataclasses import replace
 
-    from common.tools.scaling import scale_bench
+    from common.tools.scale_bench import scale_bench
     from usecases.medical import USECASE
 
     with pytest.raises(UserError, match="'medical' declares no size to scale"):

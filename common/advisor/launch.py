@@ -8,6 +8,7 @@ Nothing is launched here: SkyPilot (`sky jobs launch`, `sky launch`) and `kubect
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -121,9 +122,8 @@ def skypilot_task(facts: RunFacts, choice, extra: str, command: list[str], track
 
 def kubernetes_job(facts: RunFacts, row, extra: str, command: list[str], tracking: str) -> list[dict]:
     """The Job and the PersistentVolumeClaim it keeps the project, its venv, the data caches, the checkpoints and
-    (without a tracking server) the MLflow store on, so that a restarted pod resumes."""
+    (without a tracking server) the MLflow store on, so that a restarted pod resumes (`templates/k8s-job.yaml`)."""
     instance, name = row.instance, _name(facts)
-    labels = {"app.kubernetes.io/name": "gpu-usecases", "app.kubernetes.io/instance": name}
     project = f"{CACHE}/project"
     script = (f"set -e\n: \"${{PROJECT_GIT_URL:?set PROJECT_GIT_URL to the project's git URL}}\"\n"
               f"[ -d {project}/.git ] || git clone \"$PROJECT_GIT_URL\" {project}\n"
@@ -134,30 +134,44 @@ def kubernetes_job(facts: RunFacts, row, extra: str, command: list[str], trackin
     requests = {"nvidia.com/gpu": gpus, "cpu": str(max(1, int(instance.vcpus * 0.9)))}
     if instance.ram_gb > 0:  # a node like the instance: most of its cores and memory, the rest for the node's own
         requests["memory"] = f"{max(1, int(instance.ram_gb * 0.85))}Gi"
-    resources = {"requests": requests, "limits": {"nvidia.com/gpu": gpus}}
     env = {"PROJECT_GIT_URL": _git_url(), "PROJECT_GIT_REF": git(project_root(), "rev-parse", "HEAD"),
            "MLFLOW_TRACKING_URI": tracking,
            "USECASES_CHECKPOINT_DIR": f"{CACHE}/checkpoints", "USECASES_STALE_AFTER_S": str(STALE_AFTER_S),
            "XDG_CACHE_HOME": f"{CACHE}/xdg", "PIP_CACHE_DIR": f"{CACHE}/pip"}
-    pod = {"restartPolicy": "OnFailure",
-           "containers": [{"name": "train", "image": "python:3.11", "command": ["bash", "-c", script],
-                           "env": [{"name": key, "value": value} for key, value in env.items()],
-                           "resources": resources,
-                           "volumeMounts": [{"name": "cache", "mountPath": CACHE},
-                                            {"name": "shm", "mountPath": "/dev/shm"}]}],
-           "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": f"{name}-cache"}},
-                       {"name": "shm", "emptyDir": {"medium": "Memory"}}]}
+    affinity = None
     if instance.gpu.aliases:  # preferred, not required: GPU Feature Discovery labels it, not every cluster runs it
-        product = re.sub(r"\s+", "-", instance.gpu.aliases[0])
-        pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
-            "weight": 100, "preference": {"matchExpressions": [
-                {"key": "nvidia.com/gpu.product", "operator": "In", "values": [product]}]}}]}}
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
-           "spec": {"backoffLimit": 4, "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}
-    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": f"{name}-cache",
-                                                                                "labels": dict(labels)},
-             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": f"{_disk_gb(facts)}Gi"}}}}
-    return [claim, job]
+        affinity = preferred_node("nvidia.com/gpu.product", re.sub(r"\s+", "-", instance.gpu.aliases[0]))
+    return manifests("k8s-job.yaml", {
+        "name": name, "claim": f"{name}-cache", "labels": {"app.kubernetes.io/name": "gpu-usecases",
+                                                          "app.kubernetes.io/instance": name},
+        "storage": f"{_disk_gb(facts)}Gi", "script": script, "gpus": gpus, "requests": requests, "cache": CACHE,
+        "env": [{"name": key, "value": value} for key, value in env.items()], "affinity": affinity})
+
+
+def preferred_node(label: str, value: str) -> dict:
+    """A node affinity that prefers nodes whose `label` is `value` and schedules elsewhere when none is."""
+    return {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100, "preference": {"matchExpressions": [{"key": label, "operator": "In", "values": [value]}]}}]}}
+
+
+TEMPLATES = Path(__file__).with_name("templates")
+PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+
+
+def manifests(template: str, values: dict) -> list[dict]:
+    """The Kubernetes objects of `templates/<template>`, each `"${key}"` replaced by `values[key]` whole (a string,
+    number, list or mapping; a copy each time, so that the YAML written has no anchors); a field whose value is None
+    is left out."""
+    def filled(node):
+        if isinstance(node, dict):
+            pairs = ((key, filled(value)) for key, value in node.items())
+            return {key: value for key, value in pairs if value is not None}
+        if isinstance(node, list):
+            return [filled(item) for item in node]
+        found = PLACEHOLDER.fullmatch(node) if isinstance(node, str) else None
+        return copy.deepcopy(values[found.group(1)]) if found else node
+
+    return [filled(document) for document in yaml.safe_load_all((TEMPLATES / template).read_text(encoding="utf-8"))]
 
 
 def _name(facts: RunFacts) -> str:

@@ -9,7 +9,7 @@ from common.advisor.budget import RESTART_S
 from common.advisor.catalog import load_links
 from common.advisor.formats import duration, milliseconds, money, span, speedup
 from common.advisor.rows import Choice, Options, Row, choices
-from common.advisor.scaling import data_parallel
+from common.advisor.multigpu import data_parallel
 
 SPOT_MATTERS = 0.20  # a saving worth a column
 

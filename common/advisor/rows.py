@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from common.advisor.budget import INTERRUPTIONS_PER_HOUR, REQUESTS_PER_S, Serving, SpotRun
 from common.advisor.catalog import Instance
 from common.advisor.estimate import Range
-from common.advisor.scaling import Scaling
+from common.advisor.multigpu import Scaling
 from common.advisor.storage import Placement
 from common.advisor.wholerun import WholeRun
 

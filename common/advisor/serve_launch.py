@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from common.advisor.launch import REMOTE_SCHEMES, _Dumper, _git_lines, _git_url
+from common.advisor.launch import REMOTE_SCHEMES, _Dumper, _git_lines, _git_url, manifests, preferred_node
 from common.errors import UserError
 from common.paths import git, project_root, write_text_atomic
 
@@ -97,10 +97,9 @@ def serve_command(usecase: str, workers: int, extra: list[str]) -> list[str]:
 
 def serving_objects(usecase: str, instance, workers: int, replicas: int, most: int, command: list[str],
                     tracking: str) -> list[dict]:
-    """The Deployment, the Service and the HorizontalPodAutoscaler, as `kubectl apply` takes them."""
+    """The Deployment, the Service and the HorizontalPodAutoscaler, as `kubectl apply` takes them
+    (`templates/k8s-serve.yaml`)."""
     name = _name(usecase)
-    labels = {"app.kubernetes.io/name": "gpu-usecases", "app.kubernetes.io/instance": name,
-              "app.kubernetes.io/component": "server"}
     install = (f"set -e\n: \"${{PROJECT_GIT_URL:?set PROJECT_GIT_URL to the project's git URL}}\"\n"
                f"git clone \"$PROJECT_GIT_URL\" {APP}/project\ncd {APP}/project\n"
                "[ -z \"$PROJECT_GIT_REF\" ] || git checkout \"$PROJECT_GIT_REF\"\n"
@@ -111,41 +110,17 @@ def serving_objects(usecase: str, instance, workers: int, replicas: int, most: i
     limits = {"cpu": str(instance.vcpus)}
     if instance.ram_gb > 0:  # a node like the instance: most of its memory, the rest for the node's own
         requests["memory"] = limits["memory"] = f"{max(1, int(instance.ram_gb * 0.85))}Gi"
-    env = [{"name": "MLFLOW_TRACKING_URI", "value": tracking}]
-
-    def probe(period: int, failures: int) -> dict:
-        return {"httpGet": {"path": "/ping", "port": PORT}, "periodSeconds": period, "timeoutSeconds": 5,
-                "failureThreshold": failures}
-
-    server = {"name": "serve", "image": "python:3.11", "workingDir": f"{APP}/project", "command": command,
-              "ports": [{"name": "http", "containerPort": PORT}], "env": env,
-              "resources": {"requests": requests, "limits": limits},
-              "startupProbe": probe(10, 60),  # up to 10 minutes to load the model before liveness counts
-              "readinessProbe": probe(5, 3), "livenessProbe": probe(10, 6),
-              "volumeMounts": [{"name": "app", "mountPath": APP}]}
-    installer = {"name": "install", "image": "python:3.11", "command": ["bash", "-c", install],
-                 "env": [{"name": "PROJECT_GIT_URL", "value": _git_url()},
-                         {"name": "PROJECT_GIT_REF", "value": git(project_root(), "rev-parse", "HEAD")}],
-                 "volumeMounts": [{"name": "app", "mountPath": APP}]}
-    pod = {"initContainers": [installer], "containers": [server], "volumes": [{"name": "app", "emptyDir": {}}]}
     node_type = instance.name.split(" + ")[0]  # GCP's N1 with its GPU: the machine type alone
-    if LABEL_VALUE.fullmatch(node_type):  # preferred, not required: the cluster's nodes may be of another type
-        pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
-            "weight": 100, "preference": {"matchExpressions": [
-                {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": [node_type]}]}}]}}
-    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
-                  "spec": {"replicas": replicas, "selector": {"matchLabels": dict(labels)},
-                           "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": dict(labels)},
-               "spec": {"type": "ClusterIP", "selector": dict(labels),
-                        "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": PORT, "protocol": "TCP"}]}}
-    autoscaler = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-                  "metadata": {"name": name, "labels": dict(labels)},
-                  "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-                           "minReplicas": replicas, "maxReplicas": max(most, replicas),
-                           "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": {
-                               "type": "Utilization", "averageUtilization": CPU_TARGET}}}]}}
-    return [deployment, service, autoscaler]
+    # preferred, not required: the cluster's nodes may be of another type
+    affinity = preferred_node("node.kubernetes.io/instance-type", node_type) if LABEL_VALUE.fullmatch(node_type) \
+        else None
+    return manifests("k8s-serve.yaml", {
+        "name": name, "labels": {"app.kubernetes.io/name": "gpu-usecases", "app.kubernetes.io/instance": name,
+                                 "app.kubernetes.io/component": "server"},
+        "replicas": replicas, "max_replicas": max(most, replicas), "install": install, "git_url": _git_url(),
+        "git_ref": git(project_root(), "rev-parse", "HEAD"), "app": APP, "project": f"{APP}/project",
+        "command": command, "port": PORT, "service_port": SERVICE_PORT, "tracking": tracking, "requests": requests,
+        "limits": limits, "affinity": affinity, "cpu_target": CPU_TARGET})
 
 
 def _name(usecase: str) -> str:

@@ -4,7 +4,7 @@ A run logs its phases (`common.runtime.phases`: `time/<phase>_s` and how each sc
 
 - a torch model's fit (`fit/<model>`, with the model's facts `model/<model>/...`) takes its steps, estimated
   (`common.advisor.estimate`: the device's roofline and the host's cost per step), over every epoch the run trained,
-  each epoch's last partial batch a step of its own; on several GPUs, the DDP speed-up (`common.advisor.scaling`);
+  each epoch's last partial batch a step of its own; on several GPUs, the DDP speed-up (`common.advisor.multigpu`);
   plus the fit's other time on the run's machine (validation, checkpoints, the probe: its phase's seconds less its
   steps' measured time), scaled as device work, at least one validation batch an epoch;
 - other `device` work (evaluation, replay, fold-in, predictions) is divided by a speed-up derived from the run's own
@@ -30,7 +30,7 @@ from common.advisor.estimate import Estimate, Range, Workload, device_only_rate,
 from common.advisor.facts import RunFacts
 from common.advisor.host import (DEVICE_SLOWDOWN, GPU_STARTUP_S, HOST_SPEED, INFER_LOOP_OPS, LOOP_OPS,
                                  OPTIMIZER_OPS, PROCESS_START_S)
-from common.advisor.scaling import Scaling, data_parallel
+from common.advisor.multigpu import Scaling, data_parallel
 
 NONE = Range(0.0, 0.0, 0.0)
 

@@ -1,18 +1,11 @@
-"""Where and how code runs: device, precision, distributed ranks, array and DataFrame backends, seeds.
-
-Nothing here imports pandas: `use_gpu_frames` must run before the first pandas import.
-"""
+"""Where code runs: the device, the precision, the DDP environment and process group, the array backend. The process
+and its machine (cores, seeds, the DataFrame backend, hardware facts) are in `process.py`."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
-import platform
-import random
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
@@ -61,28 +54,6 @@ def select_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     if requested == "cpu" or not has_cuda:
         return torch.device("cpu")
     return torch.device("cuda", local_rank)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, which containers and `taskset` narrow), not the host's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: none
-
-
-@contextmanager
-def all_cores() -> Iterator[None]:
-    """torch's intra-op threads and the BLAS pools raised to the cores this process may use (shared with the other
-    ranks of this machine under torchrun), then set back: for the large matrix work of a run whose preset keeps one
-    thread for its many small operations."""
-    from threadpoolctl import threadpool_limits
-
-    threads = torch.get_num_threads()
-    cores = max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    torch.set_num_threads(cores)
-    try:
-        with threadpool_limits(cores):
-            yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -184,112 +155,3 @@ def array_module() -> ModuleType:
         return cupy if cupy.is_available() else np
     except Exception:  # a broken CUDA install raises from inside cupy
         return np
-
-
-def use_gpu_frames(frames: str = "auto", device: str = "auto") -> str:
-    """Route the pandas API to cuDF when a GPU and cuDF are present and the run may use the GPU (`--device cpu`
-    keeps every part of it on the CPU); returns the backend in use.
-
-    Must run before pandas is first imported, which is why the CLI calls it first.
-    """
-    if frames not in ("auto", "pandas"):
-        raise UserError(f"--frames: expected auto or pandas, got '{frames}'")
-    if frames == "pandas" or device == "cpu" or not torch.cuda.is_available():
-        return "pandas"
-    if importlib.util.find_spec("cudf") is None:
-        return "pandas"
-    if "cudf.pandas" in sys.modules:
-        return "cudf.pandas"  # installed by an earlier run in this process (usecases demo)
-    if "pandas" in sys.modules:
-        log.warning("pandas was imported before cudf.pandas could be installed; DataFrames stay on the CPU")
-        return "pandas"
-    torch.cuda.set_device(distributed_env()[1])  # under torchrun, cuDF's memory pool goes on this rank's GPU
-    import cudf.pandas
-
-    cudf.pandas.install()
-    return "cudf.pandas"
-
-
-@contextmanager
-def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
-    """Undo what a run sets process-wide (torch threads, deterministic algorithms, cuDNN and TF32 flags, RNG states,
-    environment variables, the levels of `loggers`), so the next run in the same process starts as this one did."""
-    threads = torch.get_num_threads()
-    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-                     torch.utils.deterministic.fill_uninitialized_memory)
-    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
-             torch.backends.cuda.matmul.allow_tf32)
-    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    environment = dict(os.environ)
-    levels = {name: logging.getLogger(name).level for name in loggers}
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-        torch.utils.deterministic.fill_uninitialized_memory = deterministic[2]
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
-         torch.backends.cuda.matmul.allow_tf32) = cudnn
-        random.setstate(rng[0])
-        np.random.set_state(rng[1])
-        torch.set_rng_state(rng[2])
-        for name in set(os.environ) - set(environment):
-            del os.environ[name]
-        os.environ.update(environment)
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
-
-
-def deterministic_on(setting: bool | str, device: torch.device) -> bool:
-    """`runtime.deterministic` as a run on `device` takes it: `auto` is deterministic on a CPU only."""
-    return device.type != "cuda" if setting == "auto" else bool(setting)
-
-
-def seed_everything(seed: int, deterministic: bool = True) -> None:
-    """Seed every generator, and turn deterministic algorithms on or, for `deterministic=False`, off (cuDNN then
-    benchmarks its algorithms per shape). Determinism does not fill every new tensor with NaN (torch's debugging aid,
-    a write of each allocation): no code here reads memory it did not write."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.backends.cudnn.deterministic = deterministic
-    torch.backends.cudnn.benchmark = not deterministic  # the fastest convolution algorithms, picked per shape
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def hardware_info() -> dict[str, str]:
-    """What the run ran on, as MLflow tags: enough to compare runs across instance types."""
-    import psutil
-
-    info = {
-        "cpu_model": _cpu_model(),
-        "cpu_cores": str(os.cpu_count()),
-        "cpu_bf16": str(cpu_has_native_bf16()).lower(),  # whether `auto` precision trains in bf16 on this CPU
-        "ram_gb": f"{psutil.virtual_memory().total / 2**30:.1f}",
-        "gpu_count": "0",
-        "gpu_name": "none",
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda or "none",
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(
-            gpu_count=str(torch.cuda.device_count()),
-            gpu_name=props.name,
-            gpu_memory_gb=f"{props.total_memory / 2**30:.1f}",
-        )
-    return info

@@ -24,7 +24,7 @@ import pandas as pd
 
 from common.config import ConfigModel
 from common.errors import UserError
-from common.runtime.devices import usable_cores
+from common.runtime.process import usable_cores
 from common.serving.pyfunc import load_served
 from common.usecase import UseCase
 
@@ -146,7 +146,7 @@ def capacity_per_core(table: pd.DataFrame, p99_ms: float, workers: int) -> dict[
 
 def cpu_model() -> str:
     """The CPU's model name, as the runs' tags give it."""
-    from common.runtime.devices import hardware_info
+    from common.runtime.process import hardware_info
 
     return hardware_info()["cpu_model"]
 

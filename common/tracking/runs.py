@@ -24,7 +24,7 @@ from common.errors import UserError
 from common.runtime.interrupt import Terminated
 from common.tracking.lifecycle import heartbeat, process_tags
 from common.tracking.stores import tracking_uri
-from common.paths import git, project_root, write_json_atomic
+from common.paths import git, project_root
 
 log = logging.getLogger(__name__)
 
@@ -236,36 +236,3 @@ def tracked_run(
         mlflow.end_run("FAILED")
         raise
     mlflow.end_run("FINISHED")
-
-
-def format_table(models: dict[str, dict[str, float]], columns: list[str] | None = None) -> str:
-    """Models as rows; by default every metric without a per-series suffix as a column."""
-    if columns is None:
-        columns = sorted({metric for metrics in models.values() for metric in metrics if "/" not in metric})
-    width = max([len("model")] + [len(name) for name in models])
-    header = "model".ljust(width) + "".join(f"  {column:>16}" for column in columns)
-    lines = [header, "-" * len(header)]
-    for name, metrics in models.items():
-        cells = "".join(f"  {metrics.get(column, float('nan')):>16.4f}" for column in columns)
-        lines.append(name.ljust(width) + cells)
-    return "\n".join(lines)
-
-
-def write_summary(
-    tracker: Tracker,
-    usecase: str,
-    preset: str,
-    device: str,
-    models: dict[str, dict[str, float]],
-    path: Path | None = None,
-    columns: list[str] | None = None,
-) -> dict:
-    """Test metrics of every model in the run: as MLflow metrics, summary.json, --summary FILE and a table."""
-    summary = {"usecase": usecase, "run_id": tracker.run_id, "preset": preset, "device": device, "models": models}
-    for model, metrics in models.items():
-        tracker.log_metrics({f"test/{model}/{metric}": value for metric, value in metrics.items()})
-    tracker.log_dict(summary, "summary.json")
-    if path is not None:
-        write_json_atomic(summary, path)
-    print(format_table(models, columns), flush=True)
-    return summary

@@ -18,7 +18,7 @@ from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts, facts_from_file
 from common.advisor.launch import write_launch_files
 from common.advisor.rows import Choice, Options
-from common.advisor.scaling import SCALING_EFFICIENCY, data_parallel, scaling_efficiency
+from common.advisor.multigpu import SCALING_EFFICIENCY, data_parallel, scaling_efficiency
 from common.advisor.storage import place
 from common.errors import UserError
 

@@ -13,17 +13,9 @@ import torch
 
 from common.runtime import devices as runtime
 from common.errors import UserError
-from common.runtime.devices import (
-    Runtime,
-    array_module,
-    hardware_info,
-    make_runtime,
-    precision_notice,
-    seed_everything,
-    select_amp_dtype,
-    select_device,
-    use_gpu_frames,
-)
+from common.runtime.devices import (Runtime, array_module, make_runtime, precision_notice, select_amp_dtype,
+                                    select_device)
+from common.runtime.process import hardware_info, seed_everything, use_gpu_frames
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

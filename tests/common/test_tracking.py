@@ -13,7 +13,8 @@ import pytest
 
 from common.config import ConfigModel, flatten
 from common.runtime.interrupt import Terminated
-from common.tracking.runs import Tracker, experiment_name, git_commit, tracked_run, write_summary
+from common.tracking.runs import Tracker, experiment_name, git_commit, tracked_run
+from common.tracking.summary import write_summary
 
 USECASE = "unit"
 

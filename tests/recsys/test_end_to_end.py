@@ -2,6 +2,7 @@
 answering."""
 
 import json
+import sys
 
 import mlflow
 import numpy as np
@@ -109,6 +110,12 @@ def test_models_with_item_vectors_are_also_served_by_two_stages_that_keep_the_ex
     line = user_error(capsys, "serve", "recsys", "--model-uri", f"runs:/{run.info.run_id}/model", "--ann-index",
                       str(tmp_path / "other.faiss"), "--port", "1")
     assert "other.faiss: the index holds 0 vectors of dimension 3, the model" in line and "another model" in line
+    from common.server_plugin import ServerSettings
+    from usecases.recsys import server
+
+    modules, path = set(sys.modules), list(sys.path)
+    server._check_retrieval(ServerSettings(f"runs:/{run.info.run_id}/model", retrieval="ann"))  # an index it has
+    assert set(sys.modules) == modules and sys.path == path, "the model is checked in a process of its own"
 
 
 def test_a_log_without_its_user_column_is_one_line(capsys, tmp_path):

@@ -89,7 +89,7 @@ def slides_bench(args: argparse.Namespace) -> int:
 
 
 def scale_bench(args: argparse.Namespace) -> int:
-    from common.tools.scaling import parse_list, scale_bench as measure
+    from common.tools.scale_bench import parse_list, scale_bench as measure
 
     measure(options.usecase(args.name), args.overrides, parse_list(args.sizes, "--sizes", int),
             parse_list(args.scale_engines, "--scale-engines"), args.base, args.timeout_s)
@@ -97,7 +97,7 @@ def scale_bench(args: argparse.Namespace) -> int:
 
 
 def serve_bench(args: argparse.Namespace) -> int:
-    from common.tools.scaling import parse_list
+    from common.tools.scale_bench import parse_list
     from common.tools.serve_bench import ServeBench, serve_bench as measure
     from common.tracking.registry import served_model
 

@@ -29,7 +29,7 @@ def register(commands) -> None:
 def run_command(args: argparse.Namespace, bench: bool = False, preset: str | None = None) -> int:
     """One tracked run; `bench` runs the use case's benchmark instead of its pipeline."""
     from common.runner import run_usecase
-    from common.runtime.devices import use_gpu_frames
+    from common.runtime.process import use_gpu_frames
     from common.usecase import RunRequest
 
     use_gpu_frames(args.frames, args.device)  # before the use case's package is imported: cudf.pandas takes over
@@ -43,7 +43,7 @@ def run_command(args: argparse.Namespace, bench: bool = False, preset: str | Non
 def demo_command(args: argparse.Namespace) -> int:
     from common.errors import UserError
     from common.runner import run_demo
-    from common.runtime.devices import use_gpu_frames
+    from common.runtime.process import use_gpu_frames
     from usecases.cli.tracking import print_runs_links
 
     use_gpu_frames(args.frames, args.device)  # before any use case is imported, as `run` does

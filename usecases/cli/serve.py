@@ -75,7 +75,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def _own_server(own, args: argparse.Namespace, model_uri: str, what: str, uri: str) -> int:
-    from common.runtime.devices import usable_cores
+    from common.runtime.process import usable_cores
     from common.server_plugin import ServerSettings
 
     workers = args.workers or usable_cores()

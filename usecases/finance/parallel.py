@@ -20,7 +20,9 @@ from multiprocessing.pool import AsyncResult, Pool
 import pandas as pd
 import torch
 
-from common.runtime.devices import Runtime, usable_cores
+from common.runtime.devices import Runtime
+
+from common.runtime.process import usable_cores
 from common.runtime.interrupt import stop_point, stops_deferred
 from common.runtime.sharding import gather_objects, my_share
 from common.training.loop import stop_if_any_rank_asked

@@ -131,17 +131,24 @@ def run(config: Config, data: ImageSet | SlideSet, job: Job) -> RunResult:
                                                     "temperature": metrics["temperature"],
                                                     "best_epoch": result.best_epoch + 1, "tta": evaluation.tta},
                                 job, tta=evaluation.tta)
+    models.update(baselines(config, data, job))
+    return RunResult(models, served)
+
+
+def baselines(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, float]]:
+    """Each baseline fitted on the same images and evaluated as the network is, in the same run."""
+    models, evaluation = {}, config.evaluation
     for name in config.baselines.models:
         with job.phase(f"fit/{name}", "serial"):  # scikit-learn's lbfgs, on one core
             baseline = logreg_logits(data, config.baselines, config.runtime.seed)
         with job.phase("evaluate", "serial"):
-            models[name], baseline_details = evaluate_model(baseline["val"], data.labels["val"], baseline["test"],
-                                                            data.labels["test"], data.task, data.classes, evaluation,
-                                                            config.runtime.seed)
+            models[name], details = evaluate_model(baseline["val"], data.labels["val"], baseline["test"],
+                                                   data.labels["test"], data.task, data.classes, evaluation,
+                                                   config.runtime.seed)
         job.model_done(name, models[name])
         with job.phase("plots", "serial"):
-            _log_figures(name, baseline_details, job)
-    return RunResult(models, served)
+            _log_figures(name, details, job)
+    return models
 
 
 def _log_figures(name: str, details, job: Job) -> None:

@@ -25,7 +25,7 @@ import scipy.sparse as sp
 from common.errors import UserError
 from common.job import Job
 from common.paths import stored_bytes
-from common.runtime.devices import all_cores
+from common.runtime.process import all_cores
 from common.serving.ann import VectorIndex
 from common.usecase import RunResult
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity

@@ -25,7 +25,7 @@ import tifffile
 from scipy import ndimage
 from threadpoolctl import threadpool_limits
 
-from common.runtime.devices import usable_cores
+from common.runtime.process import usable_cores
 
 HAEMATOXYLIN = np.array([0.644, 0.717, 0.267], np.float32)  # optical density per unit stain, R G B
 EOSIN = np.array([0.093, 0.954, 0.283], np.float32)
