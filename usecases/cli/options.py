@@ -1,6 +1,6 @@
 """What every area of the CLI shares: the parser that words a usage mistake in one line, the option groups that
-several commands take, and finding a use case by name. Only the standard library is imported here, so that
-cudf.pandas can still take over pandas when a run starts."""
+several commands take, and finding a use case by name. Nothing imported here imports pandas, so that cudf.pandas
+can still take over pandas when a run starts (a test)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import math
 from pathlib import Path
 
 from common.errors import UserError
+from common.usecase import DEVICES
 
 EXIT_OK, EXIT_FAILURE, EXIT_USER_ERROR = 0, 1, 2
-DEVICES = ("auto", "cpu", "cuda")
 
 
 class Parser(argparse.ArgumentParser):
