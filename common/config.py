@@ -1,7 +1,5 @@
-"""Typed configs: a pydantic schema per use case, YAML presets, and `--set a.b=c` overrides.
-
-Every mistake (unknown preset, unknown key, wrong type) becomes one `UserError` line naming the key.
-"""
+"""Typed configs: a pydantic schema per use case, YAML presets, and `--set a.b=c` overrides; every mistake is one
+`UserError` line naming the key."""
 
 from __future__ import annotations
 
@@ -17,8 +15,6 @@ Schema = TypeVar("Schema", bound="ConfigModel")
 
 
 class ConfigModel(BaseModel):
-    """Base for config sections: unknown keys are errors, not silently ignored."""
-
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -91,10 +87,9 @@ def _set_nested(tree: dict, path: list[str], value: Any) -> None:
     for part in path[:-1]:
         if node.get(part) is None:
             node[part] = {}
-        child = node[part]
-        if not isinstance(child, dict):
+        if not isinstance(node[part], dict):
             raise UserError(f"config key '{'.'.join(path)}': '{part}' is a value, not a section")
-        node = child
+        node = node[part]
     node[path[-1]] = value
 
 
@@ -121,7 +116,6 @@ def _explain(error: ValidationError, schema: type[BaseModel]) -> str:
 
 
 def load_config(schema: type[Schema], presets_dir: Path, preset: str, overrides: list[str] = ()) -> Schema:
-    """The preset's YAML, then each override in order, validated against the schema."""
     path = presets_dir / f"{preset}.yaml"
     if not path.is_file():
         raise UserError(f"--preset {preset}: no such preset (available: {', '.join(available_presets(presets_dir))})")
@@ -132,8 +126,7 @@ def load_config(schema: type[Schema], presets_dir: Path, preset: str, overrides:
     if not isinstance(tree, dict):
         raise UserError(f"{path}: expected a mapping of config sections at the top level")
     for item in overrides:
-        key_path, value = _parse_override(item)
-        _set_nested(tree, key_path, value)
+        _set_nested(tree, *_parse_override(item))
     try:
         return schema.model_validate(tree)
     except ValidationError as exc:

@@ -10,8 +10,7 @@ class DataUnavailable(UserError):
 
 
 def one_line(error: BaseException, limit: int = 120) -> str:
-    """The first line of `error`'s message, cut to `limit` characters, to quote a library's reason inside a one-line
-    `UserError`; the error's type name when its message is empty."""
+    """A library's reason, to quote in a one-line `UserError`: its first line, cut (its type when empty)."""
     lines = str(error).strip().splitlines()
     line = lines[0].strip() if lines else type(error).__name__
     return line if len(line) <= limit else f"{line[:limit - 3]}..."

@@ -24,13 +24,11 @@ class Job:
     finished: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def phase(self, name: str, scales: str = "device"):
-        """Time a phase of the run (`common.runtime.phases`): `with job.phase("fit/ease", "cores"): ...`."""
+        """`with job.phase("fit/ease", "cores"): ...` (`common.runtime.phases`)."""
         return self.phases(name, scales)
 
     def model_done(self, name: str, metrics: dict[str, float]) -> None:
-        """A model's metrics as soon as it is evaluated, into the --summary file (marked partial): a run stopped
-        before its end (a timeout of `gpu-check`) still leaves the numbers of the models it finished. The run's own
-        summary replaces the file at its end."""
+        """Into the --summary file (marked partial) at once: a run stopped early (by `gpu-check`) still leaves them."""
         self.finished[name] = dict(metrics)
         if self.summary is not None and self.runtime.is_main:
             write_json_atomic({"partial": True, "run_id": self.tracker.run_id, "models": self.finished}, self.summary)

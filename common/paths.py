@@ -19,10 +19,8 @@ PROJECT_NAME = "gpu-usecases"
 
 
 def project_root() -> Path:
-    """`$USECASES_HOME`, else the clone this code runs from (an editable install), else a per-user data folder.
-
-    The MLflow store and the checkpoints live here, so runs never depend on the folder a command starts in.
-    """
+    """`$USECASES_HOME`, else the clone this code runs from, else a per-user data folder: where the MLflow store
+    and the checkpoints live, whatever folder a command starts in."""
     if os.environ.get("USECASES_HOME"):
         return Path(os.environ["USECASES_HOME"]).expanduser()
     clone = Path(__file__).resolve().parents[1]
@@ -41,8 +39,7 @@ def cache_dir(kind: str, configured: Path | None = None, env_var: str | None = N
 
 
 def data_search_path() -> list[Path]:
-    """Read-only folders with copies of public data sets (`$USECASES_DATA_PATH`, separated like PATH), looked in
-    after the cache and before a download: a team's shared mirror, or a development copy."""
+    """Read-only copies of public data sets (`$USECASES_DATA_PATH`, like PATH): after the cache, before a download."""
     return [Path(entry).expanduser() for entry in os.environ.get("USECASES_DATA_PATH", "").split(os.pathsep) if entry]
 
 
@@ -73,21 +70,17 @@ def write_text_atomic(text: str, path: Path) -> None:
     os.replace(handle.name, path)
 
 
-STALE_PARTIAL_S = 24 * 3600
-
-
 @contextmanager
 def building(folder: Path, marker: str) -> Iterator[Path | None]:
-    """Build a cache folder out of sight and publish it whole: yields a fresh work folder to fill (`marker`, the
-    file that says it is complete, written last), or None when `folder` is complete already. The work folder is
-    renamed into place; when another process (here, or on another machine of a shared file system) published the
-    same folder first, theirs is kept. Work folders left for a day by killed processes are removed."""
+    """Build a cache folder out of sight and publish it whole: yields a work folder to fill (`marker` written last),
+    or None when `folder` is complete already. Where another process (on a shared file system too) published it
+    first, theirs is kept; work folders left for a day by killed processes are removed."""
     if (folder / marker).exists():
         yield None
         return
     folder.parent.mkdir(parents=True, exist_ok=True)
     for stale in folder.parent.glob(f"{folder.name}.partial-*"):
-        if time.time() - stale.stat().st_mtime > STALE_PARTIAL_S:
+        if time.time() - stale.stat().st_mtime > 24 * 3600:
             shutil.rmtree(stale, ignore_errors=True)
     work = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     work.mkdir()

@@ -1,7 +1,5 @@
-"""One tracked run of a use case, from config to registry: what `usecases run`, `bench` and `demo` do.
-
-Only the standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
-"""
+"""One tracked run of a use case, from config to registry: what `usecases run`, `bench` and `demo` do. Only the
+standard library and torch are imported before `use_gpu_frames`, so cudf.pandas can take over pandas."""
 
 from __future__ import annotations
 
@@ -10,14 +8,11 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 from common.errors import DataUnavailable, UserError
 from common.runtime.interrupt import Terminated
-from common.runtime.memory import PeakMemory
 from common.usecase import RunRequest, RunResult, UseCase
 
 log = logging.getLogger(__name__)
@@ -37,12 +32,9 @@ def _load_checked(usecase: UseCase, config, data: Path | None, client=None):
 
 
 def run_usecase(request: RunRequest) -> dict:
-    """One tracked run; with `request.bench`, the use case's benchmark in the `<name>-benchmark` experiment.
-
-    Whatever the run sets process-wide (threads, seeds, deterministic algorithms, environment, log levels) is undone
-    afterwards, so several runs in one process (`usecases demo`) each get the settings their own presets ask for."""
+    """One tracked run (with `request.bench`, the benchmark, in the `<name>-benchmark` experiment). What it sets
+    process-wide is undone afterwards, so that each run of `usecases demo` gets the settings its presets ask for."""
     from common.runtime.process import isolated_process_state, use_gpu_frames
-
     started = time.perf_counter()
     backend = use_gpu_frames(request.frames, request.device)
     with isolated_process_state(QUIET_ON_OTHER_RANKS):
@@ -52,6 +44,7 @@ def run_usecase(request: RunRequest) -> dict:
 def _run(request: RunRequest, backend: str, started: float) -> dict:
     from common.config import load_config
     from common.runtime.devices import make_runtime, shutdown
+    from common.runtime.process import PeakMemory
     from common.tracking.stores import check_reachable, tracking_uri
 
     usecase, data, summary = request.usecase, request.data, request.summary
@@ -78,7 +71,7 @@ def _run(request: RunRequest, backend: str, started: float) -> dict:
         shutdown(runtime)
 
 
-def _tracked(request: RunRequest, config, runtime, backend: str, client, started: float, memory: PeakMemory) -> dict:
+def _tracked(request: RunRequest, config, runtime, backend: str, client, started: float, memory) -> dict:
     from torch import distributed as dist
 
     from common.config import flatten
@@ -87,9 +80,9 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     from common.runtime.devices import precision_notice
     from common.runtime.process import deterministic_on, seed_everything
     from common.runtime.phases import Phases
+    from common.runtime.sharding import on_main
     from common.tracking.lifecycle import STATE_FILE, checkpoint_root
     from common.tracking.runs import tracked_run
-    from common.tracking.summary import write_summary
 
     usecase, preset, bench = request.usecase, request.preset, request.bench
     deterministic = deterministic_on(config.runtime.deterministic, runtime.device)
@@ -103,14 +96,14 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
     experiment, description = _experiment(usecase, bench)
     root = checkpoint_root(experiment, preset)
     params = flatten(config)
-    run_id = _on_main(runtime, lambda: _prepare(request, experiment, description, root, params, data_tags))
+    run_id = on_main(runtime, lambda: _prepare(request, experiment, description, root, params, data_tags))
     tags = {"preset": preset, "dataframe_backend": backend, **_machine_tags(runtime, deterministic, client),
             **data_tags, **{key: value for key, value in config.tracking.model_dump().items() if value is not None}}
     checkpoint_dir = None
     try:
         with tracked_run(experiment, config, tags, is_main=runtime.is_main, run_id=run_id,
                          run_name=f"{experiment}-{preset}", description=description) as tracker:
-            checkpoint_dir = root / _on_main(runtime, lambda: tracker.run_id)
+            checkpoint_dir = root / on_main(runtime, lambda: tracker.run_id)
             if runtime.is_main:
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
                                   checkpoint_dir / STATE_FILE)
@@ -141,17 +134,14 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
 
 
 def _experiment(usecase: UseCase, bench: bool) -> tuple[str, str]:
-    """The experiment a run goes to, and its description."""
     if bench:
         return f"{usecase.name}-benchmark", f"Benchmark of {usecase.name}: our pipeline against a plain loop, in one run."
     return usecase.name, usecase.summary()
 
 
 def _machine_tags(runtime, deterministic: bool, client) -> dict:
-    """Where the run ran: device, precision, determinism, world size, hardware and engine."""
-    from common.runtime.process import hardware_info
     from common.runtime.engine import client_tags
-
+    from common.runtime.process import hardware_info
     return {"device": runtime.device.type, "precision": runtime.precision,
             "deterministic": str(deterministic).lower(), "cudnn_benchmark": str(not deterministic).lower(),
             "world_size": runtime.world_size, **hardware_info(),
@@ -159,7 +149,6 @@ def _machine_tags(runtime, deterministic: bool, client) -> dict:
 
 
 def _checked_result(usecase: UseCase, outcome) -> RunResult:
-    """A use case's `run` returns a RunResult (its models, and the one it logged for serving)."""
     if not isinstance(outcome, RunResult):
         raise TypeError(f"use case '{usecase.name}': run() returned a {type(outcome).__name__}; expected "
                         f"RunResult(models, served) (common.usecase)")
@@ -170,7 +159,6 @@ def resolve_engine(usecase: UseCase, config, data: Path | None, runtime) -> str:
     """The engine the run uses: `auto` asks the use case's `large_data(config, path)`, which says why its data
     is large or returns None; it takes Dask only when installed (else says so and stays on pandas)."""
     import importlib.util
-
     engine = config.runtime.engine
     if engine != "auto":
         return engine
@@ -188,7 +176,6 @@ def resolve_engine(usecase: UseCase, config, data: Path | None, runtime) -> str:
 def _engine(settings, runtime):
     """The Dask client the run uses; one process per job for now (under torchrun, ranks would each start one)."""
     from common.runtime.engine import dask_client
-
     if runtime.distributed:
         raise UserError("runtime.engine=dask: start the run without torchrun (the Dask engine drives its cluster "
                         "from one process for now)")
@@ -197,11 +184,9 @@ def _engine(settings, runtime):
 
 def _prepare(request: RunRequest, experiment: str, description: str, root: Path, params: dict,
              data_tags: dict) -> str | None:
-    """Before the run starts: end the runs of this preset whose process died, pick the run to resume, and drop the
-    checkpoints no run can resume any more."""
+    """End the runs of this preset whose process died, pick the run to resume, drop the checkpoints none can resume."""
     from common.tracking.lifecycle import interrupted_run, mark_dead_runs, prune_checkpoints, resumable_run
     from common.tracking.runs import check_project_run, ensure_experiment
-
     name, preset = request.usecase.name, request.preset
     experiment_id = ensure_experiment(experiment, description)
     check_project_run(experiment, experiment_id, resuming=request.resume or request.resume_if_interrupted)
@@ -215,36 +200,29 @@ def _prepare(request: RunRequest, experiment: str, description: str, root: Path,
     return run_id
 
 
-def _on_main(runtime, compute: Callable[[], Any]) -> Any:
-    """`compute()` on rank 0, its value on every rank of a DDP job. Whatever rank 0 raises is raised on every rank
-    (a UserError as itself, anything else as a RuntimeError naming it), so no rank is left in the broadcast."""
-    if not runtime.distributed:
-        return compute()
-    from torch import distributed as dist
+def write_summary(tracker, usecase: str, preset: str, device: str, models: dict[str, dict[str, float]],
+                  path: Path | None = None, columns: list[str] | None = None) -> dict:
+    """Every model's test metrics as MLflow metrics, summary.json and `--summary FILE`, and printed as a table (by
+    default every metric without a per-series suffix as a column)."""
+    from common.paths import write_json_atomic
+    from common.tabular import render_table
 
-    shared: list[Any] = [None]
-    failure = None
-    if runtime.is_main:
-        try:
-            shared[0] = ("value", compute())
-        except BaseException as exc:
-            failure = exc
-            shared[0] = ("user" if isinstance(exc, UserError) else "error", f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(shared, src=0)
-    if failure is not None:
-        raise failure
-    kind, value = shared[0]
-    if kind == "user":
-        raise UserError(value.removeprefix("UserError: "))
-    if kind == "error":
-        raise RuntimeError(f"rank 0 failed: {value}")
-    return value
+    summary = {"usecase": usecase, "run_id": tracker.run_id, "preset": preset, "device": device, "models": models}
+    for model, metrics in models.items():
+        tracker.log_metrics({f"test/{model}/{metric}": value for metric, value in metrics.items()})
+    tracker.log_dict(summary, "summary.json")
+    if path is not None:
+        write_json_atomic(summary, path)
+    if columns is None:
+        columns = sorted({metric for metrics in models.values() for metric in metrics if "/" not in metric})
+    rows = [[name, *(float(metrics.get(column, float("nan"))) for column in columns)] for name, metrics in models.items()]
+    print(render_table(rows, ["model", *columns], markdown=False, number_format=".4f"), flush=True)
+    return summary
 
 
 def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float, peak_bytes: int,
                             phases) -> None:
-    """The run's wall time and where it went (its phases), its cost at the machine's price, and the peak resident
-    memory of its process tree (this process and its Dask or DataLoader workers) until then."""
+    """The run's wall time, phases, cost at the machine's price, and its process tree's peak resident memory."""
     metrics = {"time/total_s": seconds, "memory/peak_rss_gb": peak_bytes / 2**30, **phases.metrics()}
     tracker.set_tags(phases.tags())
     if price_per_hour is not None:
@@ -253,10 +231,8 @@ def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: floa
 
 
 def register(tracker, usecase: UseCase, outcome: RunResult, data_tags: dict) -> None:
-    """Log the served model's primary metric on validation and test data, and register the model as champion or
-    challenger by the validation value."""
+    """Log the served model's primary metric, and register it as champion or challenger by its validation value."""
     from common.tracking.registry import Candidate, register_champion
-
     metric, mode = usecase.primary_metric
     served = outcome.served
     metrics = outcome.models.get(served.model)
@@ -274,8 +250,7 @@ def register(tracker, usecase: UseCase, outcome: RunResult, data_tags: dict) -> 
 
 
 def run_demo(usecases: list[UseCase], device: str = "auto", frames: str = "auto") -> None:
-    """Every use case with its default preset, one after another in this process; a data set that cannot be had
-    is replaced by the use case's synthetic data."""
+    """Every use case with its default preset, in this process; data that cannot be had replaced by synthetic."""
     for usecase in usecases:
         print(f"== {usecase.name}", flush=True)
         request = RunRequest(usecase, "default", device=device, frames=frames)

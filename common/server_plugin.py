@@ -1,9 +1,6 @@
-"""A use case's own server, as `usecases serve` and `usecases bench serve` see it: a module `server.py` in the use
-case's package that provides `ServerPlugin`, started with one `ServerSettings`.
-
-The settings are checked once, where the command is given, and reach every worker process as one JSON value in the
-environment (`SETTINGS_VARIABLE`), so that a worker that uvicorn's supervisor starts again reads what the first one
-read."""
+"""A use case's own server (`usecases serve`, `bench serve`): its package's `server.py`, a `ServerPlugin`, started with
+one `ServerSettings`, checked once where the command is given and handed to every worker process as one JSON value in
+the environment (`SETTINGS_VARIABLE`), so that a worker uvicorn's supervisor restarts reads what the first one read."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ from common.errors import UserError
 
 SETTINGS_VARIABLE = "USECASES_SERVE_SETTINGS"
 DEVICES = ("auto", "cpu", "cuda")
-RETRIEVALS = ("exact", "ann")
 
 
 @dataclass(frozen=True)
@@ -44,8 +40,6 @@ class ServerSettings:
             raise UserError(f"--batch-ms must be at least 0, got {self.batch_ms:g}")
         if self.device not in DEVICES:
             raise UserError(f"--device {self.device}: expected one of {', '.join(DEVICES)}")
-        if self.retrieval not in (None, *RETRIEVALS):
-            raise UserError(f"--retrieval {self.retrieval}: expected one of {', '.join(RETRIEVALS)}")
         if self.ann_index is not None:
             object.__setattr__(self, "ann_index", str(self.ann_index))
 
@@ -60,11 +54,11 @@ class ServerSettings:
 
 @runtime_checkable
 class ServerPlugin(Protocol):
-    """What a use case's `server.py` provides."""
+    """What a use case's `server.py` provides; optionally `RETRIEVALS`, the modes its `--retrieval` takes (none: one
+    way), and `FLEET_EVENTS`, the event store a fleet's pods share (`usecases advise NAME --serve --launch`)."""
 
     def serve(self, settings: ServerSettings) -> int:
-        """Serve until stopped; the exit code. A dependency that cannot be used is a UserError before the port is
-        bound."""
+        """Serve until stopped; the exit code. An unusable dependency is a UserError before the port is bound."""
 
     def default_events(self, tracking_uri: str) -> str:
         """Where events are kept when `--events` is not given, beside the tracking store."""
@@ -73,12 +67,20 @@ class ServerPlugin(Protocol):
         """`count` request bodies (MLflow's JSON scoring input) for the pyfunc model `loaded`, for `bench serve`."""
 
 
+def check_retrieval(plugin: ServerPlugin, modes: list[str]) -> None:
+    """Each of `modes` one the plug-in declares in `RETRIEVALS`; a one-line error where not."""
+    known = getattr(plugin, "RETRIEVALS", ())
+    for mode in modes:
+        if mode not in known:
+            raise UserError(f"--retrieval {mode}: expected one of {', '.join(known)}" if known else
+                            f"--retrieval {mode}: this use case's server serves one way only")
+
+
 PLUGIN_FUNCTIONS = tuple(name for name in vars(ServerPlugin) if not name.startswith("_"))
 
 
 def missing_functions(server_file: Path) -> list[str]:
-    """The functions of `ServerPlugin` that a server module does not define, read from its source without importing
-    it (discovery imports nothing of a use case)."""
+    """The `ServerPlugin` functions a server module lacks, read from its source (discovery imports no use case)."""
     tree = ast.parse(server_file.read_text(encoding="utf-8"), filename=str(server_file))
     defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return [name for name in PLUGIN_FUNCTIONS if name not in defined]

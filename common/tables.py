@@ -1,11 +1,7 @@
 """A user's table file, CSV or Parquet, read into a DataFrame, and the one-line errors that name its file, column and
-row: one reader, so that every use case accepts the same files and words a bad one alike.
-
-pandas and pyarrow parse; only the reporting is written here. A CSV may be compressed (by its suffix) and its text
-UTF-8, with or without the byte-order mark Excel writes, or UTF-16 (or UTF-32) with its mark. A bad row is named by
-its number (1 is the first data row, in the file's own order) and, in a text file, by the line an editor shows it on
-(the header is line 1; blank lines and line breaks inside quoted values count).
-"""
+row: one reader, so that every use case accepts the same files and words a bad one alike. pandas and pyarrow parse;
+only the reporting is written here. A bad row is named by its number (1 is the first data row) and, in a text file,
+by the line an editor shows it on."""
 
 from __future__ import annotations
 
@@ -44,10 +40,8 @@ UNREADABLE = (ValueError, OSError, ImportError, EOFError, zipfile.BadZipFile, lz
 
 @dataclass(frozen=True)
 class Rows:
-    """Where a table was read from, so that an error names the file, the column and the row as its user counts
-    them: `fields` lists a headerless file's fields in order; `header` is False for a table without lines
-    (Parquet); `first` is how many rows come before a part of a file read on its own; `separator` (else the one
-    the file's name says) and `encoding` are the text's, to find a row's line."""
+    """Where a table was read from, for its errors: `fields` lists a headerless file's fields in order; `header` is
+    False for a table without lines (Parquet); `first` is how many rows come before a part of a file read alone."""
 
     path: Path
     fields: tuple[str, ...] = ()
@@ -60,7 +54,6 @@ class Rows:
         return f"field {self.fields.index(name) + 1} ({name})" if self.fields else f"column '{name}'"
 
     def counting(self, row: int) -> str:
-        """How row `row` (from 1, in the whole file) is counted, and for a CSV with a header its line."""
         if self.fields:
             return "row N is line N: the file has no header"
         if not self.header:
@@ -69,8 +62,7 @@ class Rows:
 
     @staticmethod
     def first_bad(mask: pd.Series) -> int:
-        """The position of the first row where `mask` holds; a frame's index is its rows' positions in the file,
-        kept through any sorting."""
+        """The first row where `mask` holds: a frame's index is its rows' positions in the file, kept through sorts."""
         return int(mask.index[np.asarray(mask, dtype=bool)].min())
 
     def error(self, position: int, problem: str, name: str | None = None) -> UserError:
@@ -88,8 +80,7 @@ class Rows:
         return UserError(f"{self.path}: {self.column(name)}: {problem}")
 
     def line(self, row: int) -> int:
-        """The line data row `row` (from 1) starts on, as the csv module reads the file: pandas skips blank lines,
-        and a quoted value may hold line breaks. Only an error reads the file again, up to its row."""
+        """The line data row `row` (from 1) starts on (pandas skips blank lines; quotes may hold line breaks)."""
         try:
             with get_handle(self.path, "r", encoding=self.encoding, compression="infer", errors="replace") as text:
                 records = csv.reader(text.handle, delimiter=self.separator or csv_separator(self.path) or ",")
@@ -108,8 +99,6 @@ class Rows:
 
 @dataclass
 class Table:
-    """A table as read, and how its rows are named in an error."""
-
     frame: pd.DataFrame
     rows: Rows
 
@@ -125,10 +114,9 @@ def csv_separator(path: Path) -> str | None:
 
 
 def read_table(path: Path, expected: str, dtype=None, text: bool = False) -> Table:
-    """A CSV (by its suffix: .csv, .tsv or .txt, compressed or not) or Parquet file (.parquet, .pq; a folder of
-    parts too), with columns as pandas or pyarrow read them (`dtype=str`: a CSV's as text). `expected` says what
-    the file should be, in the error about a file of another kind. With `text`, every value is a string as written
-    (an empty cell is "", never NaN: "NA" is a name, not a missing value)."""
+    """A CSV (.csv, .tsv or .txt, compressed or not) or Parquet file (or folder of parts); `expected` says what the
+    file should be, for the error about one of another kind. With `text`, every value is a string as written (an
+    empty cell "", never NaN: "NA" is a name)."""
     if is_parquet(path):
         frame = read_parquet(path)
         return Table(frame.astype(str).where(frame.notna(), "") if text else frame, Rows(path, header=False))
@@ -147,9 +135,8 @@ def read_table(path: Path, expected: str, dtype=None, text: bool = False) -> Tab
 
 
 def text_encoding(path: Path, separator: str) -> str:
-    """The encoding of a text file by its first bytes (after decompression): a byte-order mark's, else UTF-8. A
-    file that is no text (a workbook, a compressed or Parquet file under a .csv name, a NUL byte, a byte that is not
-    UTF-8) is an error."""
+    """A byte-order mark's encoding, else UTF-8; a file that is no text (a workbook, a Parquet file named .csv, a
+    NUL byte, a byte that is not UTF-8) is an error."""
     try:
         with get_handle(path, "rb", compression="infer", is_text=False) as binary:
             head = binary.handle.read(SNIFF_BYTES)
@@ -179,16 +166,14 @@ def not_text(path: Path, separator: str, byte: int, position: int | None = None)
 
 
 def cannot_read(path: Path, exc: Exception, separator: str) -> UserError:
-    reason = one_line(exc)
-    return UserError(f"{path}: cannot be read as a table ({reason}); expected a "
+    return UserError(f"{path}: cannot be read as a table ({one_line(exc)}); expected a "
                      f"{SEPARATOR_NAMES.get(separator, repr(separator))}-separated file")
 
 
 def read_csv_text(source, separator: str, path: Path, dtype=None, first_line: int = 0,
                   encoding: str = "utf-8-sig", keep_default_na: bool = True) -> pd.DataFrame:
-    """A CSV file, or the bytes of a part of one behind its header line (`source`), read as `path` names it; a
-    line number in an error counts on from `first_line` (the lines before the part). An empty source is an empty
-    frame; a byte-order mark never sticks to the first column's name, whatever read the file."""
+    """A CSV file, or the bytes of a part of one behind its header line (`source`); a line number in an error
+    counts on from `first_line`. A byte-order mark never sticks to the first column's name."""
     name = SEPARATOR_NAMES.get(separator, repr(separator))
     try:
         with warnings.catch_warnings():
@@ -203,8 +188,7 @@ def read_csv_text(source, separator: str, path: Path, dtype=None, first_line: in
     except UnicodeDecodeError as exc:
         raise not_text(path, separator, exc.object[exc.start]) from None
     except pd.errors.ParserError as exc:  # its line numbers count the header as line 1
-        reason = re.sub(r"(?<=line )(\d+)", lambda found: str(first_line + int(found.group())),
-                        one_line(exc))
+        reason = re.sub(r"(?<=line )(\d+)", lambda found: str(first_line + int(found.group())), one_line(exc))
         raise UserError(f"{path}: cannot be read as a table ({reason}; line 1 is the header); expected the same "
                         f"number of {name}-separated fields on every line") from None
     except UNREADABLE as exc:
@@ -233,9 +217,7 @@ def not_parquet(path: Path, exc: Exception) -> UserError:
 
 
 def plain(table: pd.DataFrame) -> pd.DataFrame:
-    """A Parquet file's columns as a CSV's would be, its rows numbered from 0: a frame written with a named index
-    (user_id, say) gets it back as a column, and a category column (pandas writes one as a dictionary) its values'
-    type."""
+    """A Parquet file's columns as a CSV's, rows from 0: a named index as a column, a category as its values' type."""
     if any(name is not None for name in table.index.names):
         table = table.reset_index()
     categorical = [name for name, dtype in table.dtypes.items() if isinstance(dtype, pd.CategoricalDtype)]
@@ -247,7 +229,6 @@ def found_columns(frame: pd.DataFrame) -> str:
 
 
 def require_columns(frame: pd.DataFrame, path: Path, required, what: str) -> None:
-    """Every column in `required`, or one line naming those missing, what the file is (`what`) and what it has."""
     missing = [name for name in required if name not in frame.columns]
     if missing:
         plural = "s" if len(missing) > 1 else ""
@@ -270,8 +251,7 @@ def value_kind(values: pd.Series) -> str:
 
 
 def read_numbers(values: pd.Series, rows: Rows, name: str, expected: str = "numbers") -> pd.Series:
-    """Floats, NaN where a cell is empty; a value that is no finite number is an error at its first row, and a
-    column of another type (true/false, dates) one for the whole column."""
+    """Floats, NaN where a cell is empty; a value that is no finite number is an error at its first row."""
     if not numbers_or_text(values):
         raise rows.whole(name, f"expected {expected}, got {value_kind(values)} values")
     numbers = pd.to_numeric(values, errors="coerce").astype("float64")

@@ -11,23 +11,17 @@ from tabulate import tabulate
 
 def render_table(rows, headers: Sequence[str] | None = None, markdown: bool = True, number_format: str = "g",
                  align: Sequence[str] | None = None) -> str:
-    """`rows` (a DataFrame, whose columns are the headers, or a list of rows) as a Markdown table (else plain
-    text, columns two spaces apart): real numbers
-    written with `number_format`, text as it is (a `|` inside a cell escaped, a line break made a space); `align`
-    gives each column's "left", "right" or "center" (default: columns of numbers right, the others left)."""
+    """`rows` (a DataFrame, or a list of rows under `headers`) as a Markdown table, else plain text; `align` gives
+    each column's "left", "right" or "center" (default: columns of numbers right, the others left)."""
     if headers is None:
         headers, rows = list(rows.columns), list(rows.itertuples(index=False))
     rows = [list(row) for row in rows]
     if align is None:
-        align = ["right" if rows and all(_is_number(row[column]) for row in rows) else "left"
-                 for column in range(len(headers))]
+        align = ["right" if rows and all(isinstance(row[column], numbers.Number) and not isinstance(row[column], bool)
+                                         for row in rows) else "left" for column in range(len(headers))]
     cells = [[_cell(value, number_format) for value in row] for row in rows]
     return tabulate(cells, headers=[_cell(header, number_format) for header in headers],
                     tablefmt="github" if markdown else "plain", disable_numparse=True, colalign=tuple(align))
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Number) and not isinstance(value, bool)
 
 
 def _cell(value, number_format: str) -> str:

@@ -1,20 +1,8 @@
-"""The contract of a use case, and where use cases are found.
-
-A use case is a Python package whose `__init__.py` declares `USECASE = UseCase.declare(__name__, ...)`. Its
-`pipeline` module provides `load_data(config, path) -> (data, tags)` and `run(config, data, job) -> RunResult`, and
-an optional `benchmark` module `benchmark(config, data, job) -> models`. `models` maps each model's name to its
-metrics; `RunResult.served` names the model `run` logged for serving and its URI (None: nothing to register), and
-that model's metrics hold the primary metric on test (`METRIC`, a report) and on validation (`val_METRIC`, by which
-the registry picks its champion). Those modules are imported only when a run needs
-them, after the DataFrame backend is chosen: declaring a use case imports its config schema and nothing heavier.
-
-A `RunRequest` is what the user asked for (`usecases run` and `bench`, `demo`, `gpu-check`, `bench scale`): built
-once, checked once, and passed whole to the runner or written back as the command line of a run in its own process.
-
-Use cases are found in two places: the packages in a folder of use cases (the clone's `usecases/`, where
-`usecases new` writes), and the entry-point group `gpu_usecases.usecases` of every installed distribution, so an
-installed package registers itself with one line in its pyproject.toml.
-"""
+"""The contract of a use case, and where use cases are found. A use case is a package whose `__init__.py` declares
+`USECASE = UseCase.declare(__name__, ...)`; its `pipeline` module provides `load_data(config, path) -> (data, tags)` and
+`run(config, data, job) -> RunResult`, an optional `benchmark` module `benchmark(config, data, job) -> models`. They are
+imported only when a run needs them, after the DataFrame backend is chosen. Use cases are found in a folder of use cases
+(the clone's `usecases/`) and in the entry-point group `gpu_usecases.usecases` of the installed distributions."""
 
 from __future__ import annotations
 
@@ -45,7 +33,7 @@ class UseCase:
     folder: Path
     primary_metric: tuple[str, Literal["min", "max"]]
     summary_columns: Callable[[Any], list[str]] | None = None
-    requirements: tuple[str, ...] = ()
+    requirements: tuple[str, ...] = ()  # pip specifiers beyond common/'s
     optional_requirements: dict[str, tuple[str, ...]] = field(default_factory=dict)
     has_benchmark: bool = False
     scale: dict[str, int] | None = None  # the config keys `bench scale` multiplies together, and their 1x values
@@ -53,14 +41,8 @@ class UseCase:
 
     @classmethod
     def declare(cls, package: str, **fields) -> UseCase:
-        """For a package's `__init__.py`: its name is the package's last component, its files are beside it, and
-        `fields` are this class's own (description, config, primary_metric, ...; a misspelt one is an error).
-
-        `requirements` are what the use case needs beyond common/ (pip specifiers), `optional_requirements` the
-        extras it can use when present (an extra's name, its specifiers); `usecases export` writes both. `scale`
-        names the size keys of the `scale` preset that `usecases bench scale` multiplies together (the first
-        names the size in its table and plot), with their 1x values. `served_kinds` are the kinds of model its runs
-        register (`Served.kind`, "" for its main one), in the order `usecases serve` looks for a champion."""
+        """For a package's `__init__.py`: named after the package's last component, its files beside it.
+        `requirements` and `optional_requirements` (extra: specifiers) are what `usecases export` writes."""
         folder = Path(sys.modules[package].__file__).resolve().parent
         for name in ("requirements", "served_kinds"):
             if name in fields:
@@ -76,22 +58,21 @@ class UseCase:
         return self.folder / "README.md"
 
     def columns(self, config) -> list[str] | None:
-        """The metrics printed at the end of a run (summary.json holds them all); None prints every one."""
+        """The metrics printed at the end of a run; None prints every one."""
         return self.summary_columns(config) if self.summary_columns else None
 
     def _module(self, name: str):
         return importlib.import_module(f"{self.package}.{name}")
 
     def load_data(self, config, path: Path | None, client=None):
-        """With the run's Dask client, for a `load_data` that takes one (to prepare its data on the cluster)."""
+        """With the run's Dask client, for a `load_data` that takes one."""
         load = self._module("pipeline").load_data
         if client is not None and "client" in inspect.signature(load).parameters:
             return load(config, path, client=client)
         return load(config, path)
 
     def large_data(self, config, path: Path | None) -> str | None:
-        """Why this data is better prepared on Dask (for `runtime.engine: auto`), from the pipeline's optional
-        `large_data(config, path)`; None: it is not, or the use case does not say."""
+        """The pipeline's optional `large_data(config, path)`: why this data is better on Dask, or None."""
         judge = getattr(self._module("pipeline"), "large_data", None)
         return judge(config, path) if judge is not None else None
 
@@ -99,10 +80,8 @@ class UseCase:
         return self._module("pipeline").run(config, data, job)
 
     def server(self):
-        """The use case's own server module (its `server.py`, a `ServerPlugin`), or None: `usecases serve` then
-        runs MLflow's scoring server."""
+        """The use case's `server.py` (a `ServerPlugin`), or None: `usecases serve` then runs MLflow's."""
         from common.server_plugin import ServerPlugin
-
         try:
             found = importlib.util.find_spec(f"{self.package}.server")
         except ModuleNotFoundError:  # the package itself is not importable (a declared but absent use case)
@@ -130,8 +109,7 @@ class UseCase:
 
 @dataclass(frozen=True)
 class Served:
-    """The model a run logged for serving: its name among the run's models, where MLflow keeps it, and its kind
-    where the use case serves more than one (each kind its own registered model: a champion never changes kind)."""
+    """The model a run logged for serving; `kind` where it serves several (each its own registered model)."""
 
     model: str
     uri: str
@@ -140,8 +118,8 @@ class Served:
 
 @dataclass(frozen=True)
 class RunResult:
-    """What a use case's `run` returns: each model's metrics, and the one logged for serving; the runner registers
-    that one (by its primary metric on validation), and nothing when `served` is None."""
+    """Each model's test metrics, and the one logged for serving (None: nothing to register); that model's hold the
+    primary metric on test (`METRIC`, a report) and on validation (`val_METRIC`, which picks the champion)."""
 
     models: dict[str, dict[str, float]]
     served: Served | None = None
@@ -149,8 +127,8 @@ class RunResult:
 
 @dataclass(frozen=True)
 class RunRequest:
-    """One run as the user asked for it: which use case and preset, the `--set` overrides, where it runs, its data,
-    where its summary goes, and whether it resumes or is the benchmark."""
+    """One run as the user asked for it (`usecases run`, `bench`, `demo`, `gpu-check`, `bench scale`): checked
+    once, passed whole to the runner or written back as the command line of a run in its own process."""
 
     usecase: UseCase
     preset: str = "default"
@@ -164,8 +142,7 @@ class RunRequest:
     bench: bool = False
 
     def __post_init__(self):
-        """What the command line's choices catch, for a request built in code; presets and `--set` are the config's
-        to check."""
+        """What the command line's choices catch, for a request built in code."""
         object.__setattr__(self, "overrides", tuple(self.overrides))
         if self.device not in DEVICES:
             raise UserError(f"--device {self.device}: expected one of {', '.join(DEVICES)}")
@@ -175,11 +152,9 @@ class RunRequest:
             raise UserError(f"use case '{self.usecase.name}': a benchmark cannot be resumed (--resume is for runs)")
 
     def with_overrides(self, *overrides: str) -> RunRequest:
-        """The same request with more `--set` overrides, applied after the ones it has."""
         return replace(self, overrides=(*self.overrides, *overrides))
 
     def command_line(self) -> list[str]:
-        """The `usecases` arguments that make this request, for a run in its own process."""
         arguments = [*(["bench", "run"] if self.bench else ["run"]), self.usecase.name, "--preset", self.preset]
         for option, value, default in (("--device", self.device, "auto"), ("--frames", self.frames, "auto"),
                                        ("--data", self.data, None), ("--summary", self.summary, None)):
@@ -191,8 +166,7 @@ class RunRequest:
 
 @dataclass(frozen=True)
 class Found:
-    """A use case as discovery saw it, before anything of it is imported: its module and where it came from, or
-    why it cannot be used (`error`)."""
+    """A use case as discovery saw it, nothing imported yet; `error` says why it cannot be used."""
 
     name: str
     module: str
@@ -200,7 +174,6 @@ class Found:
     error: str | None = None
 
     def load(self) -> UseCase:
-        """Import the package and return its declaration, or raise one line saying why not."""
         if self.error is None:
             try:
                 return _declared(self.module)
@@ -218,46 +191,34 @@ def _declared(module_name: str) -> UseCase:
     server = declared.folder / "server.py"
     if server.is_file():
         from common.server_plugin import missing_functions
-
         missing = missing_functions(server)
         if missing:
             raise TypeError(f"{module_name}.server does not define {', '.join(missing)} (common/server_plugin.py)")
     return declared
 
 
-def _folder_modules(package: str, folder: Path) -> dict[str, str]:
-    """Packages in a folder of use cases: every sub-package with a presets/ folder beside its __init__.py."""
-    return {info.name: f"{package}.{info.name}" for info in pkgutil.iter_modules([str(folder)])
-            if info.ispkg and not info.name.startswith("_") and (folder / info.name / "presets").is_dir()}
-
-
 def installed_entry_points() -> list:
     return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
-def _entry_origin(point) -> str:
-    dist = getattr(point, "dist", None)
-    return f"entry point of {dist.name} {dist.version}" if dist is not None else "entry point"
-
-
 def discover(package: str | None = None, folder: Path | None = None) -> dict[str, Found]:
-    """Every use case by name, nothing imported yet: the packages in `folder` (the package `package`) and the entry
-    points of installed distributions. Where both name the same module the entry point is shown as its origin; two
-    different modules under one name are a conflict, reported instead of either being picked in silence."""
-    local = _folder_modules(package, folder) if package and folder and folder.is_dir() else {}
+    """Every use case by name: the packages in `folder` (the package `package`) and the installed entry points.
+    Two different modules under one name are a conflict, reported rather than either picked in silence."""
+    local = {}
+    if package and folder and folder.is_dir():  # every sub-package with a presets/ folder beside its __init__.py
+        local = {info.name: f"{package}.{info.name}" for info in pkgutil.iter_modules([str(folder)])
+                 if info.ispkg and not info.name.startswith("_") and (folder / info.name / "presets").is_dir()}
     points: dict[str, list] = {}
     for point in installed_entry_points():
         points.setdefault(point.name, []).append(point)
     found: dict[str, Found] = {}
     for name in sorted(set(local) | set(points)):
         modules = {point.value for point in points.get(name, [])} | ({local[name]} if name in local else set())
-        origins = [_entry_origin(point) for point in points.get(name, [])]
+        origins = [f"entry point of {point.dist.name} {point.dist.version}" if getattr(point, "dist", None) is not None
+                   else "entry point" for point in points.get(name, [])]
         if name in local and local[name] not in {point.value for point in points.get(name, [])}:
             location = folder / name
-            try:
-                location = location.relative_to(Path.cwd())
-            except ValueError:
-                pass
+            location = location.relative_to(Path.cwd()) if location.is_relative_to(Path.cwd()) else location
             origins.append(f"folder {location}")
         origin = " and ".join(dict.fromkeys(origins))
         error = None if len(modules) == 1 else f"the name is taken by {' and '.join(sorted(modules))}; rename one"
@@ -266,14 +227,13 @@ def discover(package: str | None = None, folder: Path | None = None) -> dict[str
 
 
 def resolve(name: str, found: dict[str, Found]) -> UseCase:
-    """The named use case, imported now, or one line saying why not."""
     if name not in found:
         raise UserError(f"unknown use case '{name}' (available: {', '.join(found) or 'none'})")
     return found[name].load()
 
 
 def load_all(found: dict[str, Found]) -> dict[str, UseCase | UserError]:
-    """Each use case or the one-line error that stops it, for the commands that need them all (list, demo)."""
+    """Each use case or the one-line error that stops it (`usecases list`, `demo`)."""
     loaded: dict[str, UseCase | UserError] = {}
     for name, entry in found.items():
         try:

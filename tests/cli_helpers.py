@@ -92,6 +92,22 @@ def preset_summary(tmp_path_factory, usecase: str, preset: str) -> dict:
     return json.loads(path.read_text())
 
 
+def demo_run(usecase: str, preset: str, **tags: str) -> tuple[dict, str, object] | None:
+    """Where $USECASES_REPRODUCE_FROM names a tracking store (CI hands the slow suite the demo's, whose real-data runs
+    are the ones a reproduction checks), the newest finished PRESET run there whose tags hold TAGS: (its summary.json,
+    the store's URI, the run), so that a reproduction checks it instead of training the same models a second time;
+    None without the variable. A store without such a run fails the test."""
+    uri = os.environ.get("USECASES_REPRODUCE_FROM")
+    if not uri:
+        return None
+    wanted = {"preset": preset, **tags}
+    done = [run for run in runs(usecase, uri) if run.info.status == "FINISHED"
+            and all(run.data.tags.get(key) == value for key, value in wanted.items())]
+    assert done, f"{uri} holds no finished {usecase} run with tags {wanted}"
+    run = max(done, key=lambda run: run.info.start_time)
+    return mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/summary.json"), uri, run
+
+
 @dataclass(frozen=True)
 class SmokeRun:
     result: subprocess.CompletedProcess  # what the run printed

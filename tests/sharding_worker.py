@@ -13,7 +13,7 @@ import torch.distributed as dist
 from common.runtime import interrupt
 from common.errors import UserError
 from common.runtime.interrupt import Terminated, stop_point, stops_deferred
-from common.runner import _on_main
+from common.runtime.sharding import on_main as _on_main
 from common.config import TrainConfig
 from common.runtime.devices import make_runtime, shutdown
 from common.runtime.sharding import all_reduce_max, gather_objects, gather_rows, my_share, shared_predictions

@@ -74,10 +74,11 @@ def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name,
 
 
 def assert_the_facts_are_kept(run, tmp_path):
-    """`python -m common.advisor.facts RUN_ID FILE` keeps the run's facts, as `advise` reads them, with their
+    """`python -m common.tools.keep_facts RUN_ID FILE` keeps the run's facts, as `advise` reads them, with their
     source, and the metrics asked for."""
     from common.advisor.catalog import load_gpus
-    from common.advisor.facts import facts_from_run, main as keep, read_facts
+    from common.advisor.facts import facts_from_run
+    from common.tools.keep_facts import main as keep, read_facts
 
     metric = next(key for key in run.data.metrics if key.startswith("time/"))
     assert keep([run.info.run_id, str(tmp_path / "facts.json"), "--metric", metric, "--note", "a test"]) == 0

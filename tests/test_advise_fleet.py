@@ -30,15 +30,17 @@ EXACT = {1: (800, 10, 0), 8: (2000, 25, 0), 32: (2600, 60, 0)}
 
 
 def bench(servers: dict[str, dict[int, tuple]], workers: str = "4", start_time: int | None = None,
-          params: dict | None = None, preset: str = "serve") -> str:
-    """A finished serving bench run as the bench logs it: per server and concurrency, (requests/s, p99 ms, errors)."""
+          params: dict | None = None, preset: str = "serve", options: dict | None = None) -> str:
+    """A finished serving bench run as the bench logs it: per server and concurrency, (requests/s, p99 ms, errors);
+    with `options`, each server's `usecases serve` options (a run logged before that tag has none)."""
     client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])  # this test's store, not the last one set
     name = experiment_name("recsys-serve")
     experiment = client.get_experiment_by_name(name)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
     run = client.create_run(experiment_id, start_time=start_time, tags={
         "preset": preset, "model_uri": "models:/gpu-usecases-recsys/3", "workers": workers,
-        "cpu_model": "Test CPU 9000", "usecase": "recsys-serve"})
+        "cpu_model": "Test CPU 9000", "usecase": "recsys-serve",
+        **({"serve_options": json.dumps(options)} if options else {})})
     run_id = run.info.run_id
     for key, value in {"p99_ms": "30", **(params or {})}.items():
         client.log_param(run_id, key, value)
@@ -228,3 +230,14 @@ def test_launch_sizes_the_micro_batched_server_of_an_older_run_with_its_window(c
     (container,) = deployment.spec.template.spec.containers
     assert container.command[-2:] == ["--batch-ms", "2"]
     assert {item.name: item.value for item in container.env} == {"MLFLOW_TRACKING_URI": "http://mlflow:5000"}
+
+
+def test_launch_runs_the_sized_server_with_the_options_its_bench_logged(capsys, tmp_path):
+    """A bench run that logged each server's `usecases serve` options: the Deployment runs the sized server's."""
+    bench({"exact": EXACT, "ann": {8: (3400, 20, 0)}},
+          options={"exact": ["--retrieval", "exact"], "ann": ["--retrieval", "ann", "--batch-ms", "3"]})
+    out = tmp_path / "out"
+    fleet(capsys, tmp_path, "--target-rps", "10000", "--launch", str(out))
+    deployment, _, _ = kubernetes_objects(list(yaml.safe_load_all((out / "k8s-serve.yaml").read_text())))
+    (container,) = deployment.spec.template.spec.containers
+    assert container.command[-6:] == ["--events", "redis://redis:6379/0", "--retrieval", "ann", "--batch-ms", "3"]

@@ -13,11 +13,11 @@ import pytest
 
 from common.advisor.advise import advise
 from common.advisor.catalog import Instance, load_gpus, load_instances
-from common.advisor.estimate import Range
-from common.advisor.facts import RunFacts, read_facts, write_facts
-from common.advisor.host import HOST_SPEED
+from common.advisor.estimate import HOST_SPEED, Range
+from common.advisor.facts import RunFacts
 from common.advisor.wholerun import whole_run
 from common.runtime.phases import Phase
+from common.tools.keep_facts import read_facts, write_facts
 
 GPUS = load_gpus()
 

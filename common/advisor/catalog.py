@@ -1,11 +1,6 @@
-"""The GPU and instance catalogue that `usecases advise` prices runs with: data files beside this module
-(`catalog/gpus.csv`: datasheet peaks, memory, bandwidth, power and compute capability per GPU;
-`catalog/instances.csv`: cloud instances with their GPUs, vCPUs, memory, on-demand and spot price, network
-bandwidth, local NVMe, the default network disk's throughput and the GPUs' interconnect;
-`catalog/interconnects.csv`: each link's bandwidth per GPU), each row with its sources and as-of date. A user's own
-prices (discounts, another cloud) come in a file of the instances' columns (`--catalog FILE`), where the columns
-after `as_of` may be left out. An empty cell stays unknown: it is never filled in.
-"""
+"""The GPU, instance and interconnect catalogue `usecases advise` prices runs with: `catalog/*.csv` beside this
+module, each row with its sources and as-of date, or a user's own instances (`--catalog FILE`, the columns after
+`as_of` optional). An empty cell stays unknown: it is never filled in."""
 
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ from common.errors import UserError, one_line
 FOLDER = Path(__file__).with_name("catalog")
 GPU_COLUMNS = ("gpu", "aliases", "memory_gb", "bandwidth_gbs", "fp32_tflops", "tf32_tflops", "fp16_tflops",
                "bf16_tflops", "tdp_w", "compute_capability", "source", "as_of")
-LINK_COLUMNS = ("interconnect", "gbs_per_gpu", "source")
 INSTANCE_COLUMNS = ("provider", "instance", "gpu", "gpu_count", "vcpus", "ram_gb", "price_per_hour_usd", "region",
                     "source", "as_of")
 # What the renting question needs beyond compute; a user's catalogue may leave them out (unknown).
@@ -110,15 +104,15 @@ def _number(table: pd.DataFrame, column: str, path: Path, required: bool) -> pd.
     return values
 
 
-def load_gpus(path: Path | None = None) -> dict[str, GPU]:
-    path = path or FOLDER / "gpus.csv"
+def load_gpus() -> dict[str, GPU]:
+    path = FOLDER / "gpus.csv"
     table = _read(path, GPU_COLUMNS, "GPU catalogue")
     numbers = {column: _number(table, column, path, column in ("memory_gb", "bandwidth_gbs"))
                for column in GPU_COLUMNS if column.endswith(("_gb", "_gbs", "_tflops", "_w", "_capability"))}
     gpus = {}
     for row in range(len(table)):
         gpus[table["gpu"].iloc[row]] = GPU(
-            table["gpu"].iloc[row], numbers["memory_gb"].iloc[row], numbers["bandwidth_gbs"].iloc[row],
+            table["gpu"].iloc[row], float(numbers["memory_gb"].iloc[row]), float(numbers["bandwidth_gbs"].iloc[row]),
             {precision: float(numbers[f"{precision}_tflops"].iloc[row]) for precision in PRECISIONS},
             float(numbers["tdp_w"].iloc[row]), table["source"].iloc[row],
             tuple(alias.strip() for alias in table["aliases"].iloc[row].split("|") if alias.strip()),
@@ -133,11 +127,8 @@ def load_instances(gpus: dict[str, GPU], path: Path | None = None) -> list[Insta
     for column in HARDWARE_COLUMNS:
         if column not in table.columns:
             table[column] = ""
-    counts = _number(table, "gpu_count", path, True)
-    vcpus = _number(table, "vcpus", path, True)
-    ram = _number(table, "ram_gb", path, False)
-    prices = _number(table, "price_per_hour_usd", path, False)
-    hardware = {column: _number(table, column, path, False) for column in HARDWARE_COLUMNS[:5]}
+    numbers = {column: _number(table, column, path, column in ("gpu_count", "vcpus"))
+               for column in ("gpu_count", "vcpus", "ram_gb", "price_per_hour_usd", *HARDWARE_COLUMNS[:5])}
     links = load_links()
     unknown = ~table["interconnect"].str.strip().isin(["", *links])
     if unknown.any():
@@ -151,26 +142,25 @@ def load_instances(gpus: dict[str, GPU], path: Path | None = None) -> list[Insta
         except UserError as problem:
             raise UserError(f"{path}: column 'gpu', row {row + 1}: {problem}") from None
         instances.append(Instance(table["provider"].iloc[row], table["instance"].iloc[row], gpu,
-                                  int(counts.iloc[row]), int(vcpus.iloc[row]), float(ram.iloc[row]),
-                                  float(prices.iloc[row]), table["region"].iloc[row], table["source"].iloc[row],
-                                  table["as_of"].iloc[row], *(float(hardware[column].iloc[row])
-                                                              for column in HARDWARE_COLUMNS[:5]),
+                                  int(numbers["gpu_count"].iloc[row]), int(numbers["vcpus"].iloc[row]),
+                                  float(numbers["ram_gb"].iloc[row]), float(numbers["price_per_hour_usd"].iloc[row]),
+                                  table["region"].iloc[row], table["source"].iloc[row], table["as_of"].iloc[row],
+                                  *(float(numbers[column].iloc[row]) for column in HARDWARE_COLUMNS[:5]),
                                   table["interconnect"].iloc[row].strip(), table["hardware_source"].iloc[row]))
     return instances
 
 
 def load_catalogue(instances: Path | None = None) -> tuple[dict[str, GPU], list[Instance]]:
-    """The GPUs and the instances (the shipped ones, or a user's file): what both the run and the fleet advice
-    price."""
+    """The GPUs and the instances (the shipped ones, or a user's file)."""
     gpus = load_gpus()
     return gpus, load_instances(gpus, instances)
 
 
 @functools.cache
-def load_links(path: Path | None = None) -> dict[str, Link]:
+def load_links() -> dict[str, Link]:
     """The links' bandwidths, read once: every instance and every scaling figure looks its link up here."""
-    path = path or FOLDER / "interconnects.csv"
-    table = _read(path, LINK_COLUMNS, "interconnect catalogue")
+    path = FOLDER / "interconnects.csv"
+    table = _read(path, ("interconnect", "gbs_per_gpu", "source"), "interconnect catalogue")
     bandwidth = _number(table, "gbs_per_gpu", path, True)
     return {table["interconnect"].iloc[row]: Link(table["interconnect"].iloc[row], float(bandwidth.iloc[row]),
                                                   table["source"].iloc[row]) for row in range(len(table))}

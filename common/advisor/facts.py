@@ -1,29 +1,22 @@
-"""What a run measured, as `usecases advise` reads it: from MLflow (the workload facts of
-`common.training.workload`, the run's phases of `common.runtime.phases`, the data's size, the checkpoint interval)
-or from a user's `--workload` file; and as JSON, so that a run's facts can be kept and advised on without its store:
-
-    .venv/bin/python -m common.advisor.facts RUN_ID facts.json     # with MLFLOW_TRACKING_URI pointing at its store
-"""
+"""What a run measured, as `usecases advise` reads it: from an MLflow run (the workload facts of
+`common.training.workload`, the phases of `common.runtime.phases`, the data's size, the checkpoint interval) or from
+a `--workload` file; and as JSON (`json_safe`, read back by `RunFacts.from_json`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
-import sys
-from dataclasses import KW_ONLY, dataclass, field, fields, replace
-from datetime import datetime, timezone
+from dataclasses import KW_ONLY, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
-from common.advisor.catalog import GPU, load_gpus, match_gpu
+from common.advisor.catalog import GPU, match_gpu
 from common.errors import UserError
 from common.runtime.phases import SCALES, TAG, Phase
 
+
 @dataclass
 class RunFacts:
-    """What a run measured, as `advise` reads it from MLflow (or a user's `--workload` file)."""
-
     run_id: str | None
     models: dict[str, dict[str, float]]  # per torch model, its `model/<name>/` facts
     phases: dict[str, Phase] = field(default_factory=dict)  # `time/<phase>_s` and how each scales
@@ -54,11 +47,8 @@ class RunFacts:
         return self.data_bytes / self.data_samples if self.data_samples > 0 else math.nan
 
     def scaled_to(self, data_gb: float) -> RunFacts:
-        """The same run on a data set of `data_gb` GB stored alike: each epoch's samples and the run's samples grow
-        with it (so do the torch models' steps), the per-sample facts stay, and so do the phases as measured (how a
-        fit's validation, a baseline, an evaluation or the data's loading grows with the data is the use case's: a
-        small run's fixed costs scaled up would swamp the answer). A one-line error where the run did not log its
-        data's size."""
+        """The same run on a data set of `data_gb` GB stored alike: the epochs' samples, so the models' steps, grow
+        with it; the phases stay as measured (a small run's fixed costs scaled up would swamp the answer)."""
         if not self.data_bytes > 0:
             if self.run_id is None:
                 raise UserError("--data-gb: the workload file gives no data_gb (the data set's size it describes)")
@@ -69,13 +59,6 @@ class RunFacts:
                                      if key in model}} for name, model in self.models.items()}
         return replace(self, models=models, data_bytes=data_gb * 1e9, data_samples=self.data_samples * factor,
                        data_scale=self.data_scale * factor)
-
-    def as_json(self) -> dict:
-        """The facts as JSON values (NaN as null), read back by `from_json`."""
-        values = {item.name: getattr(self, item.name) for item in fields(self)}
-        values["phases"] = {name: {"seconds": phase.seconds, "scales": phase.scales}
-                            for name, phase in self.phases.items()}
-        return _nulls(values)
 
     @classmethod
     def from_json(cls, values: dict) -> RunFacts:
@@ -92,14 +75,24 @@ class RunFacts:
 _NUMBERS = ("total_seconds", "gpu_utilisation", "data_bytes", "data_samples")
 
 
-def _nulls(value):
+def json_safe(value):
+    """A value as JSON has it: a dataclass as its `as_dict()` where it has one, else as its fields; infinity (a spot
+    run that never finishes, data read from memory) and NaN (unknown) as null: JSON has neither."""
+    if hasattr(value, "as_dict"):
+        return json_safe(value.as_dict())
+    if is_dataclass(value):
+        return {item.name: json_safe(getattr(value, item.name)) for item in fields(value)}
     if isinstance(value, dict):
-        return {key: _nulls(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def facts_from_run(run, usecase: str, gpus: dict[str, GPU]) -> RunFacts:
     """The facts of an MLflow run; a run without them is one line saying what to run first."""
+    from common.tracking.advice import trained_samples
+
     metrics, params, tags = run.data.metrics, run.data.params, run.data.tags
     models: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
@@ -110,20 +103,17 @@ def facts_from_run(run, usecase: str, gpus: dict[str, GPU]) -> RunFacts:
         raise UserError(f"run {run.info.run_id} has no workload facts (metrics model/<name>/train_flops_per_sample):"
                         f" it was logged before `advise` existed, or trained no torch model; run `usecases run "
                         f"{usecase} --preset smoke` first")
-    gpu_name = tags.get("gpu_name", "none")
     gpu = None
-    if gpu_name != "none" and tags.get("device", "cpu").startswith("cuda"):
+    if tags.get("gpu_name", "none") != "none" and tags.get("device", "cpu").startswith("cuda"):
         try:
-            gpu = match_gpu(gpu_name, gpus)
-        except UserError:
-            gpu = None  # a GPU the catalogue does not know: advised as a CPU run would be
-    for name, model in models.items():
-        model["trained_samples"] = _trained_samples(run.info.run_id, name)
+            gpu = match_gpu(tags["gpu_name"], gpus)
+        except UserError:  # a GPU the catalogue does not know: advised as a CPU run would be
+            pass
     world = int(tags.get("world_size", "1") or 1)
-    if gpu is not None:
-        for model in models.values():
-            if "train_samples_per_s" in model:
-                model["measured_train_samples_per_s"] = model["train_samples_per_s"] / world
+    for name, model in models.items():
+        model["trained_samples"] = trained_samples(run.info.run_id, name)
+        if gpu is not None and "train_samples_per_s" in model:
+            model["measured_train_samples_per_s"] = model["train_samples_per_s"] / world
     utilisation = [value for key, value in metrics.items() if re.fullmatch(r"system/gpu_\d+_utilization_percentage",
                                                                             key)]
     return RunFacts(run.info.run_id, models, _phases(metrics, tags), cores=int(tags.get("cpu_cores", "1") or 1),
@@ -131,8 +121,8 @@ def facts_from_run(run, usecase: str, gpus: dict[str, GPU]) -> RunFacts:
                     tf32=params.get("runtime.tf32", "False") == "True",
                     total_seconds=metrics.get("time/total_s", math.nan),
                     gpu_utilisation=sum(utilisation) / len(utilisation) if utilisation else math.nan, usecase=usecase,
-                    preset=tags.get("preset"), data_bytes=_number(tags.get("data_bytes")),
-                    data_samples=_number(tags.get("data_samples")),
+                    preset=tags.get("preset"), data_bytes=number_of(tags.get("data_bytes")),
+                    data_samples=number_of(tags.get("data_samples")),
                     checkpoint_every_s={name: _checkpoint_every_s(params, name) for name in models})
 
 
@@ -148,27 +138,16 @@ def _phases(metrics: dict[str, float], tags: dict[str, str]) -> dict[str, Phase]
 
 def _checkpoint_every_s(params: dict[str, str], name: str) -> float | None:
     """Seconds of a fit between its checkpoints, from the model's own key or the common one; None where unknown."""
-    value = params.get(f"{name}.checkpoint_every_s") or params.get("train.checkpoint_every_s")
-    number = _number(value)
+    number = number_of(params.get(f"{name}.checkpoint_every_s") or params.get("train.checkpoint_every_s"))
     return None if math.isnan(number) else number
 
 
-def _number(text: str | None) -> float:
+def number_of(text: str | None) -> float:
+    """A tag's or a param's number; NaN where it is absent or none."""
     try:
-        return float(text) if text else math.nan
-    except ValueError:
+        return float(text)
+    except (TypeError, ValueError):
         return math.nan
-
-
-def _trained_samples(run_id: str, name: str) -> float:
-    """Every sample a model trained on in the run: each fit (a refit, an ensemble member) logs its samples
-    per epoch and epochs once."""
-    import mlflow
-
-    client = mlflow.MlflowClient()
-    per_epoch = client.get_metric_history(run_id, f"model/{name}/samples_per_epoch")
-    epochs = client.get_metric_history(run_id, f"model/{name}/epochs_run")
-    return float(sum(samples.value * run.value for samples, run in zip(per_epoch, epochs)))
 
 
 def facts_from_file(path: Path, gpus: dict[str, GPU]) -> RunFacts:
@@ -219,9 +198,7 @@ def facts_from_file(path: Path, gpus: dict[str, GPU]) -> RunFacts:
 
 
 def calibrated(facts: RunFacts, gpu_run: RunFacts) -> RunFacts:
-    """A CPU run's facts with what another run of the same models measured on a GPU: the training rates its steps
-    are scaled from, and the input pipeline's rate with the cores it had there; its phases stay the CPU run's,
-    timed on its machine."""
+    """A CPU run's facts, its phases kept, with the training and input rates another run measured on a GPU."""
     models = {}
     for name, model in facts.models.items():
         there = gpu_run.models.get(name, {})
@@ -229,55 +206,3 @@ def calibrated(facts: RunFacts, gpu_run: RunFacts) -> RunFacts:
         if "loader_samples_per_s" in there:
             models[name].update(loader_samples_per_s=there["loader_samples_per_s"], loader_cores=gpu_run.cores)
     return replace(facts, models=models, rates_gpu=gpu_run.gpu)
-
-
-def source_of(run) -> dict:
-    """Where a run's facts come from: the run, its use case and preset, the commit, the machine and the date."""
-    tags = run.data.tags
-    return {"run_id": run.info.run_id, "usecase": tags.get("usecase"), "preset": tags.get("preset"),
-            "commit": tags.get("git_commit"), "device": tags.get("device"), "gpu": tags.get("gpu_name"),
-            "cpu": tags.get("cpu_model"), "cpu_cores": tags.get("cpu_cores"), "torch": tags.get("torch_version"),
-            "date": datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).isoformat(timespec="seconds")}
-
-
-def write_facts(path: Path, facts: RunFacts, source: dict, metrics: dict[str, float] | None = None) -> None:
-    """The facts as JSON with their source, and any other metrics of the run worth keeping beside them."""
-    kept = {"source": source, "metrics": metrics or {}, "facts": facts.as_json()}
-    path.write_text(json.dumps(kept, indent=2, allow_nan=False) + "\n")
-
-
-def read_facts(path: Path) -> tuple[RunFacts, dict]:
-    """A run's facts kept by `write_facts`, and the rest of the file (`source`, `metrics`)."""
-    kept = json.loads(path.read_text())
-    return RunFacts.from_json(kept.pop("facts")), kept
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Keep a run's facts as JSON (from the store MLFLOW_TRACKING_URI names, or --tracking-uri)."""
-    import mlflow
-
-    from common.tracking.stores import tracking_uri
-
-    parser = argparse.ArgumentParser(prog="python -m common.advisor.facts", description=main.__doc__)
-    parser.add_argument("run_id")
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--tracking-uri")
-    parser.add_argument("--metric", action="append", default=[], metavar="KEY",
-                        help="another metric of the run to keep beside the facts (repeat for more)")
-    parser.add_argument("--note", help="what the run's tags do not say (uncommitted changes, the machine's load)")
-    args = parser.parse_args(argv)
-    mlflow.set_tracking_uri(args.tracking_uri or tracking_uri())
-    run = mlflow.MlflowClient().get_run(args.run_id)
-    usecase = run.data.tags.get("usecase") or "unknown"
-    missing = [key for key in args.metric if key not in run.data.metrics]
-    if missing:
-        parser.error(f"run {args.run_id} has no metric {missing[0]}")
-    source = {**source_of(run), **({"note": args.note} if args.note else {})}
-    write_facts(args.out, facts_from_run(run, usecase, load_gpus()), source,
-                {key: run.data.metrics[key] for key in args.metric})
-    print(f"{args.out}: the facts of run {args.run_id} ({usecase})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,51 +1,38 @@
 """`usecases advise NAME --serve --target-rps RATE [--p99-ms MS]`: how many instances of each catalogue row carry a
-serving load at a p99 latency, and what a month of them costs, from the serving capacity MEASURED by the newest
-`usecases bench serve NAME` run (experiment NAME-serve, tag `preset=serve`).
+serving load at a p99 latency, and a month of them, from the capacity MEASURED by the newest `usecases bench serve
+NAME` run (docs/advisor.md, "Serving fleet").
 
-The bench logs, per server S (`exact`, `ann`; `ours`, `mlflow`, `ours_batch` in older runs) and concurrency C,
-`serve/S/cC/requests_per_s`, `p50_ms`, `p99_ms` and `errors`, and the tag `workers`: the server's worker processes,
-the cores it used. A server's capacity per core at a p99 target is the highest requests/s among the concurrencies
-whose p99 met the target without errors, over the workers. It is recomputed here for the target asked, which may
-differ from the bench's own (its `serve/S/capacity_rps_per_core`). The fastest server is sized; MLflow's scoring
-server, the bench's baseline, is shown but never sized: the fleet runs the use case's own server.
-
-The sizing is an ESTIMATE, every figure a range (low, expected, high):
-- each instance runs one server worker per vCPU, less `OS_CORES` for the OS and the event store's client (at least 1);
-- a vCPU serves `CORE_SPEED` times the bench core's measured rate (see there why);
-- instances = ceil(target / (HEADROOM x capacity of one instance)): each runs at most 70 % of its capacity, the
-  HorizontalPodAutoscaler's CPU target, so a spike or a lost instance has room; the expected count from the expected
-  capacity, the low count from the high capacity and the high count from the low;
-- a month = instances x the price an hour x 730 h, on demand, and on spot where the catalogue has a spot price.
-"""
+A server's capacity per core at the target is the most requests/s among the bench's concurrencies whose p99 met it
+without errors, over its workers, recomputed here for the target asked. The fastest of the use case's own servers is
+sized (MLflow's, the bench's baseline, is shown, never sized): each instance runs a worker per vCPU less `OS_CORES`,
+a vCPU serves `CORE_SPEED` times the bench core's rate, and instances run at most `HEADROOM` of their capacity. Every
+figure is an estimate, a range."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.advisor.budget import HOURS_PER_MONTH
+from common.advisor.advise import HOURS_PER_MONTH
 from common.advisor.catalog import Instance, load_catalogue
 from common.advisor.estimate import Range
-from common.advisor.formats import json_safe, money, span
-from common.advisor.serve_launch import BATCHED, RETRIEVALS, write_serve_files
+from common.advisor.facts import json_safe, number_of
+from common.advisor.words import money, span
 from common.errors import UserError
 from common.tabular import render_table
+from common.tracking.advice import BENCH_METRIC, bench_run
 
-# Requests/s a cloud vCPU serves, over one of the bench machine's cores (low, expected, high). A cloud vCPU is one
-# hyperthread of a physical core: with its sibling busy too, it gets about 0.6 of a core to itself (two threads on one
-# core do about 1.2-1.3x one thread's work: the low end), where the bench's "cores" are what the OS counted, often
-# hyperthreads themselves (then alike: the expected 1.0). A newer server CPU at a higher clock can do more per thread
-# than the bench machine's (up to about 1.3x: a generation's gain in clock and instructions per cycle). Assumed, not
-# calibrated: a bench run on the instance itself replaces it with a measurement.
+# Requests/s a cloud vCPU serves over one of the bench's cores: a hyperthread with its sibling busy gets about 0.6 of
+# a core, where the bench's cores are often hyperthreads too (1.0), and a newer CPU does up to about 1.3x a thread's
+# work. Assumed, not calibrated: a bench run on the instance itself replaces it.
 CORE_SPEED = Range(0.6, 1.0, 1.3)
-HEADROOM = 0.70  # of an instance's capacity it runs at: the HPA's CPU utilisation target
+HEADROOM = 0.70  # of an instance's capacity it runs at: the autoscaler's CPU target
 OS_CORES = 1  # per instance, left to the OS and the event store's client
 BASELINE = "mlflow"  # MLflow's scoring server: the bench's comparison, not what the fleet runs
-METRIC = re.compile(r"serve/(?P<server>.+)/c(?P<level>\d+)/(?P<name>requests_per_s|p50_ms|p99_ms|errors)")
-ESTIMATED = "estimated: expected (low-high)"
+HEADER = ["instance", "cloud", "vCPUs", "workers", "requests/s each (full)", "instances", "$/h",
+          "$ a month (on demand)"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +56,7 @@ class Capacity:
     def as_dict(self) -> dict:
         return {"capacity_rps_per_core": None if self.met is None else self.per_core,
                 "at_concurrency": None if self.met is None else self.met.concurrency,
-                "levels": [level.__dict__ for level in self.levels]}
+                "levels": self.levels}
 
 
 @dataclass(frozen=True)
@@ -79,7 +66,7 @@ class Bench:
     cpu_model: str
     model_uri: str
     p99_ms: float  # the bench's own target; NaN where it logged none
-    batch_ms: str  # its micro-batching window, for the server ours_batch ("" where none)
+    options: dict[str, list[str]]  # each server's options of `usecases serve`
     capacities: dict[str, Capacity]
     logged: dict[str, float]  # serve/S/capacity_rps_per_core as the bench logged it, at its own target
     notes: list[str]
@@ -98,17 +85,14 @@ class FleetRow:
         instance = self.instance
         return {"provider": instance.provider, "instance": instance.name, "region": instance.region,
                 "gpu": f"{instance.gpu_count} x {instance.gpu.name}", "vcpus": instance.vcpus,
-                "ram_gb": None if math.isnan(instance.ram_gb) else instance.ram_gb, "workers": self.workers,
-                "price_per_hour_usd": _clean(instance.price_per_hour),
-                "spot_price_per_hour_usd": _clean(instance.spot_price_per_hour),
-                "requests_per_s_each": self.per_instance.as_dict(), "instances": self.instances.as_dict(),
-                "month_usd": {key: _clean(value) for key, value in self.month.as_dict().items()},
-                "spot_month_usd": None if self.spot_month is None else self.spot_month.as_dict()}
+                "ram_gb": instance.ram_gb, "workers": self.workers, "price_per_hour_usd": instance.price_per_hour,
+                "spot_price_per_hour_usd": instance.spot_price_per_hour,
+                "requests_per_s_each": self.per_instance, "instances": self.instances, "month_usd": self.month,
+                "spot_month_usd": self.spot_month}
 
 
 def capacity(server: str, levels: list[Level], p99_ms: float, workers: int) -> Capacity:
-    """The server's capacity per core at `p99_ms`: its fastest concurrency whose p99 met the target without errors,
-    over the workers."""
+    """The server's capacity per core at `p99_ms`."""
     levels = sorted(levels, key=lambda level: level.concurrency)
     meeting = [level for level in levels if level.p99_ms <= p99_ms and level.errors == 0]
     met = max(meeting, key=lambda level: level.requests_per_s, default=None)
@@ -127,40 +111,6 @@ def size(instance: Instance, per_core: float, target_rps: float) -> FleetRow:
                     count.scaled(spot * HOURS_PER_MONTH) if spot >= 0 else None)
 
 
-def find_bench(usecase: str, run_id: str | None):
-    """The bench run: `run_id`, else the newest finished `preset=serve` run of experiment NAME-serve."""
-    import mlflow
-
-    from common.tracking.runs import experiment_name
-    from common.tracking.stores import tracking_uri
-
-    mlflow.set_tracking_uri(tracking_uri())
-    client = mlflow.MlflowClient()
-    if run_id is not None:
-        try:
-            run = client.get_run(run_id)
-        except mlflow.exceptions.MlflowException:
-            raise UserError(f"--run {run_id}: no such run in {tracking_uri()}") from None
-        if not _measured(run):
-            raise UserError(f"--run {run_id}: not a serving bench run (no serve/SERVER/cN/requests_per_s metrics): "
-                            f"run `usecases bench serve {usecase}`")
-        return run
-    names = dict.fromkeys((experiment_name(f"{usecase}-serve"), f"{usecase}-serve"))  # as tracked, or as named
-    ids = [experiment.experiment_id for name in names if (experiment := client.get_experiment_by_name(name))]
-    found = [] if not ids else client.search_runs(
-        ids, "attributes.status = 'FINISHED' and tags.preset = 'serve'", order_by=["attributes.start_time DESC"],
-        max_results=20)
-    found = [run for run in found if _measured(run)]
-    if not found:
-        raise UserError(f"no serving bench run of '{usecase}' in {tracking_uri()}: run `usecases bench serve "
-                        f"{usecase}` first")
-    return found[0]
-
-
-def _measured(run) -> bool:
-    return any(METRIC.fullmatch(key) for key in run.data.metrics)
-
-
 def read_bench(run, p99_ms: float) -> Bench:
     """The bench run's measurements, each server's capacity recomputed at `p99_ms`."""
     tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
@@ -175,7 +125,7 @@ def read_bench(run, p99_ms: float) -> Bench:
         notes.append(f"the bench's tag 'workers' is {tags.get('workers')!r}: taken as its machine's {workers} cores")
     found: dict[str, dict[int, dict[str, float]]] = {}
     for key, value in metrics.items():
-        match = METRIC.fullmatch(key)
+        match = BENCH_METRIC.fullmatch(key)
         if match:
             found.setdefault(match["server"], {}).setdefault(int(match["level"]), {})[match["name"]] = value
     capacities = {}
@@ -188,20 +138,23 @@ def read_bench(run, p99_ms: float) -> Bench:
     logged = {server: metrics[f"serve/{server}/capacity_rps_per_core"] for server in capacities
               if f"serve/{server}/capacity_rps_per_core" in metrics}
     return Bench(run.info.run_id, workers, tags.get("cpu_model", "an unnamed CPU"), tags.get("model_uri", "?"),
-                 _number(params.get("p99_ms")), params.get("batch_ms", "") if params.get("batch_ms") != "None" else "",
-                 capacities, logged, notes)
+                 number_of(params.get("p99_ms")), _options(tags, params, capacities), capacities, logged, notes)
+
+
+def _options(tags: dict[str, str], params: dict[str, str], servers) -> dict[str, list[str]]:
+    """Each server's options of `usecases serve`: as the bench logged them (its tag `serve_options`), or, for a run
+    logged before that tag, as the bench then named its servers: `ours`, `ours_batch` (`ours+batch`) with its
+    --batch-ms, `mlflow`, and any other by the retrieval mode it served with."""
+    if "serve_options" in tags:
+        return json.loads(tags["serve_options"])
+    batch = ["--batch-ms", params["batch_ms"]] if params.get("batch_ms", "None") != "None" else []
+    named = {"ours": [], "ours_batch": batch, "ours+batch": batch, BASELINE: ["--mlflow"]}
+    return {server: named.get(server, ["--retrieval", server, *batch]) for server in servers}
 
 
 def _count(text: str | None) -> int | None:
-    value = _number(text)
+    value = number_of(text)
     return int(value) if value >= 1 and value == int(value) else None
-
-
-def _number(text: str | None) -> float:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def sized_server(bench: Bench, p99_ms: float) -> Capacity:
@@ -220,38 +173,34 @@ def sized_server(bench: Bench, p99_ms: float) -> Capacity:
     return max(meeting, key=lambda found: found.per_core)
 
 
-def fleet_command(usecase: str, run_id: str | None, catalog: Path | None, output: str, target_rps: float,
-                  p99_ms: float, launch: Path | None = None, tracking: str | None = None) -> str:
-    """The fleet report as printed (table, Markdown or JSON); with `launch`, the Kubernetes manifests of the
-    cheapest row are written there."""
+def fleet_command(usecase, run_id: str | None, catalog: Path | None, output: str, target_rps: float, p99_ms: float,
+                  launch: Path | None = None, tracking: str | None = None) -> str:
+    """The fleet report of `usecase` (a `UseCase`) as printed; with `launch`, the cheapest row's manifests."""
+    name = usecase.name
     _, instances = load_catalogue(catalog)
-    run = find_bench(usecase, run_id)
-    bench = read_bench(run, p99_ms)
+    bench = read_bench(bench_run(name, run_id), p99_ms)
     sized = sized_server(bench, p99_ms)
     rows = sorted((size(instance, sized.per_core, target_rps) for instance in instances), key=_order)
     cheapest = next((row for row in rows if not math.isnan(row.month.expected)), None)
-    report = {"source": f"serving bench run {bench.run_id} of {usecase}: {bench.workers} worker(s) on "
+    report = {"source": f"serving bench run {bench.run_id} of {name}: {bench.workers} worker(s) on "
                         f"{bench.cpu_model}, model {bench.model_uri}",
               "estimated": True, "target_rps": target_rps, "p99_ms": p99_ms,
               "bench": {"run_id": bench.run_id, "workers": bench.workers, "cpu_model": bench.cpu_model,
-                        "model_uri": bench.model_uri, "p99_ms": _clean(bench.p99_ms),
+                        "model_uri": bench.model_uri, "p99_ms": bench.p99_ms,
                         "logged_capacity_rps_per_core": bench.logged},
-              "servers": {server: found.as_dict() for server, found in bench.capacities.items()},
+              "servers": bench.capacities,
               "sized_server": sized.server,
               "assumptions": {"workers_per_instance": f"vCPUs - {OS_CORES}, at least 1",
-                              "core_speed": CORE_SPEED.as_dict(), "headroom": HEADROOM,
+                              "core_speed": CORE_SPEED, "headroom": HEADROOM,
                               "hours_per_month": HOURS_PER_MONTH},
               "lines": bench.notes + _server_lines(bench, sized, p99_ms),
-              "rows": [row.as_dict() for row in rows],
+              "rows": rows,
               "cheapest": None if cheapest is None else cheapest.instance.name}
     if launch is not None:
         if cheapest is None:
             raise UserError("--launch: no row of the catalogue has a price, so none is the cheapest to launch")
-        extra = ["--retrieval", sized.server] if sized.server in RETRIEVALS else []
-        if (sized.server in BATCHED or sized.server in RETRIEVALS) and bench.batch_ms:
-            extra += ["--batch-ms", bench.batch_ms]
-        report["launch"] = write_serve_files(launch, usecase, cheapest, sized.server, extra, tracking,
-                                             f"for {target_rps:,.0f} requests/s at p99 <= {p99_ms:g} ms")
+        report["launch"] = _launch(usecase, launch, tracking, cheapest, sized.server, bench.options[sized.server],
+                                   f"for {target_rps:,.0f} requests/s at p99 <= {p99_ms:g} ms")
     if output == "json":
         return json.dumps(json_safe(report), indent=2, allow_nan=False)
     text = _render(report, rows, cheapest, markdown=output == "markdown")
@@ -260,10 +209,23 @@ def fleet_command(usecase: str, run_id: str | None, catalog: Path | None, output
     return text
 
 
+def _launch(usecase, folder: Path, tracking: str | None, cheapest: FleetRow, server: str, options: list[str],
+            sized_for: str) -> dict:
+    """The cheapest row's manifests, its pods sharing the event store the use case's server plug-in names."""
+    from common.deploy.launch import write_serve_files
+
+    events = getattr(usecase.server(), "FLEET_EVENTS", None)
+    if events is None:
+        raise UserError(f"--launch: the server of '{usecase.name}' names no event store its pods share "
+                        "(FLEET_EVENTS in its server.py)")
+    return write_serve_files(folder, usecase.name, cheapest, server, options, events, tracking, sized_for)
+
+
 def _server_lines(bench: Bench, sized: Capacity, p99_ms: float) -> list[str]:
     """Each server's measured capacity per core at the target, the sized one first, or why it has none."""
     lines = []
-    for found in sorted(bench.capacities.values(), key=lambda found: (found is not sized, -_or_zero(found.per_core))):
+    for found in sorted(bench.capacities.values(),
+                        key=lambda found: (found is not sized, 0.0 if found.met is None else -found.per_core)):
         if found.met is None:
             best = min(found.levels, key=lambda level: level.p99_ms)
             lines.append(f"{found.server}: no concurrency of the bench met p99 <= {p99_ms:g} ms without errors (its "
@@ -278,63 +240,41 @@ def _server_lines(bench: Bench, sized: Capacity, p99_ms: float) -> list[str]:
     return lines
 
 
-def _or_zero(value: float) -> float:
-    return 0.0 if math.isnan(value) else value
-
-
 def _order(row: FleetRow) -> tuple:
     return (math.isnan(row.month.expected), row.month.expected, row.month.high, row.instances.expected)
-
-
-HEADER = ["instance", "cloud", "vCPUs", "workers", "requests/s each (full)", "instances", "$/h",
-          "$ a month (on demand)"]
-
-
-def _count_span(value: Range) -> str:
-    return f"{value.expected:g} ({value.low:g}-{value.high:g})"
-
-
-def _cells(row: FleetRow, spot: bool) -> list[str]:
-    instance = row.instance
-    cells = [instance.name, instance.provider, str(instance.vcpus), str(row.workers),
-             span(row.per_instance, lambda value: f"{value:,.0f}"), _count_span(row.instances),
-             money(instance.price_per_hour), _money_span(row.month)]
-    return cells + ([_money_span(row.spot_month) if row.spot_month is not None else "-"] if spot else [])
 
 
 def _money_span(value: Range) -> str:
     return money(value.expected) if math.isnan(value.expected) else span(value, money)
 
 
+def _cells(row: FleetRow, spot: bool) -> list[str]:
+    instance = row.instance
+    cells = [instance.name, instance.provider, str(instance.vcpus), str(row.workers),
+             span(row.per_instance, lambda value: f"{value:,.0f}"),
+             f"{row.instances.expected:g} ({row.instances.low:g}-{row.instances.high:g})",
+             money(instance.price_per_hour), _money_span(row.month)]
+    return cells + ([_money_span(row.spot_month) if row.spot_month is not None else "-"] if spot else [])
+
+
 def _render(report: dict, rows: list[FleetRow], cheapest: FleetRow | None, markdown: bool) -> str:
     spot = any(row.spot_month is not None for row in rows)
     header = HEADER + (["$ a month (spot)"] if spot else [])
-    cells = [_cells(row, spot) for row in rows]
     lines = [f"Serving fleet for {report['target_rps']:,.0f} requests/s at p99 <= {report['p99_ms']:g} ms, from the "
-             f"{report['source']}.", "", "Measured capacity per core:"]
-    lines += [f"- {line}" for line in report["lines"]]
-    lines += ["", f"Every figure below is {ESTIMATED}: each instance runs one server worker per vCPU less "
-              f"{OS_CORES} for the OS and the event store; a vCPU serves {CORE_SPEED.low:g}-{CORE_SPEED.high:g}x "
-              f"(expected {CORE_SPEED.expected:g}x) the bench core's rate; instances are sized to run at most "
-              f"{100 * HEADROOM:.0f} % of their capacity (the autoscaler's CPU target); a month is "
-              f"{HOURS_PER_MONTH:g} h "
-              "at each row's price (its source dates it). The GPUs are not used: the server was sized per CPU core."]
-    lines += ["", render_table(cells, header, markdown=markdown)]
-    lines.append("")
+             f"{report['source']}.", "", "Measured capacity per core:", *(f"- {line}" for line in report["lines"]), "",
+             "Every figure below is estimated: expected (low-high): each instance runs one server worker per vCPU "
+             f"less {OS_CORES} for the OS and the event store; a vCPU serves {CORE_SPEED.low:g}-{CORE_SPEED.high:g}x "
+             f"(expected {CORE_SPEED.expected:g}x) the bench core's rate; instances are sized to run at most "
+             f"{100 * HEADROOM:.0f} % of their capacity (the autoscaler's CPU target); a month is {HOURS_PER_MONTH:g} "
+             "h at each row's price (its source dates it). The GPUs are not used: the server was sized per CPU core.",
+             "", render_table([_cells(row, spot) for row in rows], header, markdown=markdown), ""]
     if cheapest is None:
         lines.append("Cheapest: none (no row of the catalogue has a price)")
     else:
         instance = cheapest.instance
-        on_spot = ("" if cheapest.spot_month is None else
-                   f"; on spot {span(cheapest.spot_month, money)}")
+        on_spot = "" if cheapest.spot_month is None else f"; on spot {span(cheapest.spot_month, money)}"
         lines.append(f"Cheapest (expected): {cheapest.instances.expected:g} x {instance.name} ({instance.provider} "
                      f"{instance.region}, {instance.vcpus} vCPUs, {cheapest.workers} workers each), "
                      f"{span(cheapest.month, money)} a month on demand{on_spot}; "
                      f"{cheapest.instances.low:g}-{cheapest.instances.high:g} instances over the range (estimated)")
     return "\n".join(lines)
-
-
-def _clean(value: float):
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
-
-

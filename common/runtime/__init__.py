@@ -1,1 +1,1 @@
-"""Where and how code runs: devices and precision, distributed ranks and sharding, interrupts, memory, the Dask engine."""
+"""Where and how code runs: devices and precision, DDP ranks and sharding, interrupts, phases, the Dask engine."""

@@ -1,5 +1,4 @@
-"""Where code runs: the device, the precision, the DDP environment and process group, the array backend. The process
-and its machine (cores, seeds, the DataFrame backend, hardware facts) are in `process.py`."""
+"""Where code runs: the device, the precision, the DDP environment and process group, the array backend."""
 
 from __future__ import annotations
 
@@ -61,13 +60,8 @@ def cpu_has_native_bf16() -> bool:
 
 
 def select_amp_dtype(device: torch.device, precision: str = "auto") -> torch.dtype | None:
-    """The autocast dtype, or None for fp32.
-
-    `auto` takes mixed precision wherever the device computes it natively: bf16 on a GPU that has it (else fp16),
-    bf16 on a CPU with AVX512-BF16 or AMX, fp32 on other CPUs (emulated BF16 is slower than fp32). `auto-gpu` is
-    the same on a GPU and fp32 on every CPU. An explicit `bf16` on a CPU without it runs fp32 too, and
-    `precision_notice` says so.
-    """
+    """The autocast dtype, or None for fp32: `auto` where the device computes it natively (emulated BF16 is slower than
+    fp32), `auto-gpu` never on a CPU; `bf16` on a CPU without it runs fp32 too (`precision_notice`)."""
     if precision not in PRECISION_CHOICES:
         raise UserError(f"precision: expected one of {', '.join(PRECISION_CHOICES)}, got '{precision}'")
     if precision == "fp32":
@@ -84,7 +78,7 @@ def select_amp_dtype(device: torch.device, precision: str = "auto") -> torch.dty
 
 
 def precision_notice(device: torch.device, precision: str) -> str | None:
-    """One line for a precision that was asked for explicitly and not given; printed once the input is checked."""
+    """One line for a precision that was asked for explicitly and not given."""
     if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         return ("precision bf16: this CPU has no native BF16 (AVX512-BF16 or AMX), so it would run slower than fp32; "
                 "running fp32")
@@ -93,31 +87,12 @@ def precision_notice(device: torch.device, precision: str) -> str | None:
 
 def distributed_env() -> tuple[int, int, int]:
     """Rank, local rank and world size as torchrun sets them (a single process otherwise)."""
-    return (
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-    )
-
-
-DDP_TIMEOUT_MIN = 60
-
-
-def collective_timeout() -> timedelta:
-    """How long a rank waits in a collective: an hour (`$USECASES_DDP_TIMEOUT_MIN`), not NCCL's 10 minutes,
-    because at the end of a job the other ranks wait at a barrier while rank 0 alone logs and registers the model,
-    which with a remote store and a large model can pass 10 minutes. The work itself is shared out
-    (common/runtime/sharding.py), so no rank waits long for another's computation."""
-    return timedelta(minutes=float(os.environ.get("USECASES_DDP_TIMEOUT_MIN", DDP_TIMEOUT_MIN)))
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def make_runtime(device: str = "auto", precision: str = "auto", cpu_threads: int | None = None,
                  tf32: bool = False, compile: bool = False) -> Runtime:
-    """Resolve the device and precision, and join the process group when started by torchrun.
-
-    `cpu_threads=1` suits small models, whose steps are shorter than the cost of waking a second thread. `tf32`
-    lets fp32 matrix products and convolutions use TF32 tensor cores on GPUs that have them (compute capability 8+).
-    """
+    """Resolve the device and precision, and join the process group when started by torchrun."""
     rank, local_rank, world_size = distributed_env()
     chosen = select_device(device, local_rank)
     if cpu_threads:
@@ -127,20 +102,17 @@ def make_runtime(device: str = "auto", precision: str = "auto", cpu_threads: int
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     if world_size > 1 and not dist.is_initialized():
         importlib.import_module("torch.distributed.nn")  # before the group exists: see `shutdown`
-
-        dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo", timeout=collective_timeout())
+        # An hour ($USECASES_DDP_TIMEOUT_MIN), not NCCL's 10 minutes: at the end of a job the other ranks wait at a
+        # barrier while rank 0 alone logs and registers the model, which with a remote store can pass 10 minutes.
+        timeout = timedelta(minutes=float(os.environ.get("USECASES_DDP_TIMEOUT_MIN", 60)))
+        dist.init_process_group(backend="nccl" if chosen.type == "cuda" else "gloo", timeout=timeout)
     return Runtime(chosen, select_amp_dtype(chosen, precision), rank, local_rank, world_size, compile)
 
 
 def shutdown(runtime: Runtime) -> None:
-    """Leave the process group, after the ranks' last collective (a rank that leaves closes its connections, and a
-    collective another rank is still in fails). The backend itself closes once no DDP model holds the group either.
-
-    `make_runtime` imports `torch.distributed.nn` before it creates the group, because that module's functions take
-    `group=group.WORLD` as a default argument: imported later (DDP's constructor does, through torch._dynamo), they
-    hold the group forever, `destroy_process_group` cannot free it, and gloo's worker and socket threads run on into
-    interpreter shutdown, where the group is freed with the module and the rank aborts now and then (SIGABRT,
-    "terminate called without an active exception") after a run that had finished well."""
+    """Leave the process group, after the ranks' last collective. `make_runtime` imports `torch.distributed.nn` before
+    it creates the group: imported later (by DDP), its `group=group.WORLD` defaults hold the group forever, gloo's
+    threads run on into interpreter shutdown, and the rank aborts now and then (SIGABRT) after a good run."""
     if runtime.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -149,9 +121,6 @@ def array_module() -> ModuleType:
     """CuPy when it can really reach a GPU, else NumPy: a successful import alone proves nothing."""
     try:
         import cupy
-    except ImportError:
-        return np
-    try:
         return cupy if cupy.is_available() else np
-    except Exception:  # a broken CUDA install raises from inside cupy
+    except Exception:  # not installed, or a broken CUDA install raising from inside cupy
         return np

@@ -1,10 +1,6 @@
-"""Stopping on Ctrl-C or SIGTERM at a safe point, so checkpoints, runs and database connections close cleanly.
-
-An exception raised straight from a signal handler can land inside a lock held by SQLAlchemy or MLflow's
-system-metrics thread and deadlock the shutdown. So the first signal only records the request, and the job
-raises at its next `stop_point()` (every training step, every baseline refit); a second signal stops at once.
-Under DDP the ranks agree once per epoch (see common/training/loop.py), so none is left waiting in a collective.
-"""
+"""Stopping on Ctrl-C or SIGTERM at a safe point, so that checkpoints, runs and database connections close cleanly: an
+exception raised from a signal handler can land inside a lock of SQLAlchemy's or MLflow's threads and deadlock the
+shutdown. The first signal only records the request, raised at the next `stop_point()`; a second stops at once."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ _deferred = 0
 
 
 class Terminated(BaseException):
-    """The job was asked to stop by SIGTERM (as KeyboardInterrupt is for Ctrl-C)."""
+    """SIGTERM's KeyboardInterrupt."""
 
 
 def _exception_for(signum: int) -> BaseException:
@@ -46,16 +42,14 @@ def stop_requested() -> bool:
 
 
 def stop_point() -> None:
-    """Raise KeyboardInterrupt or Terminated here if a stop was requested (and stops are not deferred)."""
     if _requested is not None and not _deferred:
         raise _exception_for(_requested)
 
 
 @contextmanager
 def stops_deferred(active: bool = True) -> Iterator[None]:
-    """Within the block `stop_point()` does nothing: for work that each DDP rank does alone before a collective,
-    after which the ranks agree to stop together. A rank that stopped alone would leave the others waiting in the
-    collective (for an hour, or until gloo reports a lost peer and the run looks FAILED)."""
+    """Within the block `stop_point()` does nothing: for work each DDP rank does alone before a collective, after
+    which the ranks agree to stop together (a rank that stopped alone would leave the others waiting in it)."""
     global _deferred
     _deferred += active
     try:

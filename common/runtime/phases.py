@@ -1,15 +1,6 @@
-"""Where a run's time goes: its phases (the data, each model's fit, evaluation, replay, baselines, the served model,
-logging), timed as they run, logged as `time/<phase>_s` and said in one line at the end, so that any machine shows
-what bounds it and `usecases advise` can tell which parts a GPU, more cores or neither would shorten.
-
-Each phase says how it scales (`SCALES`): `device` work runs as tensor operations on the run's device (a GPU takes
-it), `cores` work is CPU-side and split over the cores (BLAS, a process pool, Dask workers), `serial` work runs on
-one core whatever the machine (Python loops, files, MLflow calls). A phase inside another is counted in the inner
-one only, so the phases add up to at most the run's wall time; the rest is `other`.
-
-    with job.phase("fit/ease", "cores"):
-        scorer = EASE(...)
-"""
+"""Where a run's time goes: its phases, logged as `time/<phase>_s`, each saying how it scales (`device` work runs on
+the run's device, `cores` work is split over the cores, `serial` work runs on one core whatever the machine), so that
+`usecases advise` can tell which parts a GPU, more cores or neither would shorten. A nested phase counts alone."""
 
 from __future__ import annotations
 
@@ -33,7 +24,7 @@ class Phase:
 
 
 class Phases:
-    """A run's phases in the order they first ran; calling it times one (see the module docstring)."""
+    """A run's phases in the order they first ran; calling it times one: `with phases("fit/ease", "cores"):`."""
 
     def __init__(self, device: torch.device | None = None):
         self.device = device
@@ -55,8 +46,7 @@ class Phases:
         finally:
             self._synchronise()
             elapsed = time.perf_counter() - started
-            inner = self._inner.pop()
-            phase.seconds += elapsed - inner
+            phase.seconds += elapsed - self._inner.pop()
             if self._inner:
                 self._inner[-1] += elapsed
 
@@ -72,8 +62,7 @@ class Phases:
         return {TAG: json.dumps({name: phase.scales for name, phase in self.phases.items()})}
 
     def line(self, total_s: float) -> str:
-        """`time: 142 s — fit/sasrec 40 s (28 %), ...` largest first, then what no phase covered; phases under
-        SHOWN_FROM_S are left out of the line (not of the metrics)."""
+        """`time: 142 s — fit/sasrec 40 s (28 %), ...` largest first, then `other`; under SHOWN_FROM_S left out."""
         parts = sorted(self.phases.items(), key=lambda item: -item[1].seconds)
         other = max(total_s - sum(phase.seconds for phase in self.phases.values()), 0.0)
         shown = [(name, phase.seconds) for name, phase in parts if phase.seconds >= SHOWN_FROM_S] + [("other", other)]

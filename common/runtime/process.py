@@ -1,9 +1,6 @@
-"""The process and the machine it runs on: the cores it may use, the DataFrame backend, seeds and determinism, what
-a run sets process-wide (and undoes), and the hardware facts a run is tagged with. `devices.py` holds the device,
-the precision and the DDP environment.
-
-Nothing here imports pandas: `use_gpu_frames` must run before the first pandas import.
-"""
+"""The process and its machine: the cores it may use, the DataFrame backend, seeds and determinism, what a run sets
+process-wide (and undoes), the hardware a run is tagged with, the peak memory of its process tree. Nothing here
+imports pandas: `use_gpu_frames` must run before the first pandas import."""
 
 from __future__ import annotations
 
@@ -13,10 +10,12 @@ import os
 import platform
 import random
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import psutil
 import torch
 
 from common.errors import UserError
@@ -32,11 +31,9 @@ def usable_cores() -> int:
 
 @contextmanager
 def all_cores() -> Iterator[None]:
-    """torch's intra-op threads and the BLAS pools raised to the cores this process may use (shared with the other
-    ranks of this machine under torchrun), then set back: for the large matrix work of a run whose preset keeps one
-    thread for its many small operations."""
+    """torch's and the BLAS pools' threads raised to this rank's share of the cores, then set back: for the large
+    matrix work of a run whose preset keeps one thread for its many small operations."""
     from threadpoolctl import threadpool_limits
-
     threads = torch.get_num_threads()
     cores = max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     torch.set_num_threads(cores)
@@ -48,11 +45,7 @@ def all_cores() -> Iterator[None]:
 
 
 def use_gpu_frames(frames: str = "auto", device: str = "auto") -> str:
-    """Route the pandas API to cuDF when a GPU and cuDF are present and the run may use the GPU (`--device cpu`
-    keeps every part of it on the CPU); returns the backend in use.
-
-    Must run before pandas is first imported, which is why the CLI calls it first.
-    """
+    """Route the pandas API to cuDF where a GPU, cuDF and the run's device allow (before pandas is imported)."""
     if frames not in ("auto", "pandas"):
         raise UserError(f"--frames: expected auto or pandas, got '{frames}'")
     if frames == "pandas" or device == "cpu" or not torch.cuda.is_available():
@@ -66,15 +59,14 @@ def use_gpu_frames(frames: str = "auto", device: str = "auto") -> str:
         return "pandas"
     torch.cuda.set_device(distributed_env()[1])  # under torchrun, cuDF's memory pool goes on this rank's GPU
     import cudf.pandas
-
     cudf.pandas.install()
     return "cudf.pandas"
 
 
 @contextmanager
 def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
-    """Undo what a run sets process-wide (torch threads, deterministic algorithms, cuDNN and TF32 flags, RNG states,
-    environment variables, the levels of `loggers`), so the next run in the same process starts as this one did."""
+    """Undo what a run sets process-wide (threads, determinism, cuDNN and TF32 flags, RNG states, environment, the
+    levels of `loggers`), so that the next run in the same process starts as this one did."""
     threads = torch.get_num_threads()
     deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
                      torch.utils.deterministic.fill_uninitialized_memory)
@@ -87,7 +79,7 @@ def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        _deterministic_algorithms(deterministic[0], deterministic[1])
         torch.utils.deterministic.fill_uninitialized_memory = deterministic[2]
         (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
          torch.backends.cuda.matmul.allow_tf32) = cudnn
@@ -102,23 +94,30 @@ def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
 
 
 def deterministic_on(setting: bool | str, device: torch.device) -> bool:
-    """`runtime.deterministic` as a run on `device` takes it: `auto` is deterministic on a CPU only."""
+    """`auto` is deterministic on a CPU only."""
     return device.type != "cuda" if setting == "auto" else bool(setting)
 
 
 def seed_everything(seed: int, deterministic: bool = True) -> None:
-    """Seed every generator, and turn deterministic algorithms on or, for `deterministic=False`, off (cuDNN then
-    benchmarks its algorithms per shape). Determinism does not fill every new tensor with NaN (torch's debugging aid,
-    a write of each allocation): no code here reads memory it did not write."""
+    """Seed every generator, and turn deterministic algorithms on or off. Determinism does not fill every new
+    tensor with NaN (torch's debugging aid, a write of each allocation): no code here reads memory it did not write."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic  # the fastest convolution algorithms, picked per shape
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    _deterministic_algorithms(deterministic, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def _deterministic_algorithms(enabled: bool, warn_only: bool) -> None:
+    """`torch.use_deterministic_algorithms` where it changes something: it imports torch._inductor (a second or two
+    a process), which a run that keeps torch's default (off) so never pays; `warn_only` means nothing while off."""
+    if enabled != torch.are_deterministic_algorithms_enabled() or \
+            (enabled and warn_only != torch.is_deterministic_algorithms_warn_only_enabled()):
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _cpu_model() -> str:
@@ -134,23 +133,49 @@ def _cpu_model() -> str:
 
 def hardware_info() -> dict[str, str]:
     """What the run ran on, as MLflow tags: enough to compare runs across instance types."""
-    import psutil
-
-    info = {
-        "cpu_model": _cpu_model(),
-        "cpu_cores": str(os.cpu_count()),
-        "cpu_bf16": str(cpu_has_native_bf16()).lower(),  # whether `auto` precision trains in bf16 on this CPU
-        "ram_gb": f"{psutil.virtual_memory().total / 2**30:.1f}",
-        "gpu_count": "0",
-        "gpu_name": "none",
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda or "none",
-    }
+    info = {"cpu_model": _cpu_model(), "cpu_cores": str(os.cpu_count()),
+            "cpu_bf16": str(cpu_has_native_bf16()).lower(),  # whether `auto` precision trains in bf16 on this CPU
+            "ram_gb": f"{psutil.virtual_memory().total / 2**30:.1f}", "gpu_count": "0", "gpu_name": "none",
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda or "none"}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(
-            gpu_count=str(torch.cuda.device_count()),
-            gpu_name=props.name,
-            gpu_memory_gb=f"{props.total_memory / 2**30:.1f}",
-        )
+        info.update(gpu_count=str(torch.cuda.device_count()), gpu_name=props.name,
+                    gpu_memory_gb=f"{props.total_memory / 2**30:.1f}")
     return info
+
+
+def tree_rss_bytes() -> int:
+    """Resident memory of this process and every process below it (gone ones count as 0)."""
+    process = psutil.Process()
+    total = 0
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            total += member.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+class PeakMemory:
+    """`with PeakMemory() as peak:` ... `peak.bytes`: the largest tree RSS seen while it ran, sampled in a thread
+    (Dask and DataLoader workers included): what decides whether a run fits a machine."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="peak-memory", daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.bytes = max(self.bytes, tree_rss_bytes())
+            if self._stop.wait(0.25):
+                return
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.bytes = max(self.bytes, tree_rss_bytes())

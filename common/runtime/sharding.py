@@ -1,8 +1,6 @@
 """Work split across the ranks of a DDP job and put back together, so that evaluation and per-series fits are done
-once in all rather than once on every rank (or on rank 0 while the others wait in a collective).
-
-Without DDP (or with `runtime=None`) every function here is the identity: a rank's share is everything.
-"""
+once in all rather than once on every rank; and what rank 0 alone computes, handed to every rank. Without DDP (or
+`runtime=None`) a rank's share is everything."""
 
 from __future__ import annotations
 
@@ -13,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.errors import UserError
 from common.runtime.devices import Runtime
 
 
@@ -27,15 +26,12 @@ def _distributed(runtime: Runtime | None) -> bool:
 
 
 def my_share(count: int, runtime: Runtime | None) -> slice:
-    """This rank's block of range(count)."""
     if not _distributed(runtime):
         return slice(0, count)
-    start, stop = share_bounds(count, runtime.world_size)[runtime.rank]
-    return slice(start, stop)
+    return slice(*share_bounds(count, runtime.world_size)[runtime.rank])
 
 
 def all_reduce_sum(tensor: torch.Tensor, runtime: Runtime | None) -> torch.Tensor:
-    """The sum over ranks, on every rank."""
     if _distributed(runtime):
         dist.all_reduce(tensor)
     return tensor
@@ -72,10 +68,33 @@ def shared_predictions(predict: Callable[[slice], np.ndarray], count: int, runti
 
 
 def gather_objects(value: Any, runtime: Runtime | None) -> list[Any] | None:
-    """Every rank's `value` in rank order on rank 0 (None elsewhere); for results that are not tensors, such as
-    DataFrames of forecasts. Pickled between the job's own processes only."""
+    """Every rank's `value` (a DataFrame of forecasts, say) in rank order on rank 0, None elsewhere."""
     if not _distributed(runtime):
         return [value]
     gathered = [None] * runtime.world_size if runtime.is_main else None
     dist.gather_object(value, gathered, dst=0)
     return gathered
+
+
+def on_main(runtime: Runtime | None, compute: Callable[[], Any]) -> Any:
+    """`compute()` on rank 0, its value on every rank of a DDP job. Whatever rank 0 raises is raised on every rank
+    (a UserError as itself, anything else as a RuntimeError naming it), so no rank is left in the broadcast."""
+    if not _distributed(runtime):
+        return compute()
+    shared: list[Any] = [None]
+    failure = None
+    if runtime.is_main:
+        try:
+            shared[0] = ("value", compute())
+        except BaseException as exc:
+            failure = exc
+            shared[0] = ("user" if isinstance(exc, UserError) else "error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(shared, src=0)
+    if failure is not None:
+        raise failure
+    kind, value = shared[0]
+    if kind == "user":
+        raise UserError(value.removeprefix("UserError: "))
+    if kind == "error":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value

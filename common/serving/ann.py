@@ -1,17 +1,7 @@
-"""Approximate maximum-inner-product retrieval over a table of vectors with FAISS: the first stage of two-stage
-serving (retrieve candidates from an index, score them exactly, keep the best).
-
-The index is any FAISS `index_factory` string on the inner product (`HNSW32`, `IVF4096,Flat`, `HNSW32,SQ8`), or `auto`:
-both an inverted file of about 4 sqrt(rows) lists (`IVF<lists>,Flat`) and HNSW32 (a graph of 32 links a node),
-each tuned, the faster at the target kept: a graph reaches a high recall at the least effort on factors whose norms
-vary with popularity (ALS on 1,000 items: recall@10 0.998 at efSearch 32, where an inverted file of 25 lists needed
-all 25), but stalls on a million trained item vectors (0.965 from efSearch 64 to 256), where an inverted file always
-reaches the target, its full scan being exact. Its search effort (`efSearch` for HNSW, `nprobe` for IVF) is not guessed but tuned: the least
-effort whose top-k, rescored exactly, holds at least the target share of the exact top-k on sample queries. It is
-stored as FAISS's own serialisation in a uint8 tensor (no pickle), with the shape and a digest of the vectors it
-indexes, so that an index of other vectors is refused in one line. FAISS runs on the CPU: cuVS (CAGRA) is not used
-here, on a GPU too (its run says so in one line).
-"""
+"""Approximate maximum-inner-product retrieval with FAISS (on the CPU), the first stage of two-stage serving: any
+`index_factory` string on the inner product, or `auto` (`VectorIndex.tuned`), its search effort tuned, not guessed.
+Stored as FAISS's serialisation in a uint8 tensor (no pickle) with a digest of the vectors it indexes, so that an
+index of other vectors is refused in one line."""
 
 from __future__ import annotations
 
@@ -24,8 +14,8 @@ import torch
 
 from common.errors import UserError
 
-EFFORTS = {"HNSW": ("efSearch", (16, 32, 64, 128, 256, 512, 1024)), "IVF": ("nprobe", (1, 2, 4, 8, 16, 32, 64, 128,
-                                                                                      256, 512, 1024))}
+EFFORTS = {"HNSW": ("efSearch", (16, 32, 64, 128, 256, 512, 1024)),
+           "IVF": ("nprobe", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))}
 FILTER_ABOVE = 1024  # exclusions of a query beyond which they are filtered inside the search, not over-fetched
 TRAINING_VECTORS = 2**18  # what IVF's k-means and PQ's codebooks train on: 64 vectors a list for 4,096 lists
 
@@ -51,8 +41,7 @@ def vectors_digest(vectors: np.ndarray) -> str:
 
 @dataclass
 class Tuned:
-    """What tuning measured: the effort chosen, the recall it reached and its seconds a query, with every step
-    tried."""
+    """What tuning measured: the effort chosen, its recall and seconds a query, and every effort tried."""
 
     effort: int | None
     recall: float
@@ -73,9 +62,10 @@ class VectorIndex:
     @classmethod
     def tuned(cls, vectors: np.ndarray, spec: str, queries: np.ndarray, k: int, candidates: int, target: float,
               exclude: list[np.ndarray] | None = None, seed: int = 0) -> tuple[VectorIndex, dict[str, Tuned]]:
-        """The index of `spec` with its least effort that reaches `target` (`tune`), and what tuning measured for
-        each index built. `auto` builds an inverted file and a graph and keeps the faster at the target (the higher
-        recall where neither reaches it)."""
+        """The index of `spec` tuned to `target`, and what tuning measured for each index built. `auto` builds an
+        inverted file and HNSW32 and keeps the faster at the target (the higher recall where neither reaches it): a
+        graph reaches a high recall at the least effort on factors whose norms vary with popularity, but stalls at
+        0.965 on a million trained item vectors, where an inverted file's full scan is exact."""
         specs = [f"IVF{inverted_lists(len(vectors))},Flat", "HNSW32"] if spec == "auto" else [spec]
         built, measured = [], {}
         for candidate in specs:
@@ -117,10 +107,9 @@ class VectorIndex:
         self.effort = effort
 
     def search(self, queries: np.ndarray, count: int, exclude: list[np.ndarray] | None = None) -> np.ndarray:
-        """(B, count) row ids, best first by the index's own scores; -1 where fewer rows are left. `exclude[b]`:
-        rows query b must not get. A query with few of them asks for that many more and drops them (an exclusion
-        tested on every vector scanned cost twice the search: 1.2 ms against 0.5 on a million vectors); one with
-        more than `FILTER_ABOVE` is filtered inside the search, so that `count` rows are still found."""
+        """(B, count) row ids, best first by the index's own scores; -1 where fewer rows are left. `exclude[b]`: rows
+        query b must not get. A query with few asks for that many more and drops them (an exclusion tested on every
+        vector scanned cost twice the search); one with more than `FILTER_ABOVE` is filtered inside the search."""
         queries = np.ascontiguousarray(queries, np.float32)
         count = min(count, self.rows)
         if exclude is None:
@@ -150,9 +139,8 @@ class VectorIndex:
 
     def tune(self, queries: np.ndarray, vectors: np.ndarray, k: int, candidates: int, target: float,
              exclude: list[np.ndarray] | None = None) -> Tuned:
-        """The least search effort whose top-k (of `candidates` retrieved, rescored exactly against `vectors`, none
-        of `exclude[b]`) holds at least `target` of the exact top-k of `queries`, on average; the largest tried if
-        none does."""
+        """The least search effort whose top-k (of `candidates` retrieved, rescored exactly) holds at least `target` of
+        the exact top-k of `queries`, on average; the largest tried if none does."""
         exact = exact_top_k(queries, vectors, k, exclude)
         if self.effort_name is None:
             started = time.perf_counter()
@@ -191,8 +179,7 @@ class VectorIndex:
 
     @classmethod
     def from_stored(cls, stored: dict, vectors: np.ndarray, where: str) -> VectorIndex:
-        """The index `stored` describes, checked against the `vectors` it must index (`where` names it in the
-        one line that refuses an index of other vectors)."""
+        """The index `stored` describes, checked against the `vectors` it must index (`where` names it)."""
         faiss = faiss_module()
         try:
             index = faiss.deserialize_index(np.ascontiguousarray(stored["index"].numpy(), np.uint8))
@@ -206,8 +193,7 @@ class VectorIndex:
 
     @classmethod
     def read(cls, path: str, vectors: np.ndarray, spec: str = "file") -> VectorIndex:
-        """An index a user built (`faiss.write_index`), checked against the model's vectors by shape and metric,
-        then by a probe of its answers."""
+        """An index a user built (`faiss.write_index`), checked against the model's vectors."""
         faiss = faiss_module()
         try:
             index = faiss.read_index(str(path))
@@ -233,8 +219,8 @@ class VectorIndex:
                             f"items differ from the model's): it was built for another model")
 
     def _holds(self, vectors: np.ndarray) -> bool:
-        """Whether the index's stored vectors of a seeded sample of rows point as the model's do (cosine above 0.9:
-        an index that quantises its vectors reconstructs them only approximately)."""
+        """Whether the index's vectors of a sample of rows point as the model's do (cosine above 0.9: an index that
+        quantises its vectors reconstructs them only approximately)."""
         faiss = faiss_module()
         rows = np.sort(np.random.default_rng(0).permutation(len(vectors))[:32])
         try:

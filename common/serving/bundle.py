@@ -1,10 +1,6 @@
-"""The bundle a served model loads: what a run saves beside its pyfunc, in a form torch's `weights_only` loader
-reads, so that loading a model never unpickles anything.
-
-Tensors and plain data (str, numbers, bool, None, and dicts, lists and tuples of them) are stored as they are;
-NumPy arrays as lists with their dtype, SciPy sparse matrices as their CSR arrays in tensors (in their own index
-type: int32 below 2**31 non-zeros). Anything else is refused when the bundle is encoded, not when it is served.
-"""
+"""The bundle a served model loads, in a form torch's `weights_only` loader reads, so that loading a model never
+unpickles anything: tensors and plain data as they are, NumPy arrays as lists with their dtype, SciPy sparse matrices
+as their CSR arrays in tensors. Anything else is refused when the bundle is encoded, not when it is served."""
 
 from __future__ import annotations
 
@@ -19,16 +15,6 @@ PLAIN = (str, bytes, int, float, complex, bool, type(None), torch.Tensor, torch.
 CSR, NDARRAY = "__csr__", "__ndarray__"
 
 
-def encode(bundle: dict) -> dict:
-    """The bundle with its arrays and sparse matrices as plain data and tensors, at any depth."""
-    return _encoded(bundle, "bundle")
-
-
-def decode(stored: dict) -> dict:
-    """`encode`'s inverse."""
-    return _decoded(stored)
-
-
 def save_bundle(bundle: dict, path: Path) -> None:
     torch.save(encode(bundle), path)
 
@@ -38,7 +24,8 @@ def load_bundle(path: str | Path) -> dict:
     return decode(torch.load(path, map_location="cpu", weights_only=True))
 
 
-def _encoded(value: Any, where: str) -> Any:
+def encode(value: Any, where: str = "bundle") -> Any:
+    """The bundle with its arrays and sparse matrices as plain data and tensors, at any depth."""
     if sp.issparse(value):
         csr = value.tocsr()
         return {CSR: [torch.from_numpy(np.ascontiguousarray(array)) for array in (csr.data, csr.indices, csr.indptr)],
@@ -46,23 +33,23 @@ def _encoded(value: Any, where: str) -> Any:
     if isinstance(value, np.ndarray):
         return {NDARRAY: value.tolist(), "dtype": str(value.dtype)}
     if isinstance(value, dict):
-        return {key: _encoded(item, f"{where}[{key!r}]") for key, item in value.items()}
+        return {key: encode(item, f"{where}[{key!r}]") for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_encoded(item, f"{where}[{index}]") for index, item in enumerate(value))
+        return type(value)(encode(item, f"{where}[{index}]") for index, item in enumerate(value))
     if isinstance(value, PLAIN) and not isinstance(value, np.generic):  # np.float64 is a float, yet pickled
         return value
     raise TypeError(f"{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be stored without "
                     f"pickling it (store tensors, arrays, sparse matrices or plain data)")
 
 
-def _decoded(value: Any) -> Any:
+def decode(value: Any) -> Any:
     if isinstance(value, dict) and CSR in value:
         data, indices, indptr = (tensor.numpy() for tensor in value[CSR])
         return sp.csr_matrix((data, indices, indptr), shape=tuple(value["shape"]))
     if isinstance(value, dict) and NDARRAY in value:
         return np.array(value[NDARRAY], dtype=value["dtype"])
     if isinstance(value, dict):
-        return {key: _decoded(item) for key, item in value.items()}
+        return {key: decode(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_decoded(item) for item in value)
+        return type(value)(decode(item) for item in value)
     return value

@@ -1,11 +1,6 @@
-"""Micro-batching for an asyncio server: concurrent requests scored as one batch, as Triton's dynamic batcher does.
-
-On a GPU one product for 32 users costs about what one user's costs, so a server that scores each request alone
-leaves the device idle between kernel launches. The first request of a batch waits at most `window_s` for others
-(or until `max_size` are queued), then the batch runs once in a worker thread while the event loop keeps accepting
-the next ones. A batch that fails is retried one request at a time, so a request that cannot be answered fails
-alone and the others get their answers.
-"""
+"""Micro-batching for an asyncio server, as Triton's dynamic batcher does (on a GPU one product for 32 users costs about
+one user's): a batch's first request waits at most `window_s` (or until `max_size` are queued), then runs in a worker
+thread; a batch that fails is retried a request at a time, so that a request that cannot be answered fails alone."""
 
 from __future__ import annotations
 

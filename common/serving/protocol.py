@@ -1,14 +1,7 @@
-"""MLflow's scoring protocol for a use case's own ASGI server: a client of `mlflow models serve` needs no change.
-
-`scoring_routes(predict)` gives `GET /ping`, `GET /health`, `GET /version` and `POST /invocations`; the use case adds
-its own routes beside them. A body is `application/json` with `dataframe_split` or `dataframe_records` and optional
-`params`, or `text/csv` with a header row (no params, as MLflow's server reads it). The hot path has no pandas: the
-JSON is read with orjson into columns of lists, which `predict` gets as a `ScoringInput`; only a CSV body goes through
-pandas, to type its cells as MLflow's server does. `predict` raises `BadInput` for a request it cannot answer: HTTP
-400 with the one line in MLflow's error shape (`{"error_code": ..., "message": ...}`), as for a body that cannot be
-read; an error of `unavailable_errors` (a store gone after the start) is HTTP 503 with its line, so the client may
-retry.
-"""
+"""MLflow's scoring protocol for a use case's own ASGI server, so that a client of `mlflow models serve` needs no
+change: `/ping`, `/health`, `/version` and `POST /invocations` of JSON (`dataframe_split` or `dataframe_records`, and
+`params`) or CSV. The hot path has no pandas: the JSON is read with orjson into columns of lists. `BadInput` is HTTP
+400 with its one line in MLflow's error shape; an error of `unavailable_errors` (a store gone after the start) 503."""
 
 from __future__ import annotations
 
@@ -42,11 +35,9 @@ Predict = Callable[[ScoringInput], Awaitable[Any]]
 
 def scoring_routes(predict: Predict, version: str | None = None,
                    unavailable_errors: tuple[type[Exception], ...] = ()) -> list[Route]:
-    """The protocol's routes around `predict`, whose answer is sent as `{"predictions": ...}` (NumPy values too);
-    `version` is what `/version` answers (default: the installed MLflow's, as MLflow's server answers)."""
+    """Routes around `predict`, its answer sent as `{"predictions": ...}`; `/version` answers `version` or MLflow's."""
     if version is None:
         import mlflow
-
         version = mlflow.__version__
 
     async def ping(request: Request) -> Response:
@@ -118,7 +109,6 @@ def _record_columns(records) -> tuple[dict[str, list], int]:
 def _csv_input(body: bytes) -> ScoringInput:
     """A CSV body read by pandas as MLflow's server reads it (cells typed per column), empty cells None."""
     import pandas as pd
-
     try:
         frame = pd.read_csv(io.BytesIO(body))
     except ValueError as error:  # pandas' ParserError and EmptyDataError, and a bad encoding, are ValueErrors
@@ -128,12 +118,11 @@ def _csv_input(body: bytes) -> ScoringInput:
 
 
 def bad_request(line: str) -> Response:
-    """A request that cannot be answered: HTTP 400, as MLflow's server answers one."""
     return _error(400, "BAD_REQUEST", line)
 
 
 def unavailable(line: str) -> Response:
-    """A service the answer needs failed after the start (a disk full, Redis gone): the client may retry."""
+    """A service the answer needs failed after the start (Redis gone): the client may retry."""
     return _error(503, "TEMPORARILY_UNAVAILABLE", line)
 
 

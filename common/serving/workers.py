@@ -1,13 +1,6 @@
-"""An ASGI app on several uvicorn worker processes, each listening on its own socket of the same address
-(SO_REUSEPORT), so that the kernel spreads the connections over the workers.
-
-uvicorn's own `workers=N` shares one listening socket, and an event loop accepts every pending connection when it
-wakes: the eight keep-alive connections of a serving bench all went to one of two workers (7 to 1, measured), which
-served them alone while the other idled. With a socket each, the kernel hashes each new connection to one of them.
-A worker that dies is started again, as uvicorn's supervisor does, unless workers keep dying as they start (an app
-that cannot load: one line); SIGTERM or SIGINT stops them all. Where the
-platform lacks SO_REUSEPORT (Windows), or for one worker, this is uvicorn's own `run`.
-"""
+"""An ASGI app on several uvicorn worker processes, each on its own socket of one address (SO_REUSEPORT), so that the
+kernel spreads the connections (uvicorn's `workers=N` on one socket: one loop took 7 of a bench's 8 connections). A
+dead worker is restarted unless they keep dying as they start; without SO_REUSEPORT, or for one worker, uvicorn's."""
 
 from __future__ import annotations
 
@@ -29,7 +22,6 @@ QUICK_DEATHS = 6  # a worker killed once is started again; workers that cannot s
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port) that other processes may bind too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,7 +37,6 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 def run_workers(factory: str, host: str, port: int, workers: int, **settings) -> None:
     """Serve the app `factory` ("module:function") on `workers` processes until SIGTERM or SIGINT."""
     import uvicorn
-
     if workers == 1 or not hasattr(socket, "SO_REUSEPORT"):
         uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, **settings)
         return
@@ -82,7 +73,6 @@ def run_workers(factory: str, host: str, port: int, workers: int, **settings) ->
 
 def _worker(factory: str, host: str, port: int, settings: dict) -> None:
     import uvicorn
-
     sock = reuseport_socket(host, port)
     sock.listen(BACKLOG)
     config = uvicorn.Config(factory, factory=True, host=host, port=port, **settings)

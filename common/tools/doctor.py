@@ -1,9 +1,6 @@
-"""`usecases doctor`: can this machine run every use case on its best device, and if not, why and what to do.
-
-Each check is one line: OK, WARN (runs, but slower or with less), FAIL (a use case cannot run as asked) or SKIP (it
-does not apply here), with a fix for each WARN and FAIL. The probes read torch, NVML, CuPy and cuDF where present
-and never initialise more than they must; tests replace them to exercise every message.
-"""
+"""`usecases doctor`: can this machine run every use case on its best device, and if not, why and what to do. Each
+check is one line: OK, WARN (runs, but slower or with less), FAIL (a use case cannot run as asked) or SKIP, with a fix
+for each WARN and FAIL. The probes are arguments, so that tests exercise every message."""
 
 from __future__ import annotations
 
@@ -16,10 +13,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.errors import UserError
+
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 MIN_PYTHON = (3, 10)
 MIN_FREE_DISK_GB = 5  # MedMNIST at 224 px and MovieLens-25M with their caches
-CPU_WHEEL_HINT = "pip install torch --index-url https://download.pytorch.org/whl/cu130 (or the CUDA major you need)"
 
 
 @dataclass(frozen=True)
@@ -42,11 +40,6 @@ def check_python(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Chec
     if tuple(version[:2]) < MIN_PYTHON:
         return Check("python", FAIL, text, f"use Python {'.'.join(map(str, MIN_PYTHON))} or newer")
     return Check("python", OK, text)
-
-
-def check_torch(torch) -> Check:
-    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
-    return Check("torch", OK, f"{torch.__version__}, {build}")
 
 
 def check_driver(torch, nvml) -> Check:
@@ -72,19 +65,18 @@ def check_gpus(torch, device: str) -> list[Check]:
     if device == "cpu":
         return [Check("gpu", SKIP, "--device cpu")]
     if not torch.cuda.is_available():
-        fix = ("this is a CPU-only torch: " + CPU_WHEEL_HINT) if not torch.version.cuda else \
+        fix = ("this is a CPU-only torch: pip install torch --index-url https://download.pytorch.org/whl/cu130 (or "
+               "the CUDA major you need)") if not torch.version.cuda else \
             "check nvidia-smi and CUDA_VISIBLE_DEVICES; or run with --device cpu"
         return [Check("gpu", FAIL, "no CUDA GPU visible to torch: the GPU checks are skipped", fix)]
     checks = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        capability = f"{props.major}.{props.minor}"
         bf16 = "bf16" if props.major >= 8 else "no bf16 (fp16 with a gradient scaler)"
         tf32 = "TF32" if props.major >= 8 else "no TF32"
         checks.append(Check(f"gpu {index}", OK, f"{props.name}, {props.total_memory / 2**30:.1f} GiB, compute "
-                                                f"capability {capability}, {bf16}, {tf32}"))
-    nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
-    if nccl:
+                                                f"capability {props.major}.{props.minor}, {bf16}, {tf32}"))
+    if torch.distributed.is_available() and torch.distributed.is_nccl_available():
         version = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "present"
         checks.append(Check("nccl", OK, f"{version}, for torchrun on several GPUs"))
     else:
@@ -114,8 +106,7 @@ def check_cupy(torch, has_gpu: bool, find=importlib.util.find_spec, load=importl
 
 
 def check_cudf(torch, has_gpu: bool, find=importlib.util.find_spec, run=subprocess.run) -> Check:
-    """cudf.pandas is tried in a child process: it must install before pandas is imported, which has happened
-    here already."""
+    """cudf.pandas is tried in a child process: it must install before pandas is imported, as it is here already."""
     if not has_gpu:
         return Check("cudf", SKIP, "no GPU: DataFrames stay on pandas")
     extra = f"cuda{_major(torch.version.cuda)}"
@@ -151,8 +142,6 @@ def check_disk(folder, usage=shutil.disk_usage) -> Check:
 
 
 def check_tracking(uri: str, reach: Callable[[str], None]) -> Check:
-    from common.errors import UserError
-
     try:
         reach(uri)
     except UserError as error:
@@ -163,12 +152,6 @@ def check_tracking(uri: str, reach: Callable[[str], None]) -> Check:
         if not os.access(folder, os.W_OK):
             return Check("tracking", FAIL, f"{uri}: {folder} is not writable", "fix its permissions")
     return Check("tracking", OK, uri)
-
-
-def check_cpu(native_bf16: bool, cores: int | None, ram_gb: float) -> Check:
-    bf16 = ("native BF16 (AVX512-BF16 or AMX): CPU training uses bf16 where presets say auto" if native_bf16 else
-            "no native BF16: CPU training runs fp32 (convolutional networks train slower)")
-    return Check("cpu", OK, f"{platform.machine()}, {cores} cores, {ram_gb:.0f} GiB RAM, {bf16}")
 
 
 def run_checks(device: str = "auto") -> list[Check]:
@@ -184,15 +167,17 @@ def run_checks(device: str = "auto") -> list[Check]:
     except ImportError:
         nvml = None
     has_gpu = device != "cpu" and torch.cuda.is_available()
-    checks = [check_python(), check_torch(torch), check_driver(torch, nvml), *check_gpus(torch, device),
-              check_cupy(torch, has_gpu), check_cudf(torch, has_gpu), check_nvml_package(has_gpu),
-              check_disk(cache_dir("")), check_tracking(tracking_uri(), check_reachable),
-              check_cpu(cpu_has_native_bf16(), os.cpu_count(), psutil.virtual_memory().total / 2**30)]
-    return checks
+    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
+    bf16 = ("native BF16 (AVX512-BF16 or AMX): CPU training uses bf16 where presets say auto" if cpu_has_native_bf16()
+            else "no native BF16: CPU training runs fp32 (convolutional networks train slower)")
+    ram_gb = psutil.virtual_memory().total / 2**30
+    return [check_python(), Check("torch", OK, f"{torch.__version__}, {build}"), check_driver(torch, nvml),
+            *check_gpus(torch, device), check_cupy(torch, has_gpu), check_cudf(torch, has_gpu),
+            check_nvml_package(has_gpu), check_disk(cache_dir("")), check_tracking(tracking_uri(), check_reachable),
+            Check("cpu", OK, f"{platform.machine()}, {os.cpu_count()} cores, {ram_gb:.0f} GiB RAM, {bf16}")]
 
 
 def verdict(checks: list[Check]) -> tuple[bool, str]:
-    """Whether every use case can run on the best device asked for, and the one line that says so or why not."""
     failed = [check for check in checks if check.status == FAIL]
     if not failed:
         return True, "doctor: this machine can run every use case as asked"

@@ -1,15 +1,8 @@
-"""`make gpu-check`: on a machine with a GPU, one command measures everything GPU-side and writes it down.
-
-A lent GPU machine is short: minutes, its start included. So the steps run in priority order, each with a fixed cap
-(`CAPS`): `usecases doctor --device cuda`, every benchmark, every use case's `default` preset on the GPU, and, for a
-use case with its own server, `usecases bench serve NAME` on the champion the run registered; then, on what is left,
-the `gpu` tests and the whole-slide benchmark (`usecases bench slides NAME`, where a use case has its preset). A step
-gets its cap, or its share of what is left in proportion to the caps still to come when less is left; a step that
-finishes early leaves its time to the later ones. A run writes each model's metrics to its summary as soon as that
-model is done, so a run stopped at its cap still gives the numbers of the models it finished. It writes
-`gpu-report.json` (every step's outcome, the doctor's lines, each run's summary) and `gpu-report.md` (the rows the
-READMEs' GPU tables take, and a table of what ran and what did not). Without a GPU it says so in one line and exits 2.
-"""
+"""`make gpu-check`: on a machine with a GPU, one command measures everything GPU-side into `gpu-report.json` and
+`gpu-report.md` (the rows the READMEs' GPU tables take, and what ran). A lent machine is short, so the steps run in
+priority order, each with a cap (`CAPS`) or its share of what is left: the doctor, every benchmark, every `default`
+preset, `bench serve` where a use case has its own server; then the `gpu` tests and the whole-slide benchmarks. A run
+stopped at its cap still gives the numbers of the models it finished (its summary is written as it goes)."""
 
 from __future__ import annotations
 
@@ -31,14 +24,13 @@ SLIDES_PRESET = "slides-smoke"  # a use case with this preset has a whole-slide 
 # Seconds a priority step may take at most; their sum for the three use cases fits DEFAULT_BUDGET_S with time to spare
 # (a test checks it). The goals on one H200 (issue 31): the three default runs in 15, 45 and 30 s.
 CAPS = {"doctor": 30, "bench": 45, "run": 75, "serve": 45}
-LAST = ("gpu tests", "slides")  # run on what the priority steps leave
 
 
 @dataclass
 class Step:
     name: str
     command: list[str]
-    kind: str = "run"  # a key of CAPS, or one of LAST
+    kind: str = "run"  # a key of CAPS, or "gpu tests" and "slides", run on what the priority steps leave
     returncode: int | None = None
     seconds: float = 0.0
     timeout_s: float = 0.0
@@ -63,8 +55,6 @@ class Step:
 
 
 def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
-    """The steps in priority order: doctor, each benchmark, each default run, each use case's own server against
-    MLflow's; then the gpu tests and the whole-slide benchmarks."""
     cli = [python, "-m", "usecases"]
     steps = [Step("doctor", [*cli, "doctor", "--device", "cuda"], "doctor")]
     steps += [Step(f"bench {case.name}", [*cli, *RunRequest(case, device="cuda", bench=True).command_line()], "bench")
@@ -85,8 +75,7 @@ def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
 
 def execute(steps: list[Step], budget_s: float, run: Callable = subprocess.run,
             clock: Callable[[], float] = time.monotonic) -> list[Step]:
-    """Each step with its timeout (`timeout_for`); a step past it is recorded as stopped, one with no time left as not
-    run."""
+    """Each step with its timeout; a step past it is recorded as stopped, one with no time left as not run."""
     deadline = clock() + budget_s
     with tempfile.TemporaryDirectory() as folder:
         for index, step in enumerate(steps):
@@ -99,8 +88,7 @@ def execute(steps: list[Step], budget_s: float, run: Callable = subprocess.run,
 
 
 def timeout_for(step: Step, remaining: list[Step], left_s: float) -> float:
-    """A priority step: its cap, or less where what is left does not cover the caps of it and the priority steps after
-    it (shared in proportion to them). A last step: an equal share of what is left with the last steps after it."""
+    """A priority step: its cap, or its share of what is left by the caps to come; a last step: an equal share."""
     if step.priority:
         caps = sum(CAPS[later.kind] for later in remaining if later.priority)
         return min(CAPS[step.kind], left_s * CAPS[step.kind] / caps)
@@ -108,7 +96,6 @@ def timeout_for(step: Step, remaining: list[Step], left_s: float) -> float:
 
 
 def _execute_one(step: Step, summary_file: Path, run: Callable, clock: Callable[[], float]) -> None:
-    """One step, with its timeout; its summary kept when it wrote one, whole or partial."""
     command = [*step.command, "--summary", str(summary_file)] if "--preset" in step.command else step.command
     started = clock()
     try:
@@ -123,8 +110,7 @@ def _execute_one(step: Step, summary_file: Path, run: Callable, clock: Callable[
 
 
 def markdown_rows(steps: list[Step], gpu: str, primary: dict[str, tuple[str, str]]) -> list[str]:
-    """The lines of a `| GPU | use case | command | result | wall time |` table for the use case READMEs' GPU
-    tables."""
+    """The rows of the use case READMEs' GPU tables."""
     rows = []
     for step in steps:
         if not step.name.startswith(("run ", "bench ")):
@@ -150,17 +136,14 @@ def markdown_rows(steps: list[Step], gpu: str, primary: dict[str, tuple[str, str
 
 
 def step_table(steps: list[Step]) -> list[str]:
-    """What ran and what did not: each step's outcome, time and timeout."""
     rows = [[step.name, step.state, f"{step.seconds:.0f}", f"{step.timeout_s:.0f}"] for step in steps]
     return render_table(rows, ["step", "outcome", "seconds", "timeout"]).split("\n")
 
 
 def gpu_check(usecases: list[UseCase], out: Path, budget_s: float = DEFAULT_BUDGET_S,
               run: Callable = subprocess.run) -> int:
-    """0 when every step that ran passed (the last steps may be left for time: said so), 1 otherwise, 2 without a
-    GPU."""
+    """0 when every step that ran passed (the last steps may be left for time), 1 otherwise, 2 without a GPU."""
     import torch
-
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU visible to torch on this machine; run it where there is one "
               "(usecases doctor says why)", file=sys.stderr)
@@ -179,8 +162,7 @@ def gpu_check(usecases: list[UseCase], out: Path, budget_s: float = DEFAULT_BUDG
 
 
 def verdict(steps: list[Step]) -> int:
-    """The exit status, with a line for each last step left out for time (not run, or stopped at its share): 1 when
-    a priority step did not pass or a step failed, else 0."""
+    """1 when a priority step did not pass or a step failed, else 0; a line for each last step left out for time."""
     for step in steps:
         if not step.priority and step.returncode in (None, 124):
             why = step.output_tail.removeprefix("not run: ") if step.returncode is None else \

@@ -1,10 +1,8 @@
 """A closed-loop HTTP load generator for the serving bench, run in a process of its own so that its work is not the
 server's: `concurrency` keep-alive connections, each sending its next request when the last is answered, for
-`seconds`, the requests' bodies taken in turn from a JSON list. Prints one JSON object: requests per second, latency
-percentiles in milliseconds, and the errors (non-200 answers and failed connections).
+`seconds`, bodies in turn from a JSON list. Prints one JSON object: requests/s, latency percentiles (ms), errors.
 
-    python -m common.tools.loadgen URL BODIES.json --concurrency 8 --seconds 20
-"""
+    python -m common.tools.loadgen URL BODIES.json --concurrency 8 --seconds 20"""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ WARMUP_S = 1.0  # answers in the first second are not counted: workers warm thei
 
 @dataclass
 class Load:
-    """What every connection of one measurement shares: the target, the bodies sent round-robin, the clock, and the
-    latencies (seconds) and errors counted after the warm-up."""
+    """What every connection of one measurement shares; latencies (seconds) and errors counted after the warm-up."""
 
     host: str
     port: int
@@ -63,7 +60,6 @@ async def _connection(load: Load, offset: int) -> None:
 
 
 async def _response_status(reader: asyncio.StreamReader) -> int:
-    """Reads one response (Content-Length or chunked) and returns its status."""
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])

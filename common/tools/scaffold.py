@@ -1,9 +1,6 @@
-"""Starting a project of one's own from a use case: `usecases new` (a renamed copy inside this clone) and
-`usecases export` (a standalone project with only that use case).
-
-Both write into a hidden folder beside the target and rename it into place at the end, so a refusal or an
-interruption leaves nothing half-made.
-"""
+"""Starting a project of one's own from a use case: `usecases new` (a renamed copy inside this clone) and `usecases
+export` (a standalone project with only that use case). Both write into a hidden folder beside the target and
+rename it into place at the end, so that a refusal or an interruption leaves nothing half-made."""
 
 from __future__ import annotations
 
@@ -37,7 +34,6 @@ SHARED_TESTS = ("tests/__init__.py", "tests/conftest.py", "tests/cli_helpers.py"
 
 
 def clone_root(usecase: UseCase) -> Path:
-    """The clone a use case's folder lives in (`<root>/usecases/NAME`), with its pyproject.toml and tests."""
     root = usecase.folder.parent.parent
     if not (root / "pyproject.toml").is_file() or not (root / "common").is_dir():
         raise UserError(f"use case '{usecase.name}' is installed in {usecase.folder.parent}, not in a clone: "
@@ -46,9 +42,7 @@ def clone_root(usecase: UseCase) -> Path:
 
 
 def rename_text(text: str, old: str, new: str) -> str:
-    """Every reference to use case `old` as a name: its package and folders, experiment and model names, CLI
-    commands and quoted names. The word in ordinary prose is left alone: renaming use case "images" to "scans"
-    keeps "images of the skin"."""
+    """Each reference to use case `old` as a name, not the word in prose ("images" to "scans" keeps "images of")."""
     patterns = [
         (rf"\busecases([./]){old}\b", rf"usecases\g<1>{new}"),
         (rf"\btests([./]){old}\b", rf"tests\g<1>{new}"),
@@ -73,7 +67,6 @@ def _rewrite_tree(folder: Path, old: str, new: str) -> None:
 
 @contextmanager
 def _staging(target: Path) -> Iterator[Path]:
-    """A hidden folder beside `target`, removed unless the caller moved it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
@@ -98,8 +91,7 @@ def check_new_name(name: str, taken: set[str], root: Path) -> None:
 
 
 def new_usecase(source: UseCase, name: str, taken: set[str]) -> list[Path]:
-    """Copy `source` as use case `name`: its package, presets, README and MLproject into usecases/NAME, its tests
-    into tests/NAME, every reference renamed, and its entry point added to pyproject.toml."""
+    """Copy `source` as use case `name` (usecases/NAME, tests/NAME), references renamed, its entry point registered."""
     root = clone_root(source)
     check_new_name(name, taken, root)
     package, tests = root / "usecases" / name, root / "tests" / name
@@ -135,7 +127,7 @@ def _retitle_readme(readme: Path, old: str, new: str) -> None:
 
 
 def register_entry_point(pyproject: Path, name: str, module: str) -> None:
-    """Add `name = "module"` to the entry-point table, so that an installed (not editable) copy finds it too."""
+    """Add `name = "module"` to the entry-point table, so that an installed copy finds it too."""
     if not pyproject.is_file():
         return
     text = pyproject.read_text(encoding="utf-8")
@@ -162,10 +154,9 @@ def _owned_elsewhere(usecase: UseCase, others: list[UseCase], common: Path) -> s
 
 
 def _imported_distributions(folder: Path) -> set[str]:
-    """The distributions whose top-level modules the code in `folder` imports (`yaml` is PyYAML's, and so on)."""
+    """The distributions whose top-level modules the code in `folder` imports (`yaml` is PyYAML's)."""
     import ast
     import importlib.metadata
-
     modules = set()
     for path in folder.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -183,15 +174,18 @@ def _with(required: tuple[str, ...], specifiers: list[str]) -> list[str]:
     return specifiers + [spec for spec in required if _requirement_name(spec) not in present]
 
 
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[\w-]+", key, re.ASCII) else json.dumps(key)
+
+
 def _toml_value(value) -> str:
+    """A TOML string, number or boolean is written as JSON writes it; a long list one item a line."""
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+        items = [_toml_value(item) for item in value]
+        line = "[" + ", ".join(items) + "]"
+        return line if len(line) <= 100 else "[\n" + "".join(f"    {item},\n" for item in items) + "]"
     return json.dumps(value)
 
 
@@ -201,7 +195,6 @@ def export_pyproject(usecase: UseCase, others: list[UseCase], source: Path) -> s
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
-
     project = tomllib.loads(source.read_text(encoding="utf-8"))
     drop = _owned_elsewhere(usecase, others, source.parent / "common")
     keep = _with(usecase.requirements,
@@ -210,45 +203,21 @@ def export_pyproject(usecase: UseCase, others: list[UseCase], source: Path) -> s
               if (kept := [spec for spec in specs if _requirement_name(spec) not in drop])}
     for extra, specs in usecase.optional_requirements.items():
         extras[extra] = _with(specs, extras.get(extra, []))
-    pytest_options = project.get("tool", {}).get("pytest", {}).get("ini_options", {})
-    lines = [
-        "[build-system]",
-        f"requires = {_toml_value(project['build-system']['requires'])}",
-        f"build-backend = {_toml_value(project['build-system']['build-backend'])}",
-        "",
-        "[project]",
-        f"name = {_toml_value(project['project']['name'] + '-' + usecase.name)}",
-        'version = "0.1.0"',
-        f"description = {_toml_value(usecase.description)}",
-        'readme = "README.md"',
-        f"requires-python = {_toml_value(project['project'].get('requires-python', '>=3.10'))}",
-        f"license = {_toml_value(project['project'].get('license', 'Apache-2.0'))}",
-        "dependencies = [", *(f"    {_toml_value(spec)}," for spec in keep), "]",
-        "",
-        "[project.optional-dependencies]",
-        *(f"{extra} = {_toml_value(specs)}" for extra, specs in extras.items()),
-        "",
-        "[project.scripts]",
-        *(f"{name} = {_toml_value(target)}" for name, target in project["project"].get("scripts", {}).items()),
-        "",
-        f'[project.entry-points."{ENTRY_POINT_GROUP}"]',
-        f"{usecase.name} = {_toml_value(usecase.package)}",
-        "",
-        "[tool.setuptools.packages.find]",
-        'include = ["common*", "usecases*"]',
-        "",
-        "[tool.setuptools.package-data]",
-        '"*" = ["presets/*.yaml", "README.md", "MLproject"]',
-        "",
-        "[tool.pytest.ini_options]",
-        *(f"{key} = {_toml_value(value)}" for key, value in pytest_options.items()),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _git_commit(root: Path) -> dict[str, str]:
-    return {"commit": git(root, "rev-parse", "HEAD") or "unknown", "remote": git(root, "remote", "get-url", "origin"),
-            "uncommitted_changes": bool(git(root, "status", "--porcelain"))}
+    tables = {
+        "build-system": {key: project["build-system"][key] for key in ("requires", "build-backend")},
+        "project": {"name": f"{project['project']['name']}-{usecase.name}", "version": "0.1.0",
+                    "description": usecase.description, "readme": "README.md",
+                    "requires-python": project["project"].get("requires-python", ">=3.10"),
+                    "license": project["project"].get("license", "Apache-2.0"), "dependencies": keep},
+        "project.optional-dependencies": extras,
+        "project.scripts": project["project"].get("scripts", {}),
+        f'project.entry-points."{ENTRY_POINT_GROUP}"': {usecase.name: usecase.package},
+        "tool.setuptools.packages.find": {"include": ["common*", "usecases*"]},
+        "tool.setuptools.package-data": {"*": ["presets/*.yaml", "README.md", "MLproject"]},
+        "tool.pytest.ini_options": project.get("tool", {}).get("pytest", {}).get("ini_options", {}),
+    }
+    return "\n".join(f"[{name}]\n" + "".join(f"{_toml_key(key)} = {_toml_value(value)}\n"
+                                              for key, value in table.items()) for name, table in tables.items())
 
 
 LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)#\s]+)(#[^)\s]*)?\)")
@@ -256,8 +225,7 @@ EXAMPLE_PATH = re.compile(r"\bexamples/[\w.-]+")
 
 
 def _linked_pages(readme: Path, root: Path) -> list[Path]:
-    """The clone's pages and example files the use case's README links to or names, relative to the clone: what its
-    guide needs beside it to still resolve in an export."""
+    """The clone's pages and example files the use case's README links to or names, relative to the clone."""
     text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
     wanted = {(readme.parent / target).resolve() for target, _ in LINK.findall(text)}
     wanted |= {root / found for found in EXAMPLE_PATH.findall(text)}
@@ -298,9 +266,8 @@ make test
 
 def export_usecase(usecase: UseCase, others: list[UseCase], folder: Path, force: bool = False) -> Path:
     """Write `folder` as a standalone project of `usecase`: common/, the use case, its tests and the shared test
-    helpers, a pyproject.toml with only what they need, Makefile, CI, README, mlflow/ and UPSTREAM.json.
-
-    It is built beside `folder` and moved in at the end; with `force`, into a non-empty folder, entry by entry."""
+    helpers, a pyproject.toml with only what they need, Makefile, CI, README, mlflow/ and UPSTREAM.json; with
+    `force`, into a non-empty folder, entry by entry."""
     root = clone_root(usecase)
     folder = folder.expanduser().resolve()
     if folder.exists() and not folder.is_dir():
@@ -309,19 +276,15 @@ def export_usecase(usecase: UseCase, others: list[UseCase], folder: Path, force:
         raise UserError(f"export {usecase.name} {folder}: the folder is not empty (choose another, or --force)")
     if folder == root or root in folder.parents or folder in root.parents:
         raise UserError(f"export {usecase.name} {folder}: it overlaps the clone itself; choose a folder outside it")
-    origin = {"usecase": usecase.name, "source": str(root), **_git_commit(root),
+    origin = {"usecase": usecase.name, "source": str(root), "commit": git(root, "rev-parse", "HEAD") or "unknown",
+              "remote": git(root, "remote", "get-url", "origin"),
+              "uncommitted_changes": bool(git(root, "status", "--porcelain")),
               "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with _staging(folder) as staged:
-        shutil.copytree(root / "common", staged / "common", ignore=IGNORED)
-        (staged / "usecases").mkdir()
-        for name in ("__init__.py", "__main__.py"):
-            shutil.copy2(root / "usecases" / name, staged / "usecases" / name)
-        shutil.copytree(root / "usecases" / "cli", staged / "usecases" / "cli", ignore=IGNORED)
+        for relative in ("common", "usecases/__init__.py", "usecases/__main__.py", "usecases/cli", *SHARED_TESTS,
+                         f"tests/{usecase.name}", *PROJECT_FILES, *_linked_pages(usecase.readme, root)):
+            _copy(root / relative, staged / relative)
         shutil.copytree(usecase.folder, staged / "usecases" / usecase.name, ignore=IGNORED)
-        for relative in (*SHARED_TESTS, f"tests/{usecase.name}"):
-            _copy(root / relative, staged / relative)
-        for relative in (*PROJECT_FILES, *_linked_pages(usecase.readme, root)):
-            _copy(root / relative, staged / relative)
         for other in others:  # the shared docs' examples name the other use cases: point them at this one
             _rewrite_tree(staged / "mlflow", other.name, usecase.name)
         (staged / ".ci").mkdir()
@@ -338,8 +301,7 @@ def export_usecase(usecase: UseCase, others: list[UseCase], folder: Path, force:
 
 
 def _replace_entries(staged: Path, folder: Path) -> None:
-    """--force into an existing folder (an earlier export, say, under git): each top-level entry the export writes
-    replaces the one there, whole, so nothing of an earlier export's use case is left; the rest (.git, your data) stays."""
+    """Each top-level entry written replaces the one there whole (none of an earlier export left); the rest stays."""
     for entry in sorted(staged.iterdir()):
         target = folder / entry.name
         if target.is_dir() and not target.is_symlink():

@@ -13,7 +13,6 @@ def compare_runs(usecase: str, metric: str, mode: str):
     """The FINISHED runs of a use case grouped by hardware (GPU name, else CPU model), instance type and precision:
     runs, best primary metric, mean throughput, wall time and cost, best group first."""
     import pandas as pd
-
     mlflow.set_tracking_uri(tracking_uri())
     runs = mlflow.search_runs(experiment_names=[experiment_name(usecase)], filter_string="status = 'FINISHED'")
     if runs.empty:

@@ -1,12 +1,8 @@
-"""The runs of one use case and preset across processes: which are dead, which one `--resume` continues, and where
-each keeps its checkpoints.
-
-A run killed by SIGKILL, the OOM killer or a lost machine never ends itself: it stays RUNNING in MLflow. The next
-start of the same preset marks it KILLED once it is sure the process is gone (on this host: its pid, checked against
-the process's start time so a reused pid does not count; on another host: a heartbeat older than
-`USECASES_STALE_AFTER_S`), which also makes it resumable. Each run keeps its checkpoints in its own folder,
-`<checkpoints>/<experiment>/<preset>/<run id>/`, so two runs of one preset never share or delete each other's.
-"""
+"""The runs of one use case and preset across processes: which are dead, which one `--resume` continues, and where each
+keeps its checkpoints (a folder per run, so that two runs of one preset never delete each other's). A run killed by
+SIGKILL, the OOM killer or a lost machine stays RUNNING in MLflow. The next start of the same preset marks it KILLED,
+which makes it resumable, once it is sure the process is gone: on this host by its pid and start time, on another by a
+heartbeat older than `USECASES_STALE_AFTER_S`."""
 
 from __future__ import annotations
 
@@ -44,7 +40,6 @@ def checkpoint_root(experiment: str, preset: str) -> Path:
 
 
 def process_tags() -> dict[str, str]:
-    """Who runs this run, for the next start to tell whether it is still alive."""
     return {HOST_TAG: socket.gethostname(), PID_NAMESPACE_TAG: pid_namespace(), PID_TAG: str(os.getpid()),
             PID_STARTED_TAG: f"{psutil.Process().create_time():.3f}", HEARTBEAT_TAG: f"{time.time():.0f}"}
 
@@ -62,8 +57,7 @@ def stale_after_s() -> float:
 
 @contextmanager
 def heartbeat(run_id: str, every_s: float | None = None) -> Iterator[None]:
-    """Refresh the run's heartbeat tag in the background while the block runs, three times per stale period at
-    least, so that a live run is never taken for dead."""
+    """Refresh the run's heartbeat tag in the background, three times per stale period at least."""
     every_s = every_s or min(HEARTBEAT_EVERY_S, stale_after_s() / 3)
     stop = threading.Event()
     client = mlflow.MlflowClient()
@@ -85,7 +79,6 @@ def heartbeat(run_id: str, every_s: float | None = None) -> Iterator[None]:
 
 
 def why_dead(tags: dict[str, str], start_time_ms: int, now: float | None = None) -> str | None:
-    """Why a RUNNING run is known to be dead, or None while it may be alive."""
     now = time.time() if now is None else now
     same_host = tags.get(HOST_TAG) == socket.gethostname() and tags.get(PID_NAMESPACE_TAG, "-") == pid_namespace()
     if same_host and PID_TAG in tags:
@@ -95,9 +88,8 @@ def why_dead(tags: dict[str, str], start_time_ms: int, now: float | None = None)
         except psutil.NoSuchProcess:
             alive = False
         return None if alive else f"its process {pid} on this host is gone"
-    stale_after = stale_after_s()
     last_beat = float(tags.get(HEARTBEAT_TAG, start_time_ms / 1000))
-    if now - last_beat > stale_after:
+    if now - last_beat > stale_after_s():
         host = tags.get(HOST_TAG, "an unknown host")
         return f"no heartbeat from {host} for {(now - last_beat) / 60:.0f} min"
     return None
@@ -110,7 +102,7 @@ def _runs_of(experiment_id: str, preset: str, status: str | None = None) -> list
 
 def mark_dead_runs(experiment_id: str, name: str | None, preset: str) -> list[str]:
     """End as KILLED every RUNNING run of this preset whose process is gone, saying so (and, given the use case's
-    `name`, how to resume it; benchmarks do not resume); returns their ids."""
+    `name`, how to resume it); returns their ids."""
     client = mlflow.MlflowClient()
     marked = []
     for run in _runs_of(experiment_id, preset, "RUNNING"):
@@ -126,8 +118,7 @@ def mark_dead_runs(experiment_id: str, name: str | None, preset: str) -> list[st
 
 
 def prune_checkpoints(root: Path, keep: str | None = None) -> None:
-    """Remove the checkpoint folders of runs that can never be resumed: finished, failed or deleted ones. A folder
-    whose run this store does not know stays: it may belong to a run tracked in another store."""
+    """Remove the checkpoints of finished, failed or deleted runs (one of a run unknown here may be another store's)."""
     if not root.is_dir():
         return
     client = mlflow.MlflowClient()
@@ -163,10 +154,9 @@ def resumable_run(experiment_id: str, root: Path, preset: str, params: dict, dat
 
 def interrupted_run(experiment_id: str, name: str | None, root: Path, preset: str, params: dict,
                     data_tags: dict) -> str | None:
-    """For `--resume-if-interrupted` (a recovered spot instance, a restarted pod): the newest run of this preset if
-    it was interrupted and left a checkpoint, else None (start afresh). A newest run still RUNNING is waited for
-    until its heartbeat goes stale, since the restart comes before the old run is known dead; after twice the
-    stale period with a fresh heartbeat it is alive, and refused: two processes would share it."""
+    """For `--resume-if-interrupted` (a spot instance, a restarted pod): the newest run of this preset if it was
+    interrupted and left a checkpoint, else None. One still RUNNING is waited for until its heartbeat goes stale (the
+    restart comes before the old run is known dead); after twice the stale period it is alive, and refused."""
     waited_until = time.time() + 2 * stale_after_s()
     while True:
         mark_dead_runs(experiment_id, name, preset)
@@ -189,16 +179,11 @@ def interrupted_run(experiment_id: str, name: str | None, root: Path, preset: st
 
 
 def _resumable(run, root: Path, params: dict, data_tags: dict) -> str | None:
-    """The run's id where it was interrupted (KILLED) and left a checkpoint, checked to run on the same config and
-    data; else None."""
+    """The run's id where it was KILLED and left a checkpoint, checked to run on the same config and data."""
     state_file = root / run.info.run_id / STATE_FILE
     if run.info.status != "KILLED" or not state_file.is_file():
         return None
-    check_same_job(json.loads(state_file.read_text()), params, data_tags)
-    return run.info.run_id
-
-
-def check_same_job(state: dict, params: dict, data_tags: dict) -> None:
+    state = json.loads(state_file.read_text())
     for key in sorted((set(params) | set(state["params"])) - RESUME_FREE_KEYS):
         if params.get(key) != state["params"].get(key):
             raise UserError(f"--resume: config key '{key}' is {params.get(key)!r} now but was "
@@ -206,3 +191,4 @@ def check_same_job(state: dict, params: dict, data_tags: dict) -> None:
     if state["data"].get("data_sha256") != data_tags.get("data_sha256"):
         raise UserError(f"--resume: the data ({data_tags.get('data_source')}) differs from the interrupted run's "
                         f"({state['data'].get('data_source')}, another SHA-256)")
+    return run.info.run_id

@@ -1,10 +1,7 @@
-"""`usecases report`: a use case's results page, docs/results/NAME.md, generated from the tracking store.
-
-A store holds only the runs of the machines that tracked into it, so the rows are kept in docs/results/NAME.json
-beside the page: a report merges the store's newest FINISHED run per machine, kind (run or benchmark), preset and
-data set into it, a newer run of a key replacing its row, and renders the page from the JSON alone. `--check`
-renders again and compares, so a hand edit of the page is caught without any store.
-"""
+"""`usecases report`: a use case's results page, docs/results/NAME.md, generated from the tracking store. A store holds
+only the runs of the machines that tracked into it, so the rows are kept in docs/results/NAME.json: a report merges the
+store's newest FINISHED run per key into it and renders the page from the JSON alone, which `--check` renders again and
+compares, so that a hand edit is caught without any store."""
 
 from __future__ import annotations
 
@@ -29,12 +26,10 @@ def results_folder() -> Path:
 
 
 def read_store(uri: str):
-    """A client on the store, or one line saying why it cannot be read: a SQLite file that is not there is refused
-    before MLflow would create an empty one."""
+    """A client on the store, or one line saying why not (a SQLite file that is not there is not created empty)."""
     import mlflow
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
-
     check_reachable(uri)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise UserError(f"store {uri}: no such file")
@@ -48,7 +43,7 @@ def read_store(uri: str):
 
 
 def collect(client, name: str, metric: str) -> list[dict]:
-    """The newest FINISHED run of each key in the store, as rows: the use case's runs and its benchmarks."""
+    """The newest FINISHED run of each key in the store, as rows."""
     rows: dict[tuple, dict] = {}
     for kind, suffix in KINDS.items():
         experiment = client.get_experiment_by_name(experiment_name(name + suffix))
@@ -87,8 +82,8 @@ def _row(run, kind: str, metric: str) -> dict:
 
 
 def _results(metrics: dict[str, float], kind: str, metric: str) -> dict[str, float]:
-    """A run: the served model's test and validation primary metric, then every model's test primary metric (the
-    baselines beside it). A benchmark: every model's every test metric."""
+    """A run: the served model's test and validation primary metric, then every model's test primary metric. A
+    benchmark: every model's every test metric."""
     name = metric_name(metric)
     if kind == "run":
         results = {metric: metrics.get(f"primary/{name}"), f"val {metric}": metrics.get(f"primary/val_{name}")}
@@ -119,10 +114,8 @@ def merge(kept: list[dict], new: list[dict]) -> list[dict]:
 
 
 def report(name: str, primary_metric: tuple[str, str], store: str, folder: Path, required: bool = True) -> Path | None:
-    """Merge the store's rows of use case `name` into folder/NAME.json and render folder/NAME.md from it. Without
-    finished runs in the store: one line when `required`, else the page is rendered from what the JSON keeps (None
-    when it keeps nothing either)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Merge the store's rows into folder/NAME.json and render folder/NAME.md from it. Without finished runs in the
+    store: one line when `required`, else the page is rendered from the JSON (None when it keeps nothing either)."""
     source = folder / f"{name}.json"
     kept = json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {"rows": []}
     new = collect(read_store(store), name, primary_metric[0])
@@ -138,7 +131,7 @@ def report(name: str, primary_metric: tuple[str, str], store: str, folder: Path,
 
 
 def check(name: str, folder: Path) -> None:
-    """One line when folder/NAME.md is not what folder/NAME.json renders (a hand edit, or a page never rendered)."""
+    """One line when folder/NAME.md is not what folder/NAME.json renders."""
     source, page = folder / f"{name}.json", folder / f"{name}.md"
     if not source.is_file():
         raise UserError(f"{source} is missing: write it with `usecases report {name}`")
@@ -149,7 +142,6 @@ def check(name: str, folder: Path) -> None:
 
 
 def pages(folder: Path) -> list[str]:
-    """The use cases with a page or its JSON in the folder."""
     return sorted({path.stem for pattern in ("*.md", "*.json") for path in folder.glob(pattern)})
 
 

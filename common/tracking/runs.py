@@ -1,8 +1,5 @@
-"""MLflow tracking: the local SQLite store by default, one experiment per use case, one run per job.
-
-A run ends FINISHED, FAILED or KILLED, and only rank 0 of a DDP job writes. A process killed outright (SIGKILL,
-the OOM killer) cannot end its run: the next start of that preset does (common/tracking/lifecycle.py).
-"""
+"""MLflow tracking: one experiment per use case, one run per job, ended FINISHED, FAILED or KILLED (a process killed
+outright cannot end its run: the next start of that preset does, `lifecycle.py`); only rank 0 of a DDP job writes."""
 
 from __future__ import annotations
 
@@ -31,7 +28,6 @@ log = logging.getLogger(__name__)
 EXPERIMENT_PREFIX = "gpu-usecases"
 # Without a kind, MLflow 3's UI opens an experiment on its GenAI pages (traces, tokens); these are model training.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-DESCRIPTION_TAG = "mlflow.note.content"
 SYSTEM_METRICS_INTERVAL_S = 2  # MLflow's 10 s default misses the short smoke runs (3 s of tracked time) entirely
 
 
@@ -40,21 +36,17 @@ def experiment_name(usecase: str) -> str:
 
 
 def ensure_experiment(usecase: str, description: str | None = None) -> str:
-    """The use case's experiment id, tagged as model training and described (the UI's description panel).
-
-    With a SQLite store, artifacts go to `artifacts/` beside the database file (mlflow/artifacts/ for the
-    default store) rather than MLflow's fallback `./mlruns` in whatever folder the run started from.
-    """
+    """The use case's experiment id, tagged as model training and described. With a SQLite store, artifacts go to
+    `artifacts/` beside the database rather than MLflow's `./mlruns` in whatever folder the run started from."""
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
     name = experiment_name(usecase)
-    tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, **({DESCRIPTION_TAG: description} if description else {})}
+    tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, **({"mlflow.note.content": description} if description else {})}
     experiment = mlflow.get_experiment_by_name(name)
     if experiment is None:
         artifact_location = None
         if uri.startswith("sqlite:///"):
-            database = Path(uri.removeprefix("sqlite:///"))
-            artifact_location = (database.parent / "artifacts" / name).as_uri()
+            artifact_location = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts" / name).as_uri()
         try:
             return mlflow.create_experiment(name, artifact_location=artifact_location, tags=tags)
         except mlflow.exceptions.MlflowException:  # another run created it in the meantime
@@ -87,15 +79,11 @@ MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 
 class Tracker:
-    """Logging calls that write on the main rank and do nothing elsewhere.
-
-    Metrics are kept and written in batches (`MlflowClient.log_batch`, up to MAX_BATCH a call), at most FLUSH_EVERY_S
-    after they were logged and when the run ends: one call per metric per epoch, on a database or a server across the
-    network, would cost more than a small model's epoch. `flush` writes what is waiting."""
+    """Writes on the main rank only; metrics in batches, at most FLUSH_EVERY_S after they were logged: a call per metric
+    per epoch to a remote store would cost more than a small model's epoch."""
 
     def __init__(self, active: bool, run_id: str | None = None):
-        self.active = active
-        self.run_id = run_id
+        self.active, self.run_id = active, run_id
         self.pending: list = []
         self.last_flush = time.monotonic()
 
@@ -103,7 +91,6 @@ class Tracker:
         if not self.active:
             return
         from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
         self.pending += [Metric(metric_name(key), float(value), now, step or 0) for key, value in metrics.items()
                          if value is not None and math.isfinite(value)]
@@ -136,16 +123,12 @@ class Tracker:
 
 
 def log_dataset(tags: dict[str, Any], context: str = "training") -> None:
-    """The run's data as an MLflow dataset input (the runs table's Dataset column and lineage): its source (a file
-    or folder, else the use case's own name for it such as `package:name`), digest and schema.
-
-    Reads the data tags every use case's `load_data` returns: `data_source`, `data_sha256`, and optionally
-    `data_path` and `data_schema` (`name:type` pairs separated by commas, MLflow's column types)."""
+    """The run's data as an MLflow dataset input, from the data tags of `load_data`: `data_source`, `data_sha256`, and
+    optionally `data_path` and `data_schema` (`name:type` pairs separated by commas)."""
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.types import ColSpec, Schema
-
     path = tags.get("data_path")
     if path:
         with warnings.catch_warnings():  # "file:" is registered twice inside MLflow; either is the same source
@@ -158,27 +141,26 @@ def log_dataset(tags: dict[str, Any], context: str = "training") -> None:
         schema = Schema([ColSpec(kind, name) for name, kind in
                          (pair.split(":") for pair in str(tags["data_schema"]).split(","))])
     dataset = MetaDataset(source, name=str(tags["data_source"]), digest=str(tags["data_sha256"])[:12], schema=schema)
-    try:
-        mlflow.log_input(dataset, context=context)
-    except mlflow.exceptions.MlflowException as exc:
-        if not is_unique_violation(exc):
-            raise
-        # Runs started together on the same data each insert the experiment's new dataset; the store keeps the
-        # first and refuses the others. Logged again, it is found and linked.
-        mlflow.log_input(dataset, context=context)
+    # Runs started together on the same data each insert the experiment's new dataset; the store keeps the first and
+    # refuses the others. Logged again, it is found and linked.
+    again_if_raced(mlflow.log_input, dataset, context=context)
 
 
 UNIQUE_VIOLATIONS = ("unique constraint", "duplicate entry", "duplicate key")  # SQLite, MySQL, PostgreSQL
 
 
-def is_unique_violation(exc: Exception) -> bool:
-    """A row that another process inserted a moment before: what the tracking stores say then, in their words."""
-    return any(words in str(exc).lower() for words in UNIQUE_VIOLATIONS)
+def again_if_raced(call, *args, **kwargs) -> None:
+    """`call`, and once more where the store refused a row that another process inserted a moment before."""
+    try:
+        call(*args, **kwargs)
+    except mlflow.exceptions.MlflowException as exc:
+        if not any(words in str(exc).lower() for words in UNIQUE_VIOLATIONS):
+            raise
+        call(*args, **kwargs)
 
 
 def check_project_run(usecase: str, experiment_id: str, resuming: bool) -> None:
-    """Under `mlflow run`, MLFLOW_RUN_ID names the run MLflow created, and `mlflow.start_run()` continues it whatever
-    experiment it is in: it has to be the use case's, else the run would land in `Default`."""
+    """Under `mlflow run`, `mlflow.start_run()` continues MLFLOW_RUN_ID's run whatever its experiment: ours."""
     env_run_id = os.environ.get("MLFLOW_RUN_ID")
     if not env_run_id:
         return
@@ -192,16 +174,8 @@ def check_project_run(usecase: str, experiment_id: str, resuming: bool) -> None:
 
 
 @contextmanager
-def tracked_run(
-    usecase: str,
-    config,
-    tags: dict[str, Any],
-    *,
-    is_main: bool = True,
-    run_id: str | None = None,
-    run_name: str | None = None,
-    description: str | None = None,
-) -> Iterator[Tracker]:
+def tracked_run(usecase: str, config, tags: dict[str, Any], *, is_main: bool = True, run_id: str | None = None,
+                run_name: str | None = None, description: str | None = None) -> Iterator[Tracker]:
     """One MLflow run around a job; `run_id` reopens an earlier run, as `--resume` does."""
     if not is_main:
         yield Tracker(active=False)
@@ -210,9 +184,8 @@ def tracked_run(
     check_project_run(usecase, experiment_id, resuming=run_id is not None)
     mlflow.set_system_metrics_sampling_interval(
         float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", SYSTEM_METRICS_INTERVAL_S)))
-    run = mlflow.start_run(
-        run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=run_name, log_system_metrics=True
-    )
+    run = mlflow.start_run(run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=run_name,
+                           log_system_metrics=True)
     tracker = Tracker(active=True, run_id=run.info.run_id)
     tags = {**tags, **process_tags()}
     try:

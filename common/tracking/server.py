@@ -1,6 +1,5 @@
-"""The team's tracking server (`usecases server`): the `mlflow server` command on a store, its database checked
-first, and the environment of MLflow's basic-auth app, so that a wrong address or password is one line here rather
-than a traceback of every worker."""
+"""The team's tracking server (`usecases server`): the `mlflow server` command, its database and MLflow's basic-auth
+app checked first, so that a wrong address or password is one line here rather than a traceback of every worker."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from common.tracking.stores import server_stores
 
 @dataclass(frozen=True)
 class ServerRequest:
-    """What `usecases server` was asked for."""
-
     host: str = "127.0.0.1"
     port: int = 5000
     backend_store_uri: str | None = None
@@ -28,8 +25,7 @@ class ServerRequest:
 
 
 def server_command(request: ServerRequest) -> tuple[list[str], str]:
-    """The `mlflow server` command line for `request`, its databases checked and its login set up, and the lines
-    that tell a team how to track into it."""
+    """The `mlflow server` command line, and the lines that tell a team how to track into it."""
     store, artifacts = server_stores(request.backend_store_uri, request.artifacts_destination)
     if not request.auth and (request.auth_database_uri or request.default_permission):
         raise UserError("--auth-database-uri and --default-permission go with --auth")
@@ -55,12 +51,8 @@ AUTH_PASSWORD_MIN_LENGTH = 12  # MLflow's rule for every password of its basic-a
 
 
 def basic_auth(store: str, auth_database_uri: str | None, default_permission: str | None, port: int) -> str:
-    """Set up the environment of MLflow's basic-auth app (its configuration file, the admin's password, the key of
-    its forms) and check its database; returns the admin's user name. The password is only read from
-    MLFLOW_AUTH_ADMIN_PASSWORD, and only matters on the first start, when the admin user is created.
-
-    The configuration, which may hold the database's password, is a file of this user only (0600) that the server
-    reads at each start of a worker: ~/.cache/gpu-usecases/server/auth-PORT.ini, written again at each start."""
+    """Set up MLflow's basic-auth app and check its database; the admin's user name. MLFLOW_AUTH_ADMIN_PASSWORD only
+    matters on the first start, which creates the admin; the config (the database's password) is written 0600."""
     import configparser
     import importlib.util
     import secrets
@@ -117,7 +109,6 @@ def basic_auth(store: str, auth_database_uri: str | None, default_permission: st
 def without_password(uri: str) -> str:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
-
     try:
         return make_url(uri).render_as_string(hide_password=True)
     except (ArgumentError, ValueError):
@@ -129,7 +120,6 @@ def _database_engine(uri: str, source: str):
     import sqlalchemy
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
     from sqlalchemy.pool import NullPool
-
     try:
         url = sqlalchemy.engine.make_url(uri)
     except (ArgumentError, ValueError):
@@ -144,13 +134,11 @@ def _database_engine(uri: str, source: str):
 
 
 def check_database(uri: str, source: str) -> None:
-    """Connect to the database the server would use: an unreachable host, a wrong password or a missing database
-    is one line naming the host and port, and why."""
+    """An unreachable host, a wrong password or a missing database: one line naming the host and port, and why."""
     if uri.startswith("sqlite:"):
         return  # a file, made if missing
     from sqlalchemy import text
     from sqlalchemy.exc import DBAPIError
-
     url, engine = _database_engine(uri, source)
     try:
         with engine.connect() as connection:
@@ -165,10 +153,8 @@ def check_database(uri: str, source: str) -> None:
 
 
 def _database_reason(exc) -> str:
-    """What the database's driver said, in one line: 'Connection refused', 'password authentication failed for
-    user "mlflow"', 'database "mlflow" does not exist'."""
+    """What the database's driver said, in one line: 'password authentication failed for user "mlflow"'."""
     import re
-
     said = " ".join(str(getattr(exc, "orig", None) or exc).split("\n")[0].split())
     said = re.sub(r"^(connection failed: )?connection to server at [^,]+, port \d+ failed: ", "", said)
     return re.sub(r"^FATAL: +", "", said).strip() or type(exc).__name__
@@ -178,7 +164,6 @@ def _has_user(uri: str, username: str) -> bool:
     """Whether the basic-auth app's database already holds `username` (its admin, made on the first start)."""
     from sqlalchemy import text
     from sqlalchemy.exc import SQLAlchemyError
-
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         return False
     _, engine = _database_engine(uri, "--auth-database-uri")

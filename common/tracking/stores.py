@@ -1,6 +1,5 @@
-"""Where runs are tracked: the local SQLite store by default, else MLFLOW_TRACKING_URI's server or database; what
-`usecases server` serves; and a server that cannot be reached or refuses the login, said in one line before any
-work starts."""
+"""Where runs are tracked (the local SQLite store, else MLFLOW_TRACKING_URI's), what `usecases server` serves, and a
+server that cannot be reached or refuses the login, said in one line before any work starts."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ def tracking_uri() -> str:
 
 
 def server_stores(backend_store_uri: str | None, artifacts_destination: str | None) -> tuple[str, str]:
-    """What `usecases server` serves: the store named by --backend-store-uri, else by MLFLOW_TRACKING_URI, else the
-    local one; artifacts in --artifacts-destination (a folder or a URI such as s3://bucket/path), else beside a
-    SQLite store (the layout that runs tracked straight into that store use)."""
+    """The store named by --backend-store-uri, else by MLFLOW_TRACKING_URI, else the local one; artifacts in
+    --artifacts-destination, else beside a SQLite store (where runs tracked straight into it put them)."""
     store = backend_store_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
     source = "--backend-store-uri" if backend_store_uri else "MLFLOW_TRACKING_URI"
     if store.startswith(("http://", "https://")):
@@ -49,8 +47,8 @@ def server_stores(backend_store_uri: str | None, artifacts_destination: str | No
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, before any training, when a tracking server cannot be reached (MLflow itself would retry
-    for minutes, and only when the run starts)."""
+    """Fail in seconds, before any training, when a tracking server cannot be reached (MLflow would retry for
+    minutes) or refuses the login (401 to a client without the right one): one line instead of MLflow's traceback."""
     if not uri.startswith(("http://", "https://")):
         return
     try:
@@ -59,15 +57,8 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise UserError(f"MLFLOW_TRACKING_URI {uri}: the tracking server cannot be reached ({reason})") from None
-    check_login(uri, timeout_s)
-
-
-def check_login(uri: str, timeout_s: float = 5.0) -> None:
-    """A server with a login (`usecases server --auth`) answers 401 to a client without the right one: one line,
-    before any training, instead of MLflow's traceback at the run's first call."""
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
-
     try:
         response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
                                 max_retries=0, timeout=timeout_s, params={"max_results": 1})

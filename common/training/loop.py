@@ -1,12 +1,6 @@
-"""The training loop every torch model goes through.
-
-A use case gives it a model, its optimizer, a step function (model, batch) -> loss, the runtime and a `TrainSpec`
-(`common.training.spec`: epochs, the metric to monitor, checkpoints, logging); the loop trains and validates each
-epoch with mixed precision, gradient clipping, throughput and data-wait share, and DDP when started by torchrun, and
-resumes from a checkpoint. Everything else it does around the epochs is a callback (`common.training.callbacks`):
-early stopping with the best weights kept, checkpoints and the ranks' random streams, progress, the workload probe,
-and whatever a use case passes as `callbacks=[...]`.
-"""
+"""The training loop every torch model goes through: a model, its optimizer, a step function (model, batch) -> loss,
+the runtime and a `TrainSpec`, trained and validated each epoch with mixed precision, gradient clipping and DDP when
+started by torchrun. Everything else around the epochs is a callback (`common.training.callbacks`)."""
 
 from __future__ import annotations
 
@@ -19,7 +13,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, WeightedRandomSampler
@@ -27,10 +20,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, WeightedRa
 from common.errors import UserError
 from common.runtime.interrupt import Terminated, stop_point, stop_requested
 from common.runtime.devices import Runtime
-from common.training.callbacks import Callback
-from common.training.checkpoint import CHECKPOINT_NAME, Checkpoint, RankRandomStreams
-from common.training.early_stopping import EarlyStopping
-from common.training.progress import Progress
+from common.runtime.sharding import all_reduce_max, all_reduce_sum
+from common.training.callbacks import (CHECKPOINT_NAME, Callback, Checkpoint, EarlyStopping, Progress,
+                                       RankRandomStreams)
 from common.training.spec import Step, TrainSpec
 from common.training.workload import WorkloadProbe
 
@@ -49,25 +41,15 @@ def supervised(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) ->
 
 
 class TensorBatches:
-    """Mini-batches sliced from tensors already in memory (on the GPU when there is one).
-
-    Per-item indexing through a DataLoader costs more than the model itself for small tabular or image
-    data that fits in memory; this shuffles indices once per epoch and slices, sharded by rank under DDP.
-    With `weights`, each epoch draws as many rows with replacement in proportion to them (a weighted sampler).
-    With `max_batches`, an epoch stops after that many batches of its shuffled order (a fresh sample each epoch).
-    """
+    """Mini-batches sliced from tensors already in memory, sharded by rank under DDP: per-item indexing through a
+    DataLoader costs more than a small model itself. With `weights`, each epoch draws as many rows with replacement
+    in proportion to them; with `max_batches`, an epoch stops after that many batches (a fresh sample each epoch)."""
 
     def __init__(self, *tensors: torch.Tensor, batch_size: int, shuffle: bool = True, seed: int = 0,
                  rank: int = 0, world_size: int = 1, weights: torch.Tensor | None = None,
                  max_batches: int | None = None):
-        self.tensors = tensors
-        self.max_batches = max_batches
-        self.weights = weights
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
+        self.tensors, self.batch_size, self.shuffle, self.seed = tensors, batch_size, shuffle, seed
+        self.rank, self.world_size, self.weights, self.max_batches = rank, world_size, weights, max_batches
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -107,19 +89,14 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 def make_optimizer(name: str, parameters: Iterable, runtime: Runtime, **options) -> torch.optim.Optimizer:
-    """Adam or AdamW updating every parameter in one fused kernel where the device has one (CPU and CUDA): the
-    per-parameter loop of the default implementation is a launch per tensor and operation, which bounds small models
-    on a GPU and costs a tenth of a step on a CPU."""
-    fused = runtime.device.type in ("cpu", "cuda")
-    return OPTIMIZERS[name](parameters, fused=fused or None, **options)
+    """Adam or AdamW in one fused kernel where the device has one: the default's launch per tensor and operation
+    bounds small models on a GPU and costs a tenth of a step on a CPU."""
+    return OPTIMIZERS[name](parameters, fused=runtime.device.type in ("cpu", "cuda") or None, **options)
 
 
 def make_loader(dataset: Dataset, batch_size: int, runtime: Runtime, *, shuffle: bool = True,
                 num_workers: int = 0, seed: int = 0, weights: torch.Tensor | None = None) -> DataLoader:
-    """A DataLoader for data that does not fit in memory: workers, pinned memory, and a DistributedSampler.
-
-    `weights` draws rows with replacement in proportion to them; not under DDP, whose sampler shards by rank.
-    """
+    """A DataLoader for data that does not fit in memory; `weights` draws rows in proportion to them (not under DDP)."""
     sampler = None
     if weights is not None:
         if runtime.distributed:
@@ -127,21 +104,14 @@ def make_loader(dataset: Dataset, batch_size: int, runtime: Runtime, *, shuffle:
         sampler = WeightedRandomSampler(weights.double(), len(dataset), generator=torch.Generator().manual_seed(seed))
     elif runtime.distributed:
         sampler = DistributedSampler(dataset, runtime.world_size, runtime.rank, shuffle=shuffle, seed=seed)
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle and sampler is None,
-        sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=runtime.device.type == "cuda",
-        persistent_workers=num_workers > 0,
-    )
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
+                      num_workers=num_workers, pin_memory=runtime.device.type == "cuda",
+                      persistent_workers=num_workers > 0)
 
 
 def synchronised_batch_norm(model: nn.Module, runtime: Runtime) -> nn.Module:
-    """Batch norm over the global batch under DDP on GPUs: each rank's batch is 1/world_size of it, and statistics
-    of a small per-GPU batch are noisy. SyncBatchNorm runs on CUDA only, so CPU (gloo) jobs keep per-rank batch norm.
-    The parameters and buffers keep their names, so checkpoints and logged weights load into plain BatchNorm."""
+    """Batch norm over the global batch under DDP on GPUs (a small per-GPU batch's statistics are noisy); CPU
+    (gloo) jobs keep per-rank batch norm. The names stay, so that checkpoints load into plain BatchNorm."""
     if runtime.distributed and runtime.device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
@@ -151,8 +121,8 @@ def all_reduce_mean(values: dict[str, float], runtime: Runtime) -> dict[str, flo
     if not runtime.distributed or not values:
         return values
     keys = sorted(values)
-    tensor = torch.tensor([float(values[key]) for key in keys], dtype=torch.float64, device=runtime.device)
-    dist.all_reduce(tensor)
+    tensor = all_reduce_sum(torch.tensor([float(values[key]) for key in keys], dtype=torch.float64,
+                                         device=runtime.device), runtime)
     return dict(zip(keys, (tensor / runtime.world_size).tolist()))
 
 
@@ -161,9 +131,7 @@ def stop_if_any_rank_asked(runtime: Runtime) -> None:
     if not runtime.distributed:
         stop_point()
         return
-    flag = torch.tensor([float(stop_requested())], device=runtime.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
+    if all_reduce_max(float(stop_requested()), runtime):
         stop_point()
         raise Terminated("another rank was asked to stop")
 
@@ -178,29 +146,19 @@ class FitResult:
 
 
 class Trainer:
-    """Fits `model` with `optimizer` (and `scheduler`, stepped after each epoch) through `step` as `spec` says.
-    `callbacks` are added to the trainer's own (see `common.training.callbacks` for the hooks and their order);
-    `trainer.callbacks` is the list a fit calls."""
+    """Fits `model` through `step` as `spec` says (`scheduler` stepped after each epoch); `callbacks` join its own."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        step: Step,
-        runtime: Runtime,
-        spec: TrainSpec,
-        *,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        callbacks: Iterable[Callback] = (),
-    ):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: Step, runtime: Runtime,
+                 spec: TrainSpec, *, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                 callbacks: Iterable[Callback] = ()):
         settings = spec.settings
         early_stopping = EarlyStopping(spec.monitor, spec.mode, settings.patience, spec.tie_break)
         self.runtime = runtime
         self.model = synchronised_batch_norm(model, runtime).to(runtime.device)
         self.module = self.model
         if runtime.distributed:
-            device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=device_ids)
+            self.model = DistributedDataParallel(self.model, device_ids=[runtime.device.index]
+                                                 if runtime.device.type == "cuda" else None)
         if runtime.compile:
             self.model = torch.compile(self.model)  # trains compiled; validation and checkpoints use `module`
         self.optimizer = optimizer
@@ -209,8 +167,7 @@ class Trainer:
         self.scheduler = scheduler
         self.log_metrics = spec.log_metrics or (lambda metrics, step: None)
         self.predict = spec.predict or getattr(step, "predict", None)
-        fp16 = runtime.amp_dtype == torch.float16
-        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=fp16)
+        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.amp_dtype == torch.float16)
         self.callbacks: list[Callback] = [RankRandomStreams(runtime), early_stopping,
                                           Progress(spec.monitor, early_stopping), *callbacks]
         if spec.checkpoint_dir is not None:
@@ -226,16 +183,9 @@ class Trainer:
         self.samples_per_epoch = 0
 
     def state_dict(self, finished: bool) -> dict:
-        """The checkpoint after `self.epoch`: the trainer's state and every callback's; every rank calls it together."""
-        state = {
-            "epoch": self.epoch,
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler": self.scaler.state_dict(),
-            "history": self.history,
-            "finished": finished,
-        }
+        state = {"epoch": self.epoch, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                 "scaler": self.scaler.state_dict(), "history": self.history, "finished": finished}
         for callback in self.callbacks:
             own = callback.state_dict()
             if clash := own.keys() & state.keys():
@@ -253,19 +203,13 @@ class Trainer:
         for callback in self.callbacks:
             callback.load_state_dict(state)
 
-    def _checkpoint_to_resume(self) -> dict | None:
-        checkpoint = next((callback for callback in self.callbacks if isinstance(callback, Checkpoint)), None)
-        return checkpoint.read() if checkpoint is not None else None
-
     def _train_epoch(self, batches: Iterable) -> dict[str, float]:
-        """One pass over `batches`. Nothing in a step reads a value back from the device (the loss is summed there and
-        read once, after the epoch), so on a GPU the host queues step after step without waiting; the amp context
-        and the gradient scaler are entered only where they do something, and the batch hooks are called only for
-        the callbacks that have one."""
+        """One pass over `batches`. Nothing in a step reads a value back from the device (the loss is summed there),
+        so that on a GPU the host queues step after step without waiting."""
         self.model.train()
         device, amp_dtype = self.runtime.device, self.runtime.amp_dtype
         autocast = partial(torch.autocast, device.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext
-        scaled, clip = self.scaler.is_enabled(), self.spec.settings.grad_clip
+        clip = self.spec.settings.grad_clip
         parameters = list(self.model.parameters()) if clip else []
         # A model of independent members (an ensemble with stacked parameters) clips each member's gradient alone.
         clip_gradients = getattr(self.module, "clip_grad_norm_", None) or partial(nn.utils.clip_grad_norm_, parameters)
@@ -290,18 +234,12 @@ class Trainer:
             with autocast():
                 loss = self.step(self.model, batch).float()
             self.optimizer.zero_grad(set_to_none=True)
-            if scaled:
-                self.scaler.scale(loss).backward()
-                if clip:
-                    self.scaler.unscale_(self.optimizer)
-                    clip_gradients(clip)
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                loss.backward()
-                if clip:
-                    clip_gradients(clip)
-                self.optimizer.step()
+            self.scaler.scale(loss).backward()  # a scaler that is not enabled (not fp16) passes each call through
+            if clip:
+                self.scaler.unscale_(self.optimizer)
+                clip_gradients(clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
             size = len(batch[0])
             total_loss.add_(loss.detach(), alpha=size)  # summed on the device: no sync per step
             samples += size
@@ -312,25 +250,19 @@ class Trainer:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
         self.samples_per_epoch = samples * self.runtime.world_size
-        return {
-            "train/loss": total_loss.item() / max(samples, 1),
-            "throughput/samples_per_s": samples * self.runtime.world_size / max(elapsed, 1e-9),
-            "time/data_wait_share": wait / max(elapsed, 1e-9),
-        }
+        return {"train/loss": total_loss.item() / max(samples, 1),
+                "throughput/samples_per_s": samples * self.runtime.world_size / max(elapsed, 1e-9),
+                "time/data_wait_share": wait / max(elapsed, 1e-9)}
 
     def fit(self, batches: Iterable, validate: Callable[[nn.Module], dict[str, float]],
             resume: bool = False) -> FitResult:
-        """Train for the spec's `settings.epochs`, or until a callback stops the fit (by default `EarlyStopping`,
-        after `settings.patience` epochs without improvement, with the best weights in the model at the end).
-
-        `validate(model)` returns metrics named as logged (for example `val/qlike`), one of them the spec's `monitor`;
-        it runs after every `settings.validate_every`-th epoch and after the last one, and the callbacks get the other
-        epochs' metrics without it.
-        """
+        """Train for `settings.epochs`, or until a callback stops the fit. `validate(model)` returns metrics named as
+        logged, the spec's `monitor` among them; it runs every `settings.validate_every`-th epoch and after the last."""
         spec, settings = self.spec, self.spec.settings
         self.batches, self.history, self.epoch = batches, [], -1
         self.resumed_from, self.should_stop = None, False
-        state = self._checkpoint_to_resume() if resume else None
+        checkpoint = next((callback for callback in self.callbacks if isinstance(callback, Checkpoint)), None)
+        state = checkpoint.read() if resume and checkpoint is not None else None
         if state is not None:
             self.load_state_dict(state)
             if state["finished"]:  # its model is the best epoch's: the fit put them in before writing it
@@ -372,7 +304,6 @@ class Trainer:
         return self._result()
 
     def _result(self) -> FitResult:
-        """The best epoch as `EarlyStopping` found it; the last one where the trainer has none."""
         best = next((callback for callback in self.callbacks if isinstance(callback, EarlyStopping)), None)
         if best is not None:
             best_metric, best_epoch = best.best, best.best_epoch

@@ -1,5 +1,4 @@
-"""What a fit is asked to do, apart from what it trains: the types the training modules share, at the bottom of the
-package so that the loop, its callbacks and the workload probe all import them and none imports the loop."""
+"""What a fit is asked to do: the types the training modules share, at the bottom so that none imports the loop."""
 
 from __future__ import annotations
 
@@ -19,16 +18,10 @@ LogMetrics = Callable[[dict[str, float], int], None]
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """How one fit runs, as `TrainingArguments` or Lightning's Trainer flags group it: the model, its optimizer and
-    step and the runtime are the `Trainer`'s own arguments.
-
-    `settings` gives epochs, patience, gradient clipping, validation and checkpoint intervals; `monitor` names the
-    validation metric that picks the best epoch, `mode` whether lower (min) or higher (max) is better, `tie_break`
-    the loss that decides between epochs of equal `monitor` (`EarlyStopping`). With `checkpoint_dir` the fit writes
-    checkpoints there and can resume from them. `log_metrics(metrics, step)` gets each epoch's metrics at step
-    `step_offset + epoch`; `name` is the fit's, in progress lines; `model_name` the model's, for the workload facts
-    (shared by the fits of one model; `name` where None), and `predict` what serving runs of it (the step's own
-    `predict` where None)."""
+    """How one fit runs, as Lightning's Trainer flags group it: `monitor` picks the best epoch (`mode` min or max,
+    `tie_break` as `EarlyStopping` says); with `checkpoint_dir` the fit can resume; `log_metrics(metrics, step)` gets
+    each epoch's at `step_offset + epoch`; `model_name` names the workload facts (`name` where None), `predict` what
+    serving runs (the step's own where None)."""
 
     settings: TrainConfig
     monitor: str

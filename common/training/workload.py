@@ -1,34 +1,17 @@
-"""What a run's work is, in units that carry to another machine, so that `usecases advise` can estimate it there.
-
-Per torch model, measured at the end of a fit by its `WorkloadProbe` on one batch (`measure_model`), logged as metrics
-`model/<name>/<fact>`:
-
-- `params`, `weight_bytes`; `batch_size`; `samples_per_epoch`; `epochs_run`;
-- `train_ops_per_step`, `infer_ops_per_batch`: operators dispatched (on a GPU, kernel launches: the bound of small
-  models); `host_syncs_per_step`: those of a training step that make the host wait for the device
-  (`common.training.syncs`), each a drained GPU queue;
-- `train_flops_per_sample`, `infer_flops_per_sample`: `torch.utils.flop_counter.FlopCounterMode` over one training
-  step (forward and backward) and one prediction (what serving does: a forward pass, or a user's full ranking);
-- `train_bytes_per_sample`, `infer_bytes_per_sample` (estimated): memory traffic per sample. A training step reads
-  the weights twice (forward, backward), writes their gradients, and the optimizer reads and writes weights and its
-  state once; the activations saved for backward (counted with saved-tensor hooks) are written and read once; the
-  batch is read once. A prediction reads the weights, the batch and its activations, and writes its output;
-- `peak_memory_gb` and `peak_memory_measured`: `torch.cuda.max_memory_allocated` over that step on a GPU (1),
-  else the sum of weights, gradients, optimizer state, saved activations and the batch (0);
-- `loader_samples_per_s`: the input pipeline alone, timed over a few batches with the model removed;
-- `train_samples_per_s` and `data_wait_share`: the last epoch's, as the loop measured them.
-
-The rest of a run (the GARCH fits, ItemKNN, EASE, the evaluation, the replays) is timed as its phases
-(`common.runtime.phases`), each saying whether a GPU, more cores or neither would shorten it.
-
-A run logged by another tool with the same keys can be advised on as well.
-"""
+"""What a torch model's work is, in units that carry to another machine, so that `usecases advise` can estimate it
+there: measured at the end of a fit by its `WorkloadProbe` on one batch, logged as `model/<name>/<fact>` (the facts
+are listed in docs/advisor.md). Memory traffic is estimated: a training step reads the weights twice, writes their
+gradients, and the optimizer reads and writes weights and its state once; the activations saved for backward are
+written and read once, the batch read once. A prediction reads the weights, the batch and its activations, and
+writes its output."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -37,11 +20,70 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common.training.callbacks import Callback, FitState
 from common.training.spec import Predict
-from common.training.syncs import HostSyncs
 
 LOADER_BATCHES = 8
 LOADER_SECONDS = 2.0
 PREDICT_SAMPLES = 256  # of the batch, for a prediction: a recommender's scores are users x every item
+
+aten = torch.ops.aten
+
+# Operators whose output the host needs before it can return: a scalar read, or an output shape that depends on the
+# values (nonzero and everything that selects by a mask or counts).
+SYNCING = {aten._local_scalar_dense.default,  # .item(), float(t), bool(t), `if t:`
+           aten.is_nonzero.default, aten.equal.default, aten.nonzero.default, aten.argwhere.default,
+           aten.masked_select.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+           aten.repeat_interleave.Tensor,  # the output length is the sum of the repeats
+           aten.bincount.default}
+# Indexing with a boolean mask finds the mask's true positions first (a nonzero).
+MASK_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+def _masked(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) for index in indices)
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the operators that make the host wait for the device, by name in `by_name`: on a GPU one in a training
+    step stalls the host until the queue drains. Counted as dispatched, on any device, so that a CPU test shows them:
+        with HostSyncs() as syncs:
+            loss = step(model, batch)
+            loss.backward()
+        assert syncs.count == 0, syncs.by_name
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.by_name: Counter[str] = Counter()
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_name.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNCING or (func in MASK_INDEXED and _masked(args)):
+            output_size = kwargs.get("output_size") if func is aten.repeat_interleave.Tensor else None
+            if output_size is None:
+                self.by_name[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **kwargs)
+
+
+def steady_step_syncs(loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
+                      before_step: Callable[[], object] = lambda: None) -> HostSyncs:
+    """The host synchronisations of a training step (`loss()`, its backward, `before_step()` such as clipping, the
+    optimiser's step), counted on the second step: the first makes what is made once (the optimiser's state)."""
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss().backward()
+        before_step()
+        optimizer.step()
+
+    step()
+    with HostSyncs() as syncs:
+        step()
+    return syncs
 
 
 class OpCounter(TorchDispatchMode):
@@ -61,15 +103,10 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def loader_rate(batches: Iterable) -> tuple[float, tuple[torch.Tensor, ...] | None]:
-    """Samples per second the input pipeline delivers on its own (a few batches, at most LOADER_SECONDS), and
-    the first batch, to measure the model on."""
-    iterator: Iterator = iter(batches)
+    """Samples per second of the input pipeline alone (a few batches), and the first batch, to measure the model on."""
+    iterator = itertools.islice(batches, LOADER_BATCHES)  # iter(batches) now, before the clock starts
     first, samples, started = None, 0, time.perf_counter()
-    for _ in range(LOADER_BATCHES):
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            break
+    for batch in iterator:
         first = batch if first is None else first
         samples += len(batch[0])
         if time.perf_counter() - started > LOADER_SECONDS:
@@ -81,9 +118,8 @@ def loader_rate(batches: Iterable) -> tuple[float, tuple[torch.Tensor, ...] | No
 def measure_model(module: nn.Module, step: Callable, predict: Predict | None, batch: tuple[torch.Tensor, ...],
                   optimizer: torch.optim.Optimizer, device: torch.device, amp_dtype: torch.dtype | None
                   ) -> dict[str, float]:
-    """The per-model facts of the module docstring for one batch; the gradients it leaves are cleared, and the
-    buffers (batch norm's running statistics, which a train-mode forward moves) and the random state (a sampler's
-    negatives, dropout) are restored, so that the model evaluated and logged after it is the one trained."""
+    """The model's facts on one batch; its gradients cleared and its buffers (batch norm's running statistics)
+    restored, so that the model evaluated and logged after it is the one trained."""
     buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     try:
         return _measure(module, step, predict, batch, optimizer, device, amp_dtype)
@@ -100,8 +136,7 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
     parameters = list(module.parameters())
     weights = _bytes(parameters)
     state = _bytes(value for per_parameter in optimizer.state.values() for value in per_parameter.values()
-                   if torch.is_tensor(value) and value.dim() > 0)
-    state = state or 2 * weights  # before the first step: Adam's two moments
+                   if torch.is_tensor(value) and value.dim() > 0) or 2 * weights  # before any step: Adam's moments
     own = {parameter.data_ptr() for parameter in parameters}
     saved = [0]
 
@@ -112,9 +147,8 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
         return tensor
 
     cuda = device.type == "cuda"
-    devices = [device] if cuda else []
     autocast = dict(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=[device] if cuda else []):
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -150,8 +184,7 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
 
 def _inference(module: nn.Module, predict: Predict | None, batch: tuple[torch.Tensor, ...],
                autocast: dict) -> tuple[float, float, float]:
-    """FLOPs, output bytes and operator calls of `predict` on the batch, measured on its first PREDICT_SAMPLES
-    samples and scaled to the whole batch; NaN (0 bytes) without one."""
+    """FLOPs, output bytes and operator calls of `predict` on the batch (from PREDICT_SAMPLES of it), or NaN."""
     if predict is None:
         return math.nan, 0, math.nan
     size = len(batch[0])
@@ -162,10 +195,8 @@ def _inference(module: nn.Module, predict: Predict | None, batch: tuple[torch.Te
 
 
 class WorkloadProbe(Callback):
-    """At the end of a fit that trained, the model's facts, measured on one batch of the fit's batches with the random
-    state restored after, so that the run goes on as it would have without them, and logged by rank 0 under
-    `model/<model_name>/` (the spec's `model_name`, else its `name`). Every rank measures: SyncBatchNorm's forward
-    is a collective under DDP."""
+    """At the end of a fit that trained, the model's facts, with the random state restored after, so that the run goes
+    on as it would have; logged by rank 0. Every rank measures: SyncBatchNorm's forward is a collective under DDP."""
 
     def on_fit_end(self, trainer: FitState) -> None:
         if not trainer.history or trainer.spec.log_metrics is None:  # nothing trained, or nobody to log them to

@@ -1,15 +1,17 @@
 """The fits behind the advisor's shipped constants, kept with the tests that check them: the efficiencies
 (`estimate.CALIBRATION`) fitted to catalog/published.csv, their leave-one-model-family-out validation, and the host's
-cost per operator (`host.HOST_SECONDS_PER_OP`) fitted to catalog/host_bound.csv. Only tests run these: the advisor
-ships the constants they produce."""
+cost per operator (`estimate.HOST_SECONDS_PER_OP`) fitted to catalog/host_bound.csv, and DDP's per-GPU efficiency
+(`wholerun.SCALING_EFFICIENCY`) fitted to the published 8-GPU figures. Only tests run these: the advisor ships the
+constants they produce."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 
-from common.advisor.catalog import GPU
+from common.advisor.catalog import GPU, Link
 from common.advisor.estimate import KINDS, Calibration, Workload, estimate, gpu_precision, kind_of, power_ratio
+from common.advisor.wholerun import data_parallel
 
 FLAT_LATENCY = 1.10  # a published latency within this of the batch-1 latency of its table is host-bound
 
@@ -110,3 +112,16 @@ def calibrate_host(figures: list[HostBound]) -> tuple[float, float]:
         raise ValueError("no host-bound figure to calibrate the host on")
     slow = math.ceil(max(implied) * 1e6 - 1e-9) * 1e-6
     return slow, math.exp(sum(math.log(value) for value in implied) / len(implied))
+
+
+def scaling_efficiency(figures: list[tuple[float, int, int, float, float, Link]]) -> tuple[float, float, float]:
+    """The per-GPU efficiency published figures (one GPU's samples/s, the batch per GPU, the GPUs, their samples/s,
+    the gradient bytes, the link) imply over the all-reduce model alone: the envelope rounded outwards to 0.05
+    around the geometric mean."""
+    implied = []
+    for single, batch, gpus, together, gradient_bytes, link in figures:
+        alone = data_parallel(batch / single, gradient_bytes, gpus, link, efficiency=(1.0, 1.0, 1.0))
+        implied.append(together / single / alone.speedup.expected)
+    mean = math.exp(sum(math.log(value) for value in implied) / len(implied))
+    return (round(math.floor(min(implied) / 0.05 + 1e-9) * 0.05, 2), round(mean, 2),
+            round(min(1.0, math.ceil(max(implied) / 0.05 - 1e-9) * 0.05), 2))

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from common.advisor.catalog import FOLDER, INSTANCE_COLUMNS, load_gpus, load_instances, match_gpu
-from common.advisor.estimate import (CALIBRATION, COMPUTE_EFFICIENCY, EFFICIENCY_SPREAD, MEASURED_SPREAD, Workload,
-                                     estimate, gpu_precision)
-from common.advisor.host import HOST_SECONDS_PER_OP, LOOP_OPS, OPTIMIZER_OPS
+from common.advisor.estimate import (CALIBRATION, COMPUTE_EFFICIENCY, EFFICIENCY_SPREAD, HOST_SECONDS_PER_OP, LOOP_OPS,
+                                     MEASURED_SPREAD, OPTIMIZER_OPS, Workload, estimate, gpu_precision)
 from tests.common.advisor_calibration import (HostBound, Published, calibrate, calibrate_host, flat_part,
                                              leave_one_model_out)
 from common.errors import UserError
@@ -241,7 +240,7 @@ def test_the_host_cost_per_operator_is_the_fit_on_the_published_host_bound_laten
     assert all(figure.batch_size < 32 for figure in flat)  # the tables' device-bound batches are left out
     slow, expected = calibrate_host(figures)
     assert (slow, expected) == pytest.approx(HOST_SECONDS_PER_OP[:2], abs=0.5e-6)
-    assert HOST_SECONDS_PER_OP[2] < expected  # the fast end: a newer host (assumed, see common/advisor/host.py)
+    assert HOST_SECONDS_PER_OP[2] < expected  # the fast end: a newer host (assumed, see common/advisor/estimate.py)
 
 
 def test_the_optimizers_operators_are_counted_for_two_and_for_sixty_two_parameter_tensors():

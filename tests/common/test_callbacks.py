@@ -10,9 +10,7 @@ from torch import nn
 from common.config import TrainConfig
 from common.runtime.devices import Runtime
 from common.runtime.interrupt import Terminated
-from common.training.callbacks import Callback
-from common.training.checkpoint import CHECKPOINT_NAME, Checkpoint
-from common.training.early_stopping import EarlyStopping
+from common.training.callbacks import CHECKPOINT_NAME, Callback, Checkpoint, EarlyStopping
 from common.training.loop import TensorBatches, Trainer, supervised
 from common.training.spec import TrainSpec
 

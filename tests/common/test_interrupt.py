@@ -11,7 +11,7 @@ from common.runtime import interrupt
 from common.runtime.interrupt import Terminated, stop_on_signals, stop_point, stop_requested
 from common.runtime.devices import Runtime
 from common.config import TrainConfig
-from common.training.checkpoint import CHECKPOINT_NAME
+from common.training.callbacks import CHECKPOINT_NAME
 from common.training.loop import TensorBatches, Trainer, supervised
 from common.training.spec import TrainSpec
 

@@ -10,7 +10,7 @@ import pytest
 COMMON = Path(__file__).resolve().parents[2] / "common"
 
 # Lowest first. The top-level modules are the contract (below everything) and the runner (above everything).
-LAYERS = ["contract", "runtime", "training", "tracking", "serving", "advisor", "tools", "runner"]
+LAYERS = ["contract", "runtime", "training", "tracking", "serving", "deploy", "advisor", "tools", "runner"]
 TOP_LEVEL = {"errors": "contract", "paths": "contract", "config": "contract", "usecase": "contract",
              "tables": "contract", "tabular": "contract", "server_plugin": "contract", "job": "runner", "runner": "runner"}
 

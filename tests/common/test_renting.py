@@ -11,16 +11,15 @@ import pandas as pd
 import pytest
 import yaml
 
-from common.advisor.advise import advise, recommend
-from common.advisor.budget import serving_month, spot_run
+from common.advisor.advise import Choice, Options, advise, place, recommend, serving_month, spot_run
 from common.advisor.catalog import FOLDER, load_gpus, load_instances, load_links
 from common.advisor.estimate import Range
 from common.advisor.facts import RunFacts, facts_from_file
-from common.advisor.launch import write_launch_files
-from common.advisor.rows import Choice, Options
-from common.advisor.multigpu import SCALING_EFFICIENCY, data_parallel, scaling_efficiency
-from common.advisor.storage import place
+from common.deploy.launch import write_launch_files
+from common.advisor.wholerun import SCALING_EFFICIENCY, data_parallel
+from common.advisor.words import placement_line
 from common.errors import UserError
+from tests.common.advisor_calibration import scaling_efficiency
 
 GPUS = load_gpus()
 INSTANCES = {instance.name: instance for instance in load_instances(GPUS)}
@@ -89,17 +88,17 @@ def test_the_data_goes_to_memory_then_local_nvme_then_the_disk_and_says_how_long
     p4d, g5 = INSTANCES["p4d.24xlarge"], INSTANCES["g5.2xlarge"]
     small = place(41, 20_000, 110_000, p4d)  # 41 GB of 110 kB images at 20,000 images/s: 2.2 GB/s
     assert small.where == "memory" and not small.bounds
-    assert "load the 41 GB data set into memory first" in small.line(p4d)
+    assert "load the 41 GB data set into memory first" in placement_line(small, p4d)
     big = place(1000, 20_000, 110_000, p4d)
     assert big.where == "local NVMe" and big.needed_gbs == pytest.approx(2.2)
     assert big.copy_s.expected == pytest.approx(1000 / (400 / 8 * 0.5))  # at half the 400 Gbit/s network
-    line = big.line(p4d)
+    line = placement_line(big, p4d)
     assert "reads 2.2 GB/s of input; this instance's network disk gives 0.12 GB/s: copy the 1,000 GB data set to " \
            "local NVMe first" in line and big.matters
     too_big = place(1000, 2000, 110_000, g5)  # larger than its 450 GB drive: read from object storage
     assert too_big.where == "object storage" and too_big.bounds is False and too_big.copy_s.expected == 0
     starved = place(1000, 20_000, 110_000, g5)
-    assert starved.bounds and "reading caps training at" in starved.line(g5)
+    assert starved.bounds and "reading caps training at" in placement_line(starved, g5)
     assert not place(0.01, 1000, 1000, g5).matters
 
 

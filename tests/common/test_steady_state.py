@@ -15,12 +15,11 @@ from common.config import TrainConfig
 from common.runtime.devices import Runtime
 from common.runtime import phases as phases_module
 from common.runtime.phases import Phases
-from common.training import checkpoint as checkpoint_module
-from common.training.callbacks import Callback
-from common.training.checkpoint import CHECKPOINT_NAME
+from common.training import callbacks as checkpoint_module
+from common.training.callbacks import CHECKPOINT_NAME, Callback
 from common.training.loop import TensorBatches, Trainer, make_optimizer, supervised
 from common.training.spec import TrainSpec
-from common.training.syncs import HostSyncs
+from common.training.workload import HostSyncs
 from common.tracking import runs
 
 CPU = Runtime(torch.device("cpu"), None)

@@ -12,9 +12,9 @@ import mlflow
 import pytest
 
 from common.config import ConfigModel, flatten
+from common.runner import write_summary
 from common.runtime.interrupt import Terminated
 from common.tracking.runs import Tracker, experiment_name, git_commit, tracked_run
-from common.tracking.summary import write_summary
 
 USECASE = "unit"
 

@@ -15,7 +15,7 @@ from common.errors import UserError
 from common.runtime.interrupt import Terminated
 from common.runtime.devices import Runtime
 from common.config import TrainConfig
-from common.training.checkpoint import CHECKPOINT_NAME, save_atomic
+from common.training.callbacks import CHECKPOINT_NAME, save_atomic
 from common.training.loop import TensorBatches, Trainer, supervised
 from common.training.spec import TrainSpec
 

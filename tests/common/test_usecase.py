@@ -141,12 +141,16 @@ def test_a_server_without_the_plugin_protocol_is_one_line_when_discovered(plugin
 
 
 def test_server_settings_are_checked_once_and_travel_as_one_value(monkeypatch):
-    from common.server_plugin import ServerSettings
+    from types import SimpleNamespace
+
+    from common.server_plugin import ServerSettings, check_retrieval
 
     with pytest.raises(UserError, match="--batch-ms must be at least 0, got -1"):
         ServerSettings("runs:/x/model", batch_ms=-1)
-    with pytest.raises(UserError, match="--retrieval fast: expected one of exact, ann"):
-        ServerSettings("runs:/x/model", retrieval="fast")
+    with pytest.raises(UserError, match="--retrieval fast: expected one of exact, ann"):  # the plug-in's modes
+        check_retrieval(SimpleNamespace(RETRIEVALS=("exact", "ann")), ["fast"])
+    with pytest.raises(UserError, match="--retrieval ann: this use case's server serves one way only"):
+        check_retrieval(SimpleNamespace(), ["ann"])
     settings = ServerSettings("runs:/x/model", port=5009, workers=3, events="redis://h:6379/0", batch_ms=2.0,
                               ann_index=Path("index.faiss"))
     monkeypatch.delenv("USECASES_SERVE_SETTINGS", raising=False)

@@ -8,7 +8,7 @@ import torch
 from common.runtime.devices import Runtime
 from common.training.loop import Trainer, make_optimizer, supervised
 from common.training.spec import TrainSpec
-from common.training.syncs import steady_step_syncs
+from common.training.workload import steady_step_syncs
 from usecases.finance.config import Config
 from usecases.finance.ensemble import Fit, FitBatches, ensemble_step, train_ensemble
 from usecases.finance.features import add_features, feature_names

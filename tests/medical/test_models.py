@@ -5,8 +5,8 @@ import torch
 
 from common.errors import UserError
 from usecases.medical.config import Augment
-from usecases.medical.models import ImageClassifier, build_backbone, use_cifar_stem
-from usecases.medical.transforms import RandomFlip, RandomShift, build_augment
+from usecases.medical.models import (ImageClassifier, RandomFlip, RandomShift, build_augment, build_backbone,
+                                     use_cifar_stem)
 
 
 def test_cifar_stem_keeps_28px_resolution_into_the_first_block():

@@ -6,7 +6,6 @@ through $USECASES_DATA_PATH), the tests check that store's finished `default` ru
 the same network a second time; a store without one fails the tests."""
 
 import json
-import os
 from pathlib import Path
 
 import mlflow
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from common.paths import file_sha256
-from tests.cli_helpers import private_env, runs, usecases
+from tests.cli_helpers import demo_run, private_env, runs, usecases
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "medmnist" / "breastmnist.npz"
 
@@ -24,8 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.starts_first,
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    if os.environ.get("USECASES_REPRODUCE_FROM"):
-        return finished_elsewhere(os.environ["USECASES_REPRODUCE_FROM"])
+    made = demo_run("medical", "default", data_sha256=file_sha256(SHARED))
+    if made:
+        return made[:2]
     env = private_env(tmp_path_factory.mktemp("default"))
     path = tmp_path_factory.mktemp("summary") / "s.json"
     result = usecases("run", "medical", "--preset", "default", "--data", str(SHARED), "--summary", str(path),
@@ -35,16 +35,6 @@ def finished(tmp_path_factory):
     (run,) = runs("medical", env["MLFLOW_TRACKING_URI"])
     assert run.info.run_id == summary["run_id"]
     return summary, env["MLFLOW_TRACKING_URI"]
-
-
-def finished_elsewhere(uri: str):
-    """The newest finished `default` run on the shared file in the store at `uri`, and its summary."""
-    digest = file_sha256(SHARED)
-    done = [run for run in runs("medical", uri) if run.info.status == "FINISHED"
-            and run.data.tags.get("preset") == "default" and run.data.tags.get("data_sha256") == digest]
-    assert done, f"{uri} holds no finished medical `default` run on {SHARED} (data_sha256 {digest[:12]})"
-    newest = max(done, key=lambda run: run.info.start_time)
-    return mlflow.artifacts.load_dict(f"{newest.info.artifact_uri}/summary.json"), uri
 
 
 def test_resnet18_reaches_the_published_auc_within_noise(finished):

@@ -76,7 +76,7 @@ def test_tta_averages_an_image_and_its_mirror(data):
 
 def test_memory_mapped_splits_are_scored_a_batch_at_a_time_alike(data, tmp_path, monkeypatch):
     """Val and test shards that do not fit in memory are read in batches, with the logits of the whole array."""
-    from usecases.medical import baselines, train
+    from usecases.medical import pipeline as baselines, train
     from usecases.medical.train import channels_first
 
     images = data.images["test"]
@@ -105,7 +105,7 @@ def test_memory_mapped_splits_are_scored_a_batch_at_a_time_alike(data, tmp_path,
 def test_a_training_step_of_the_network_makes_no_host_sync(data):
     """Augmentation, forward, loss and backward of the default network queue on a GPU without waiting for it."""
     from common.training.loop import supervised
-    from common.training.syncs import HostSyncs
+    from common.training.workload import HostSyncs
     from usecases.medical.train import channels_first, loss_function, new_classifier
 
     config = tiny_config()

@@ -24,8 +24,8 @@ from usecases.recsys.ranking import UNKNOWN
 from usecases.recsys.logs import read_log
 from usecases.recsys.movielens import read_movielens
 from usecases.recsys.pipeline import INTERACTION_BYTES, load_data
-from usecases.recsys.preprocess import encode, filter_interactions, k_core
-from usecases.recsys.splits import drop_unrankable, split_leave_last_out, split_random, split_sizes, split_temporal
+from usecases.recsys.preprocess import (drop_unrankable, encode, filter_interactions, k_core, split_leave_last_out,
+                                        split_random, split_sizes, split_temporal)
 from usecases.recsys.synthetic import synthetic_log
 
 SHARED_MOVIELENS = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens" / "ml-latest-small"

@@ -12,7 +12,7 @@ import torch
 
 from common.serving.bundle import decode, encode
 from usecases.recsys import foldin
-from usecases.recsys.foldin import (FactorFoldIn, FoldIn, GradientSteps, GraphFoldIn, LeastSquares, excluded_items,
+from usecases.recsys.foldin import (FoldIn, GradientSteps, GraphFoldIn, LeastSquares, excluded_items, factor_foldin,
                                     item_item_scores, merged_history)
 
 TRAINED_USERS, NEW_USERS, ITEMS, RANK = 300, 20, 200, 4
@@ -249,10 +249,10 @@ def test_fold_in_spec_round_trips_through_the_bundle_codec_and_dispatches():
     stored = decode(encode({"fold_in": spec.as_plain()}))["fold_in"]
     assert FoldIn.from_plain(stored) == spec
     items, user, liked = planted()
-    from_zero = FactorFoldIn(spec, items).users([liked], user[None])  # from_trained=False: the start is ignored
+    from_zero = factor_foldin(spec, items).users([liked], user[None])  # from_trained=False: the start is ignored
     np.testing.assert_array_equal(from_zero, GradientSteps(items, steps=5, lr=0.5, weight_decay=1e-4,
                                                            seed=2).users([liked]))
-    als = FactorFoldIn(FoldIn("als", regularization=0.1, alpha=3.0), items)
+    als = factor_foldin(FoldIn("als", regularization=0.1, alpha=3.0), items)
     np.testing.assert_array_equal(als.users([liked]), LeastSquares(items, 0.1, 3.0).users([liked]))
 
 
@@ -283,7 +283,7 @@ ITEMS_10 = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
     (lambda: GradientSteps(ITEMS_10, steps=1, lr=0.1).users([[1]], np.zeros((2, 3))), r"starts must hold .*\(1, 3\)"),
     (lambda: GraphFoldIn(ITEMS_10, np.ones(3), 2), r"degree must hold one count per item, shape \(10,\)"),
     (lambda: GraphFoldIn(ITEMS_10, np.ones(10), 2).users([[1]], np.zeros(3)), "egos must hold one row"),
-    (lambda: FactorFoldIn(FoldIn("graph", layers=2), ITEMS_10), "needs the items' layer_sum and degree"),
+    (lambda: factor_foldin(FoldIn("graph", layers=2), ITEMS_10), "needs the items' layer_sum and degree"),
     (lambda: item_item_scores(np.ones((3, 4), np.float32), [[1]]), r"must be square, got shape \(3, 4\)"),
     (lambda: merged_history(np.array([[1]])), "known: item codes must be a 1-D array"),
     (lambda: excluded_items(np.array([1]), np.array([0.5])), "events.0.: item codes must be integers"),

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 TRAINING_SIDE = ("usecases.recsys.data", "usecases.recsys.evaluate", "usecases.recsys.train",
-                 "usecases.recsys.pipeline", "usecases.recsys.sasrec", "usecases.recsys.movielens",
+                 "usecases.recsys.pipeline", "usecases.recsys.movielens",
                  "common.training")
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from common.runtime.devices import Runtime
 from common.training.loop import make_optimizer
-from common.training.syncs import steady_step_syncs
+from common.training.workload import steady_step_syncs
 from usecases.recsys.models import BPR, LightGCN, NegativeSampler, normalised_adjacency, propagate
 
 

@@ -231,7 +231,7 @@ def test_a_factor_model_logged_without_foldin_answers_from_its_trained_rows():
 
 def sequence_bundle(data, train) -> dict:
     """A SASRec served form (untrained weights: the batch and one-at-a-time paths must agree on any network)."""
-    from usecases.recsys.sasrec import sequences_by_user
+    from usecases.recsys.train import sequences_by_user
     from usecases.recsys.sequence import SASRecNetwork, SequenceScorer, left_padded, served_sequence_form
 
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.cli_helpers import private_env, runs, usecases
+from tests.cli_helpers import demo_run, private_env, runs, usecases
 from usecases.recsys.data import load_interactions
 from common.config import load_config
 from usecases.recsys import USECASE, Config
@@ -33,13 +33,9 @@ pytestmark = [pytest.mark.slow,
 def finished(tmp_path_factory):
     """(summary, tracking URI, run) of the default run on the shared copy."""
     data = load_interactions(load_config(Config, USECASE.presets_dir, "default"), SHARED)
-    if os.environ.get("USECASES_REPRODUCE_FROM"):
-        uri = os.environ["USECASES_REPRODUCE_FROM"]
-        done = [run for run in runs("recsys", uri) if run.info.status == "FINISHED"
-                and run.data.tags.get("preset") == "default" and run.data.tags.get("data_sha256") == data.sha256]
-        assert done, f"{uri} holds no finished recsys `default` run on {SHARED} (data_sha256 {data.sha256[:12]})"
-        run = max(done, key=lambda run: run.info.start_time)
-        return mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/summary.json"), uri, run
+    made = demo_run("recsys", "default", data_sha256=data.sha256)
+    if made:
+        return made
     env = private_env(tmp_path_factory.mktemp("default"))
     path = tmp_path_factory.mktemp("summary") / "s.json"
     result = usecases("run", "recsys", "--preset", "default", "--data", str(SHARED), "--summary", str(path),

@@ -16,8 +16,8 @@ from usecases.recsys import config as cfg
 from usecases.recsys.data import Interactions
 from usecases.recsys.foldin import FoldIn
 from usecases.recsys.served import serving_bundle
-from usecases.recsys.replay import replay, replay_gains
-from usecases.recsys.sasrec import sequences_by_user
+from usecases.recsys.served import replay, replay_gains
+from usecases.recsys.train import sequences_by_user
 from usecases.recsys.sequence import SASRecNetwork, SequenceScorer, left_padded, served_sequence_form
 from usecases.recsys.serving import Recommender
 

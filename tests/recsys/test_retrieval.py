@@ -54,7 +54,7 @@ def factor_bundle():
     index = VectorIndex.build(items, "HNSW32")
     model = RecommenderModel.from_bundle(bundle)  # tuned as a run tunes it: on users' vectors and fold-ins
     sample = np.flatnonzero(trained)
-    queries = model.recommender.query_vectors(sample)
+    queries = model.recommender.form.query_vectors(sample)
     index.tune(queries, items, 10, 50, 0.99, [model.recommender.excluded(user) for user in sample] * 2)
     return {**bundle, "ann": index.stored(), "retrieval": "ann"}
 

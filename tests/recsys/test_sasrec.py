@@ -15,12 +15,12 @@ from common.runtime.devices import Runtime
 from common.serving.bundle import decode, encode
 from common.tracking.runs import Tracker
 from common.training.loop import make_optimizer
-from common.training.syncs import steady_step_syncs
+from common.training.workload import steady_step_syncs
 from usecases.recsys.baselines import Popularity
 from usecases.recsys.config import Config
 from usecases.recsys.data import Interactions
 from usecases.recsys.evaluate import full_ranking
-from usecases.recsys.sasrec import fit_sasrec, sequences_by_user, training_windows
+from usecases.recsys.train import fit_sasrec, sequences_by_user, training_windows
 from usecases.recsys.sequence import SASRecNetwork, SequenceScorer, left_padded, served_sequence_form
 
 CPU = torch.device("cpu")

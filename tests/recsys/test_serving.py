@@ -14,7 +14,7 @@ from usecases.recsys.baselines import EASE, ItemKNN, Popularity
 from usecases.recsys.data import load_interactions
 from usecases.recsys.served import served_form, serving_bundle
 from common.serving.bundle import load_bundle, save_bundle
-from usecases.recsys.publish import latency
+from usecases.recsys.served import latency
 from usecases.recsys.serving import Recommender, RecommenderModel
 
 
@@ -66,7 +66,7 @@ def test_latency_times_one_user_requests_and_one_batch_through_predict(monkeypat
     """On a scripted clock: the single requests take 1..5 ms, the batch 2 s; the figures are theirs."""
     from types import SimpleNamespace
 
-    from usecases.recsys import publish
+    from usecases.recsys import served as publish
 
     model, now, requests = served("factors"), [0.0], []
     answer = model.predict

@@ -1,9 +1,6 @@
-"""`usecases`: one module per area registers its commands, each with a handler that parses nothing further and
-calls the library (common/ and the use cases); `main` dispatches and maps errors to exit codes: 0 on success, 2 on
-a user error (one line), 1 on an internal failure (a traceback).
-
-Only the standard library is imported before `use_gpu_frames`, so cudf.pandas can take over pandas.
-"""
+"""`usecases`: one module per area registers its commands, each handler calling the library; `main` dispatches and
+maps errors to exit codes: 0 on success, 2 on a user error (one line), 1 on an internal failure (a traceback). Only
+the standard library is imported before `use_gpu_frames`, so cudf.pandas can take over pandas."""
 
 from __future__ import annotations
 

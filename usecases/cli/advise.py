@@ -72,16 +72,15 @@ def advise_command_line(args: argparse.Namespace) -> int:
                             f"{given[0] if given else '--workload'} (--target-rps is the load)")
         from common.advisor.fleet import fleet_command
 
-        options.usecase(args.name)
-        print(fleet_command(args.name, args.run_id, args.catalog, args.output_format, args.target_rps,
+        print(fleet_command(options.usecase(args.name), args.run_id, args.catalog, args.output_format, args.target_rps,
                             args.p99_ms or 30.0, args.launch, args.tracking_uri))
         return EXIT_OK
     if args.launch is not None and args.task == "serve":
         raise UserError("--launch writes the training instance's files: leave out --task serve")
     if args.name is not None:
         options.usecase(args.name)
+    from common.advisor.advise import Options
     from common.advisor.report import AdviseRequest, advise_command
-    from common.advisor.rows import Options
 
     stated = {"requests_per_s": args.requests_per_s, "interruptions_per_hour": args.spot_interruptions_per_hour}
     limits = Options(args.budget, args.deadline, **{key: value for key, value in stated.items() if value})

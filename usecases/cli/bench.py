@@ -5,10 +5,12 @@ same run."""
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from common.errors import UserError
 from usecases.cli import options
 from usecases.cli.options import EXIT_OK
+from usecases.cli.runs import run_command
 
 SLIDES_PRESET = "slides-smoke"  # what `bench slides` runs unless a preset is given
 MODES = ("run", "scale", "serve", "slides")
@@ -20,7 +22,8 @@ def register(commands) -> None:
                                             "run.")
     modes = bench.add_subparsers(dest="mode", required=True, metavar="MODE")
 
-    run = options.add_command(modes, "run", run_bench, help="our pipeline against a plain loop on the same data",
+    run = options.add_command(modes, "run", partial(run_command, bench=True),
+                              help="our pipeline against a plain loop on the same data",
                               description="Run a use case's benchmark: our pipeline and a plain loop on the same "
                                           "data in one run, throughputs and their ratio.")
     _add_name(run)
@@ -68,16 +71,9 @@ def _add_name(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="use case with a benchmark (see `usecases list`)")
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from usecases.cli.runs import run_command
-
-    return run_command(args, bench=True)
-
-
 def slides_bench(args: argparse.Namespace) -> int:
     """The slides preset unless one is given, and a given one must read slides."""
     from common.config import load_config
-    from usecases.cli.runs import run_command
 
     usecase = options.usecase(args.name)
     config = load_config(usecase.config, usecase.presets_dir, args.preset, args.overrides)

@@ -1,6 +1,5 @@
-"""docs/cli.md's reference of every command and option, written from the parser itself, so that the page cannot
-lag the CLI: `python -m usecases.cli.reference` (`make cli-docs`) rewrites the block between its markers, and a
-test fails when they differ."""
+"""docs/cli.md's reference of every command and option, written from the parser so the page cannot lag the CLI
+(`make cli-docs` rewrites the block between its markers; a test fails when they differ)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def commands(parser: argparse.ArgumentParser, path: str = "usecases"):
-    """Each command as (its words, its parser, its one-line help), subcommands after their command, in the order
-    `--help` lists them."""
+    """Each command as (its words, its parser, its one-line help), in the order `--help` lists them."""
     for action in parser._actions:  # argparse keeps its subcommands only here
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help for choice in action._choices_actions}
@@ -81,7 +79,6 @@ def _anchor(words: str) -> str:
 
 
 def written_page(page_text: str, parser: argparse.ArgumentParser) -> str:
-    """The page with its block replaced by the parser's reference."""
     start, end = page_text.index(BEGIN) + len(BEGIN), page_text.index(END)
     return f"{page_text[:start]}\n\n{reference(parser)}\n\n{page_text[end:]}"
 

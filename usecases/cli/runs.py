@@ -26,14 +26,14 @@ def register(commands) -> None:
     options.add_device_options(demo)
 
 
-def run_command(args: argparse.Namespace, bench: bool = False, preset: str | None = None) -> int:
+def run_command(args: argparse.Namespace, bench: bool = False) -> int:
     """One tracked run; `bench` runs the use case's benchmark instead of its pipeline."""
     from common.runner import run_usecase
     from common.runtime.process import use_gpu_frames
     from common.usecase import RunRequest
 
     use_gpu_frames(args.frames, args.device)  # before the use case's package is imported: cudf.pandas takes over
-    run_usecase(RunRequest(options.usecase(args.name), preset or args.preset,
+    run_usecase(RunRequest(options.usecase(args.name), args.preset,
                            (*args.overrides, *options.engine_overrides(args)), args.device, args.frames, args.data,
                            args.summary, getattr(args, "resume", False), getattr(args, "resume_if_interrupted", False),
                            bench=bench))
@@ -51,8 +51,7 @@ def demo_command(args: argparse.Namespace) -> int:
     for name, usecase in loaded.items():
         if isinstance(usecase, UserError):
             print(f"{name}: skipped: {usecase}", flush=True)
-    run_demo([usecase for usecase in loaded.values() if not isinstance(usecase, UserError)], args.device,
-             args.frames)
+    run_demo([usecase for usecase in loaded.values() if not isinstance(usecase, UserError)], args.device, args.frames)
     print("Done. Browse the runs with `usecases ui` (from the clone: make ui), then open each use case's runs:")
     print_runs_links(list(loaded))
     return EXIT_OK

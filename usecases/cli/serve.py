@@ -39,9 +39,10 @@ def register(commands) -> None:
     serve.add_argument("--batch-ms", type=float, metavar="MS",
                        help="the use case's own server: score concurrent requests together, the first waiting at most "
                             "MS milliseconds for others (default: 2 on a GPU, 0 (off) on the CPU)")
-    serve.add_argument("--retrieval", choices=["exact", "ann"],
-                       help="the use case's own server: rank every item, or retrieve candidates from the model's ANN "
-                            "index and score them (default: as the run chose, serving.retrieval)")
+    serve.add_argument("--retrieval", metavar="MODE",
+                       help="the use case's own server: one of the ways its server retrieves, as it declares them "
+                            "(e.g. exact ranks every item, ann scores the candidates of an ANN index; default: as "
+                            "the run chose)")
     serve.add_argument("--ann-index", type=Path, metavar="FILE",
                        help="the use case's own server: serve by two stages with this FAISS index (faiss.write_index) "
                             "over the model's item vectors instead of the model's own")
@@ -76,8 +77,9 @@ def serve_command(args: argparse.Namespace) -> int:
 
 def _own_server(own, args: argparse.Namespace, model_uri: str, what: str, uri: str) -> int:
     from common.runtime.process import usable_cores
-    from common.server_plugin import ServerSettings
+    from common.server_plugin import ServerSettings, check_retrieval
 
+    check_retrieval(own, [args.retrieval] if args.retrieval else [])
     workers = args.workers or usable_cores()
     events = args.events or own.default_events(uri)
     os.environ["MLFLOW_TRACKING_URI"] = uri

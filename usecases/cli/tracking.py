@@ -70,8 +70,7 @@ def _register_server(commands) -> None:
 
 
 def print_runs_links(names: list[str] | None, port: int = 5000) -> None:
-    """Each use case's Training runs view (every use case with runs in the store, without `names`): MLflow 3 opens an
-    experiment's own page on its GenAI Overview instead."""
+    """Each use case's Training runs view (MLflow 3 opens an experiment on its GenAI Overview instead)."""
     from common.tracking.links import training_runs_links
     from common.tracking.stores import tracking_uri
 
@@ -80,8 +79,7 @@ def print_runs_links(names: list[str] | None, port: int = 5000) -> None:
 
 
 def ui_command(args: argparse.Namespace) -> int:
-    """Replace this process with MLflow's server, so Ctrl-C and SIGTERM reach it directly. One worker: the UI of one
-    person's store (MLflow's four took 13 s and four times the memory to start on 2 cores, one 5 s)."""
+    """Become MLflow's UI, so Ctrl-C and SIGTERM reach it; one worker: four took 13 s to start on 2 cores, one 5 s."""
     from common.tracking.stores import tracking_uri
 
     uri = tracking_uri()

@@ -1,11 +1,6 @@
-"""The field's standard volatility forecasts, each refit on an expanding window at every block start.
-
-Every function takes one ticker's feature frame (rows are forecast origins, in date order), the blocks of
-test origins as (first, last) row positions and the longer horizon H, and returns one row per test origin:
-the variance forecast for the next day, the summed variance of the next H days (`variance_h`), the mean
-return `mu`, and the standardised quantiles and Expected Shortfalls (`tails`) that turn them into one-day
-Value-at-Risk and ES.
-"""
+"""The field's standard volatility forecasts, refit on an expanding window at every block start. Each takes one
+ticker's features (origins in date order), the blocks of test origins as (first, last) positions and the horizon H,
+and gives a row per origin: `variance`, `variance_h` (the next H days' sum), `mu` and the standardised tails."""
 
 from __future__ import annotations
 
@@ -42,28 +37,18 @@ def forecast_frame(frame: pd.DataFrame, positions: np.ndarray, variance, varianc
     return out.assign(**tails)
 
 
-def _positions(blocks: Blocks) -> np.ndarray:
-    return np.concatenate([np.arange(first, last + 1) for first, last in blocks])
-
-
 def ewma(frame: pd.DataFrame, blocks: Blocks, horizon: int, lam: float = 0.94) -> pd.DataFrame:
     """RiskMetrics: σ²(t+1) = λ σ²(t) + (1 − λ) r(t)², flat over the horizon, zero mean, normal quantiles."""
     variance = frame["sq_ret"].ewm(alpha=1 - lam, adjust=False).mean().to_numpy()
-    positions = _positions(blocks)
+    positions = np.concatenate([np.arange(first, last + 1) for first, last in blocks])
     return forecast_frame(frame, positions, variance[positions], horizon * variance[positions], 0.0,
                           tail_columns(norm.ppf(VAR_LEVELS), normal_tails()))
 
 
 def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = False,
           dist: str = "normal", evt: str | None = None) -> pd.DataFrame:
-    """GARCH(1,1) or GJR-GARCH(1,1,1) with a constant mean, fitted by `arch` on percent returns.
-
-    At each block start the parameters are estimated on all returns up to the origin; within the block
-    the variance is filtered forward with those parameters, so a forecast made at t uses returns up to t.
-    With `evt` (a model name), the same forecasts again as that model's rows, with the tails of a generalised
-    Pareto fit to the fit's standardised residuals (filtered historical simulation with EVT, `tails.evt_columns`):
-    one walk-forward of fits gives both models.
-    """
+    """GARCH(1,1) or GJR-GARCH(1,1,1) by `arch`, fitted at each block start and filtered through the block; with
+    `evt`, the same forecasts again as that model's rows, with generalised Pareto tails."""
     returns = frame["ret"].reset_index(drop=True)
     model = arch_model(returns, mean="Constant", vol="GARCH", p=1, o=1 if asymmetric else 0, q=1, dist=dist,
                        rescale=False)
@@ -88,21 +73,13 @@ def garch(frame: pd.DataFrame, blocks: Blocks, horizon: int, asymmetric: bool = 
 
 
 def har(frame: pd.DataFrame, blocks: Blocks, horizon: int, proxy: str = "returns") -> pd.DataFrame:
-    """HAR (Corsi 2009): the next day's variance on the 1-, 5- and 22-day averages of Parkinson variance, OLS with
-    intercept. `proxy="returns"` (`har`) regresses the squared close-to-close return, so the forecast is in the
-    return scale, overnight move included; `proxy="parkinson"` (`har_rv`, the published HAR-RV) regresses the
-    Parkinson variance itself.
-
-    The H-day sum gets its own regression (direct, not iterated). Each is fitted on the pairs whose target
-    days are all at or before the origin; the VaR uses the window's mean return and normal quantiles. A forecast
-    at or below zero (OLS has no floor: a calm spell after a volatile window) is replaced by the mean of the targets
-    it was fitted on, the lower half of Bollerslev, Patton and Quaedvlieg's (2016) "insanity filter".
-    """
+    """HAR (Corsi 2009): OLS of the next day's squared return (`proxy="parkinson"`: HAR-RV) on the 1-, 5- and
+    22-day Parkinson averages, the H-day sum directly; a forecast at or below zero becomes its targets' mean."""
     inputs = frame[HAR_INPUTS].to_numpy()
     returns = frame["ret"].to_numpy()
     known = np.isfinite(inputs).all(axis=1)
     targets = ("target_sq", "target_sq_h") if proxy == "returns" else ("target", "target_h")
-    parts = []
+    parts, tails = [], tail_columns(norm.ppf(VAR_LEVELS), normal_tails())
     for first, last in blocks:
         positions = np.arange(first, last + 1)
         forecasts = []
@@ -112,19 +89,13 @@ def har(frame: pd.DataFrame, blocks: Blocks, horizon: int, proxy: str = "returns
             train[first - lag + 1 :] = False
             forecast = LinearRegression().fit(inputs[train], values[train]).predict(inputs[positions])
             forecasts.append(np.where(forecast > 0, forecast, values[train].mean()))
-        mu = np.nanmean(returns[: first + 1])
-        tails = tail_columns(norm.ppf(VAR_LEVELS), normal_tails())
-        parts.append(forecast_frame(frame, positions, *forecasts, mu, tails))
+        parts.append(forecast_frame(frame, positions, *forecasts, np.nanmean(returns[: first + 1]), tails))
     return pd.concat(parts)
 
 
 def gas_model(frame: pd.DataFrame, blocks: Blocks, horizon: int, refit_every: int = 252) -> pd.DataFrame:
-    """The one-factor GAS model of VaR and ES (`gas.py`), fitted on the returns up to a block's origin at the first
-    block and then once `refit_every` rows have passed since the last fit, and filtered through every block. Its rows
-    hold its scale exp(κ) squared as `variance` (its H-day one times H: the 1-day tails scaled by √H), zero `mu`, and
-    as tails the fitted (a, b) at 97.5 % and the constants of the other levels; `gas_beta` and `gas_gamma` carry the
-    rest of the fit, so that a server can filter κ on from a row. It forecasts no variance, and `evaluate` scores its
-    tails only."""
+    """The GAS model of VaR and ES (`gas.py`), refit every `refit_every` rows: its squared scale as `variance`,
+    zero `mu`, and `gas_beta` and `gas_gamma` so a server can filter on from a row."""
     returns = np.nan_to_num(frame["ret"].to_numpy())  # the first day has no return: no breach, κ decays
     parts, params, fitted_at = [], None, None
     for first, last in blocks:
@@ -160,14 +131,8 @@ FIT_COST = {"gjr_garch_t": 6.3, "gas": 5.8, "garch": 3.9, "har": 0.6, "har_rv": 
 
 
 def fit_baselines(rows: pd.DataFrame, blocks: Blocks, horizon: int, settings, models: list[str]) -> list[pd.DataFrame]:
-    """One ticker's forecasts by each of `models`, refit at each block. A ticker's fits depend on no other ticker's,
-    nor a model's on another's, so this is a task of a process pool or of Dask; it lives here, away from torch, so
-    that a worker imports only arch and pandas.
-
-    BLAS runs on one thread here: the GARCH fits round differently with another thread count, and one thread gives
-    the same forecasts in this process, a pool, Dask or DDP, on any machine (the pool's processes are the
-    parallelism). The thread count is the process's, so calls on threads of one process (a threaded Dask worker)
-    take turns."""
+    """One ticker's forecasts by each of `models`, away from torch; BLAS on one thread (GARCH rounds differently
+    with another count), so every engine gives the same forecasts."""
     parts = []
     with ONE_BLAS_THREAD, threadpool_limits(1, user_api="blas"):
         for name in models:
@@ -179,7 +144,6 @@ def fit_baselines(rows: pd.DataFrame, blocks: Blocks, horizon: int, settings, mo
 
 
 def start_pool_worker() -> None:
-    """A pool worker ignores Ctrl-C (the terminal sends it to the whole process group: the run decides when to stop,
-    and ends the pool) and dies at once on SIGTERM."""
+    """A pool worker ignores Ctrl-C (the run decides when to stop) and dies at once on SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,6 +1,4 @@
-"""The tail model the forecaster serves its VaR and ES by: chosen on the validation period among the network's tail
-rules and the baselines' models of the tails alone, the chosen one's test forecasts as the `neural` row, and what
-the server needs to answer as evaluated."""
+"""The tail model the forecaster serves its VaR and ES by, chosen on the validation period."""
 
 from __future__ import annotations
 
@@ -20,12 +18,8 @@ log = logging.getLogger(__name__)
 def serve_chosen_tails(frame: pd.DataFrame, mask: pd.Series, validation: pd.Series, config: Config,
                        candidates: dict[str, pd.DataFrame], latest: dict, baselines: pd.DataFrame | None,
                        job: Job) -> tuple[pd.DataFrame, dict]:
-    """The tail model the forecaster serves, chosen on the validation period (`choose_tail_rule`) among those of
-    `evaluation.tail_models`: the network's rules and the baselines' models of the tails alone (`gas`). The choice
-    sees no test day (`mask`), only the `validation` period; the run's tag `tails_rule` names it and the metrics `tails_val/RULE/...` show why. Returns the
-    test forecasts, the chosen tails over the network's variance as `neural` (a baseline's VaR and ES restated in the
-    network's standardised units, `restated`) and each network rule's as `neural_RULE`, and `latest` with what the
-    server needs."""
+    """The tail model chosen on `validation`, never a test day (tag `tails_rule`, metrics `tails_val/...`): the
+    test forecasts (`neural`, and each network rule's as `neural_RULE`) and `latest` for the server."""
     horizon, allowed = config.evaluation.horizon, config.evaluation.tail_models
     network = candidates["training"]
     for name in set(TAIL_RULES) - set(candidates):
@@ -56,8 +50,7 @@ def serve_chosen_tails(frame: pd.DataFrame, mask: pd.Series, validation: pd.Seri
 
 
 def restated(tails: pd.DataFrame, network: pd.DataFrame, horizon: int) -> pd.DataFrame:
-    """The network's forecasts with another model's VaR and ES: each of that model's tail values (its μ + σ·column,
-    H·μ + σ_H·column for the H-day ones) written as the network's standardised column, (value − μ) / σ."""
+    """The network's forecasts with another model's VaR and ES, restated in the network's standardised units."""
     other = tails.reindex(network.index)
     columns = {}
     for column in TAIL_COLUMNS:
@@ -68,12 +61,8 @@ def restated(tails: pd.DataFrame, network: pd.DataFrame, horizon: int) -> pd.Dat
 
 
 def gas_states(last_days: pd.DataFrame, origins: pd.Series) -> dict[str, dict[str, float | str]]:
-    """What the server filters GAS's scale on from, per ticker: the date of the last test origin (`origins`: each
-    row's), its log scale κ (that of the next day's forecast), the fit's β and γ and its standardised tails."""
-    states = {}
-    for index, row in last_days.iterrows():
-        states[str(row["ticker"])] = {
-            "origin": str(origins[index].date()), "log_scale": float(0.5 * np.log(row["variance"])),
-            "beta": float(row["gas_beta"]), "gamma": float(row["gas_gamma"]),
-            **{name: float(row[name]) for name in TAIL_COLUMNS}}
-    return states
+    """Per ticker, what the server filters GAS's scale on from: the last test origin, its κ, β, γ and tails."""
+    return {str(row["ticker"]): {"origin": str(origins[index].date()), "log_scale": float(np.log(row["variance"]) / 2),
+                                 "beta": float(row["gas_beta"]), "gamma": float(row["gas_gamma"]),
+                                 **{name: float(row[name]) for name in TAIL_COLUMNS}}
+            for index, row in last_days.iterrows()}

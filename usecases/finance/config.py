@@ -49,8 +49,7 @@ class Data(ConfigModel):
 
 
 class Evaluation(ConfigModel):
-    """The test window defaults to the reference protocol's on the `arch` data; with --data each end not set
-    explicitly is taken from the file (`pipeline.window_from_data`)."""
+    """The `arch` data's test window; with --data, each end not set is the file's (`pipeline.load_data`)."""
 
     test_start: date | None = date(2011, 1, 3)
     test_end: date | None = date(2018, 12, 31)
@@ -87,8 +86,7 @@ class Neural(ConfigModel):
 
 
 class Train(TrainConfig):
-    """The common loop's keys (epochs, batch_size, lr, patience, grad_clip, checkpoint_every_s), with this model's
-    defaults, and the walk-forward's."""
+    """The common loop's keys with this model's defaults, and the walk-forward's."""
 
     epochs: int = Field(60, ge=1)
     batch_size: int = Field(256, ge=1)

@@ -1,13 +1,8 @@
-"""Every neural fit of the walk-forward trained at once: each member of each refit is a fit, and all of them are one
-`VolatilityEnsemble` stepping together through the common Trainer.
-
-A fit keeps everything it had alone: its seed (its initial weights), its scaler and training rows (its refit's
-`training_window`), its own early-stopping rows and patience, and its best weights at the end. Each step holds a
-batch of every fit still training, cut so that each fit sees each of its rows once per epoch: every fit's rows are
-split into the same number of batches (the largest fit's batches have `train.batch_size` rows), so a fit's batch is
-in proportion to its window; the step's loss is the sum of the fits' own mean losses, each fit's gradient its own.
-On a GPU that is one step of a few kernels where the fits one by one were hundreds of launch-bound tiny steps.
-"""
+"""Every neural fit of the walk-forward (each member of each refit) trained at once, as one `VolatilityEnsemble` through
+the common Trainer: on a GPU one step of a few kernels instead of hundreds of launch-bound tiny fits. A fit keeps all it
+had alone: its seed, scaler, training and early-stopping rows, patience and best weights. Every fit's rows are cut into
+the same number of batches per epoch (the largest fit's of `train.batch_size` rows), and a step's loss is the sum of the
+fits' own mean losses."""
 
 from __future__ import annotations
 
@@ -37,27 +32,14 @@ class Fit:
 
 
 def padded_rows(windows: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """Each fit's rows in a row of one (fits, longest) tensor, a shorter one repeated to fill it (padding that holds
-    real rows, so that its forecasts stay finite; `padding_weights` gives it weight 0)."""
+    """Each fit's rows in a row of one (fits, longest) tensor, a shorter one repeated (finite padding, weighted 0)."""
     longest = max(len(rows) for rows in windows)
     return torch.tensor(np.stack([np.resize(rows, longest) for rows in windows]), device=device)
 
 
-def padding_weights(windows: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    longest = max(len(rows) for rows in windows)
-    return torch.tensor(np.stack([np.arange(longest) < len(rows) for rows in windows]), dtype=torch.float32,
-                        device=device)
-
-
 class FitBatches:
-    """The training batches of every fit, stepped together (see the module docstring).
-
-    Each epoch shuffles every fit's rows (one draw from a generator seeded with `seed` and the epoch, on the device)
-    and cuts them into `len(self)` near-equal runs, one per batch. A batch is (features, targets, weights, fits): the
-    rows of the fits still training (`training`, which `FitEarlyStopping` updates), `width` rows each, flattened
-    fit after fit; a fit with fewer rows pads its batch with rows of weight 0. Under DDP each rank takes every fit's
-    rows at its own positions of the shuffle (rank, rank + world size, ...; the last ones wrap around), as
-    DistributedSampler does."""
+    """Every fit's batches, stepped together: each epoch cuts every fit's shuffled rows into `len(self)` runs
+    (padding weighted 0); under DDP each rank takes its own positions, as DistributedSampler does."""
 
     def __init__(self, features: torch.Tensor, targets: torch.Tensor, windows: list[np.ndarray], batch_size: int,
                  seed: int, training: torch.Tensor, rank: int = 0, world_size: int = 1):
@@ -104,8 +86,7 @@ class FitBatches:
 
 
 def ensemble_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The sum over the batch's fits of each one's QLIKE (`qlike_loss` on its own rows): each fit's gradient is the
-    one its own loss gives."""
+    """The sum over the batch's fits of each one's QLIKE on its own rows: each fit gets its own gradient."""
     features, targets, weights, fits = batch
     rows = (len(fits), -1)
     forecast = model(features.view(*rows, features.shape[-1]), fits).float()
@@ -123,20 +104,16 @@ def served_prediction(members: int):
 
 
 class FitEarlyStopping(Callback):
-    """Early stopping of each fit alone, as `EarlyStopping` does for one model: a fit's best epoch by its own
-    validation QLIKE (next day), its best weights restored at the end, and its training ended once `patience` epochs
-    bring it no improvement (its later steps leave it out; the whole fit stops when every fit has). `validate` is the
-    fit's validation function: it scores the fits still training on their own early-stopping rows.
-
-    Logged per epoch, over the fits: `val/qlike` and `val/qlike_hH` (the mean of the fits still training),
-    `val/best_qlike` (the mean of every fit's best so far: the trainer's monitor) and `val/fits_training`."""
+    """`EarlyStopping` for each fit alone by its own validation QLIKE: its best weights kept, its steps left
+    out after `patience` epochs without improvement; `val/best_qlike` is the trainer's monitor."""
 
     def __init__(self, features: torch.Tensor, targets: torch.Tensor, windows: list[np.ndarray],
                  patience: int | None, horizon: int, runtime: Runtime):
         self.features, self.targets, self.patience, self.horizon, self.runtime = (features, targets, patience,
                                                                                   horizon, runtime)
         self.rows = padded_rows(windows, features.device)
-        self.weights = padding_weights(windows, features.device)
+        self.weights = torch.tensor(np.stack([np.arange(self.rows.shape[1]) < len(rows) for rows in windows]),
+                                    dtype=torch.float32, device=features.device)
         fits = len(windows)
         self.training = torch.ones(fits, dtype=torch.bool)  # shared with FitBatches, changed in place
         self.best = torch.full((fits,), math.inf, dtype=torch.float64)
@@ -183,8 +160,7 @@ class FitEarlyStopping(Callback):
                 trainer.should_stop = True
 
     def on_fit_end(self, trainer: FitState) -> None:
-        """Each fit's best weights; every fit counted as training again, so that the workload probe after this
-        measures a step of all of them."""
+        """Each fit's best weights; every fit training again, so the workload probe measures a step of all."""
         trainer.module.load_state_dict(self.best_state)
         self.training.fill_(True)
 
@@ -200,8 +176,7 @@ class FitEarlyStopping(Callback):
 
 def train_ensemble(fits: list[Fit], features: torch.Tensor, targets: torch.Tensor, config: Config,
                    job: Job) -> VolatilityEnsemble:
-    """Every fit trained together (module docstring) from the CPU tensors of the whole panel's `features` and
-    `targets`; returns the ensemble with each fit's best weights, in eval mode, on the run's device."""
+    """Every fit trained together; the ensemble with each fit's best weights, in eval mode, on the device."""
     runtime, settings = job.runtime, config.train
     architecture = {"n_features": features.shape[1], **config.neural.model_dump(exclude={"ensemble", "target"}),
                     "horizon": config.evaluation.horizon}

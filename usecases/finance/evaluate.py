@@ -1,17 +1,14 @@
-"""Forecast evaluation on the test window: losses against two variance proxies, VaR backtests (Kupiec,
-Christoffersen, the Basel traffic light), Expected Shortfall backtests (McNeil-Frey, Acerbi-Székely Z2), the FZ0
-loss of each VaR and ES pair (`tails.fz0_loss`), Diebold-Mariano tests, and plots.
-
-QLIKE(proxy, forecast) = x − ln x − 1 with x = proxy / forecast (Patton 2011): robust to the noise in the
-proxy, so models rank the same as they would against the true variance. Days where a proxy is zero are left out,
-and so are the last H − 1 days of the window for the H-day forecasts, whose proxies would reach past it.
-"""
+"""Forecast evaluation on the test window: losses against two variance proxies, VaR backtests (Kupiec, Christoffersen,
+Basel traffic light), ES backtests (McNeil-Frey, Acerbi-Székely Z2), FZ0, Diebold-Mariano, plots. QLIKE = x − ln x − 1
+with x = proxy / forecast (Patton 2011) ranks models as the true variance would. Days with a zero proxy are left out,
+and so are the H-day forecasts whose proxies would reach past the window."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 from arch.covariance.kernel import Bartlett
+from matplotlib.figure import Figure
 from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
@@ -52,9 +49,7 @@ def kupiec_pof(breaches: int, days: int, level: float) -> tuple[float, float]:
 
 
 def christoffersen(breaches: np.ndarray, level: float) -> tuple[float, float, float, float]:
-    """Christoffersen's (1998) likelihood ratios on a day-by-day breach sequence: independence (does a breach make
-    the next day's more likely?) against χ²(1), and conditional coverage (Kupiec's rate and independence together)
-    against χ²(2). Returns both statistics and their p-values."""
+    """Christoffersen's (1998) independence (χ²(1)) and conditional coverage (χ²(2)) tests and p-values."""
     hits = np.asarray(breaches, dtype=bool)
     before, after = hits[:-1], hits[1:]
     n00, n01 = int((~before & ~after).sum()), int((~before & after).sum())
@@ -68,38 +63,35 @@ def christoffersen(breaches: np.ndarray, level: float) -> tuple[float, float, fl
     return independence, float(chi2.sf(independence, 1)), coverage, float(chi2.sf(coverage, 2))
 
 
+def breach_zones(hits: np.ndarray, window: int = BASEL_WINDOW) -> np.ndarray:
+    """Each day's Basel traffic-light zone by its 250-day window's 1 % VaR breaches: green ≤ 4, yellow ≤ 9, else red."""
+    counts = pd.Series(np.asarray(hits, dtype=float)).rolling(window, min_periods=1).sum().to_numpy()
+    return np.where(counts >= 10, "red", np.where(counts >= 5, "yellow", "green"))
+
+
 def traffic_light(breaches: np.ndarray, window: int = BASEL_WINDOW) -> dict[str, float]:
-    """The Basel traffic-light zones of the 99 % VaR over every rolling `window`-day window (green: at most 4
-    breaches, yellow: 5 to 9, red: 10 or more, as in the Basel Committee's 1996 backtesting framework): how many
-    windows fall in each zone; none when the series is shorter than a window."""
-    counts = pd.Series(np.asarray(breaches, dtype=float)).rolling(window).sum().dropna().to_numpy()
-    return {"basel_green_windows": float((counts <= 4).sum()),
-            "basel_yellow_windows": float(((counts >= 5) & (counts <= 9)).sum()),
-            "basel_red_windows": float((counts >= 10).sum())}
+    """How many whole rolling windows of 99 % VaR breaches fall in each Basel zone."""
+    zones = breach_zones(breaches, window)[window - 1:]
+    return {f"basel_{zone}_windows": float((zones == zone).sum()) for zone in ("green", "yellow", "red")}
 
 
-def mcneil_frey(returns: np.ndarray, shortfall: np.ndarray, sigma: np.ndarray, breaches: np.ndarray,
-                resamples: int = ES_RESAMPLES, seed: int = 0) -> float:
-    """McNeil and Frey's (2000) ES backtest: on the days the VaR was breached, the exceedance residuals
-    (return − ES) / σ have mean zero when the ES is right and a negative one when it understates the loss.
-    One-sided bootstrap p-value of their t statistic (resampling the residuals centred on their mean); NaN with
-    fewer than 2 breaches."""
+def mcneil_frey(returns: np.ndarray, shortfall: np.ndarray, sigma: np.ndarray, breaches: np.ndarray) -> float:
+    """McNeil and Frey's (2000) ES backtest: the one-sided bootstrap p-value that the exceedance residuals
+    (return − ES) / σ on breach days have mean zero; NaN with fewer than 2 breaches."""
     residuals = ((returns - shortfall) / sigma)[breaches]
     if len(residuals) < 2 or residuals.std() == 0:
         return float("nan")
     observed = residuals.mean() / residuals.std(ddof=1) * np.sqrt(len(residuals))
-    samples = np.random.default_rng(seed).choice(residuals - residuals.mean(), (resamples, len(residuals)))
+    samples = np.random.default_rng(0).choice(residuals - residuals.mean(), (ES_RESAMPLES, len(residuals)))
     spread = samples.std(axis=1, ddof=1)
-    statistics = np.divide(samples.mean(axis=1), spread, out=np.zeros(resamples), where=spread > 0)
-    return float((1 + (statistics * np.sqrt(len(residuals)) <= observed).sum()) / (resamples + 1))
+    statistics = np.divide(samples.mean(axis=1), spread, out=np.zeros(ES_RESAMPLES), where=spread > 0)
+    return float((1 + (statistics * np.sqrt(len(residuals)) <= observed).sum()) / (ES_RESAMPLES + 1))
 
 
 def acerbi_szekely_z2(returns: np.ndarray, shortfall: np.ndarray, breaches: np.ndarray,
                       level: float) -> tuple[float, float]:
-    """Acerbi and Székely's (2014) Z2 = Σ r·1{breach} / (T α |ES|) + 1: 0 when the ES is right, negative when the
-    losses beyond the VaR are larger than it says or come more often. With its one-sided p-value from the normal
-    approximation of its null distribution: under a right VaR and ES each day adds a term of mean −α and variance
-    α·m − α², m the mean of (r / ES)² on a breach, estimated from the breaches seen (NaN with fewer than 2)."""
+    """Acerbi and Székely's (2014) Z2 = Σ r·1{breach} / (T α |ES|) + 1 (0 when the ES is right) and its one-sided
+    p-value from the normal approximation of its null (NaN with fewer than 2 breaches)."""
     hits = np.asarray(breaches, dtype=bool)
     ratios = returns / np.abs(shortfall)
     statistic = float(ratios[hits].sum() / (len(returns) * level) + 1)
@@ -124,26 +116,21 @@ def value_at_risk(forecasts: pd.DataFrame, level: float) -> pd.Series:
 
 
 def _forward_sum(values: np.ndarray, days: int) -> np.ndarray:
-    """values[i] + ... + values[i + days − 1]; NaN where the window runs past the end."""
+    """values[i] + ... + values[i + days − 1]; NaN past the end."""
     return pd.Series(values).rolling(days).sum().shift(-(days - 1)).to_numpy()
 
 
-def tail_pair(forecasts: pd.DataFrame, level: float) -> tuple[np.ndarray, np.ndarray]:
-    """The VaR and ES at tail probability `level` (one of ES_LEVELS) of each day."""
+def fz0_losses(forecasts: pd.DataFrame, level: float) -> np.ndarray:
+    """FZ0 of each day's VaR and ES at tail probability `level` (one of ES_LEVELS)."""
     sigma = np.sqrt(forecasts["variance"].to_numpy())
     quantile, shortfall = (forecasts["mu"].to_numpy() + sigma * forecasts[column].to_numpy()
                            for column in es_columns(level))
-    return quantile, shortfall
-
-
-def fz0_losses(forecasts: pd.DataFrame, level: float) -> np.ndarray:
-    return fz0_loss(forecasts["ret"].to_numpy(), *tail_pair(forecasts, level), level)
+    return fz0_loss(forecasts["ret"].to_numpy(), quantile, shortfall, level)
 
 
 def series_metrics(forecasts: pd.DataFrame, horizon: int, variance_metrics: bool = True) -> dict[str, float]:
-    """Metrics of one model on one ticker, its rows in date order; `forecasts` holds the realised `parkinson`
-    and `ret` of each target day beside the forecasts (and `true_variance` for a synthetic panel). H-day proxies
-    sum H consecutive target days. Without `variance_metrics` (a model of the tails alone) the backtests only."""
+    """Metrics of one model on one ticker in date order, against the realised `parkinson` and `ret` (and a
+    synthetic panel's `true_variance`); without `variance_metrics` (a tails-only model) the backtests only."""
     variance = forecasts["variance"].to_numpy()
     parkinson = forecasts["parkinson"].to_numpy()
     returns = forecasts["ret"].to_numpy()
@@ -203,9 +190,7 @@ def shortfall_metrics(returns: np.ndarray, mu: np.ndarray, sigma: np.ndarray, fo
 
 
 def horizon_metrics(forecasts: pd.DataFrame, returns: np.ndarray, mu: np.ndarray, horizon: int) -> dict[str, float]:
-    """The H-day VaR (1 %) and ES backtests on non-overlapping H-day periods (every H-th origin, so the breaches of
-    successive periods share no day): from the model's H-day variance and tails, and, as the labelled baseline, the
-    square-root-of-time scaling of its 1-day VaR."""
+    """The H-day 1 % VaR and ES backtests on non-overlapping periods, and the square-root-of-time 1-day VaR."""
     realised = _forward_sum(returns, horizon)[::horizon]
     keep = np.isfinite(realised)
     periods = forecasts.iloc[::horizon][keep]
@@ -225,35 +210,25 @@ def horizon_metrics(forecasts: pd.DataFrame, returns: np.ndarray, mu: np.ndarray
 
 
 def tail_backtests(rows: pd.DataFrame) -> dict[str, float]:
-    """The scores a tail rule is chosen by, on one ticker's forecasts in date order (with the realised `ret`): the
-    1 % VaR's breaches, Kupiec and conditional coverage p-values, the 97.5 % ES's Z2 and McNeil-Frey p-values,
-    `worst_p`, the smallest of those p-values (NaN ones left out): how near the rule comes to being rejected, and
-    `fz0`, the mean FZ0 loss of the 97.5 % and the 99 % VaR and ES pairs together."""
+    """The scores a tail rule is chosen by, on one ticker in date order: the 1 % VaR's and 97.5 % ES's backtests,
+    `worst_p` (their smallest p-value) and `fz0` (the mean FZ0 of the 97.5 % and 99 % pairs together)."""
     returns = rows["ret"].to_numpy()
     hits = (rows["ret"] < value_at_risk(rows, 0.01)).to_numpy()
     metrics = {"var1_breaches": float(hits.sum()), "kupiec_p": kupiec_pof(int(hits.sum()), len(hits), 0.01)[1],
                "christoffersen_cc_p": christoffersen(hits, 0.01)[3], "days": float(len(hits))}
-    sigma = np.sqrt(rows["variance"].to_numpy())
-    quantile, shortfall = tail_pair(rows, 0.025)
-    metrics["es975_z2"], metrics["es975_z2_p"] = acerbi_szekely_z2(returns, shortfall, returns < quantile, 0.025)
-    metrics["es975_mcneil_frey_p"] = mcneil_frey(returns, shortfall, sigma, returns < quantile)
+    shortfall = shortfall_metrics(returns, rows["mu"].to_numpy(), np.sqrt(rows["variance"].to_numpy()), rows, "")
+    metrics.update({name: shortfall[name] for name in ("es975_z2", "es975_z2_p", "es975_mcneil_frey_p")})
     metrics["worst_p"] = float(np.nanmin([metrics[name] for name in ("kupiec_p", "christoffersen_cc_p", "es975_z2_p",
                                                                     "es975_mcneil_frey_p")]))
-    metrics["fz0"] = float(sum(fz0_losses(rows, level).mean() for level in ES_LEVELS))
+    metrics["fz0"] = sum(shortfall[f"{es_name(level)}_fz0"] for level in ES_LEVELS)
     return metrics
 
 
 def choose_tail_rule(candidates: dict[str, pd.DataFrame]) -> tuple[str, dict[str, float]]:
-    """The tail rule chosen on the validation period: of the rules that no backtest rejects at PASS_P on any ticker
-    (`worst_p`), the one with the lowest FZ0 (averaged over the tickers), the score that ranks VaR and ES pairs;
-    when every rule is rejected somewhere, the one that comes nearest to passing (the largest mean `worst_p`). A
-    tie goes to the first of TAIL_RULES. `candidates` are each rule's validation forecasts (`ticker`, `date`,
-    `ret`, `mu`, `variance` and the tail columns; NaN variance for a ticker not yet listed at a refit); returns the
-    rule and every candidate's scores as `RULE/METRIC/TICKER`, with `RULE/worst_p`, `RULE/fz0` their means and
-    `RULE/passes` 1 or 0."""
+    """The tail rule with the lowest mean FZ0 among those no backtest rejects at PASS_P, else the nearest to
+    passing; ties to the first of TAIL_RULES. Returns it and every candidate's scores (`RULE/METRIC/TICKER`)."""
     backtests, passing = {}, {}
-    for rule in candidates:
-        forecasts = candidates[rule]
+    for rule, forecasts in candidates.items():
         forecasts = forecasts[np.isfinite(forecasts["variance"])]
         scores = []
         for ticker, rows in forecasts.groupby("ticker", sort=False):
@@ -270,9 +245,7 @@ def choose_tail_rule(candidates: dict[str, pd.DataFrame]) -> tuple[str, dict[str
 
 
 def validation_qlike(forecasts: pd.DataFrame) -> dict[str, float]:
-    """The served model's QLIKE against the squared return (demeaned as in `series_metrics`) on the validation
-    period, per ticker as `val_qlike_sq/TICKER` and averaged as `val_qlike_sq`: the registry compares versions by it,
-    so that no test value chooses what is served."""
+    """`val_qlike_sq` (and per ticker): what the registry compares versions by, so no test day chooses."""
     per_ticker = {}
     for ticker, rows in forecasts[np.isfinite(forecasts["variance"])].groupby("ticker", sort=False):
         returns = rows["ret"].to_numpy()
@@ -281,12 +254,8 @@ def validation_qlike(forecasts: pd.DataFrame) -> dict[str, float]:
 
 
 def evaluate(forecasts: pd.DataFrame, horizon: int = 5, dm_lags: int = 5) -> dict[str, dict[str, float]]:
-    """Per model: each metric per ticker as `METRIC/ticker`, and its mean over tickers as `METRIC`.
-
-    Every model is also tested against the DM_TESTS references (Diebold-Mariano on QLIKE against their proxy) as
-    `dm_t_vs_REFERENCE` and `dm_p_vs_REFERENCE`, and on its FZ0 at each of ES_LEVELS against FZ0_REFERENCE's as
-    `dm_t_fz0_es975` and `dm_p_fz0_es975` (`es99`); the TAIL_ONLY models on their FZ0 alone.
-    """
+    """Per model: each metric per ticker as `METRIC/ticker` and its mean as `METRIC`, with Diebold-Mariano tests
+    against DM_TESTS (`dm_t_vs_REFERENCE`) and FZ0_REFERENCE (`dm_t_fz0_es975`); TAIL_ONLY models on FZ0 alone."""
     results: dict[str, dict[str, float]] = {}
     references = {name: forecasts[forecasts["model"] == name].set_index(["ticker", "date"])
                   for name in (*DM_TESTS, FZ0_REFERENCE)}
@@ -310,13 +279,9 @@ def evaluate(forecasts: pd.DataFrame, horizon: int = 5, dm_lags: int = 5) -> dic
 
 
 def _paired_dm(rows: pd.DataFrame, reference: pd.DataFrame, proxy: str, lags: int) -> tuple[float, float]:
-    """DM of one model's QLIKE against the reference's, on the days both forecast and the proxy is positive; the
-    squared return is demeaned over those days as `series_metrics` does."""
+    """DM of one model's QLIKE against the reference's, on the days both forecast and the proxy is positive."""
     paired = rows.set_index(["ticker", "date"]).join(reference["variance"].rename("variance_reference"), how="inner")
-    if proxy == "sq":
-        values = (paired["ret"] - paired["ret"].mean()).to_numpy() ** 2
-    else:
-        values = paired["parkinson"].to_numpy()
+    values = (paired["ret"] - paired["ret"].mean()).to_numpy() ** 2 if proxy == "sq" else paired["parkinson"].to_numpy()
     keep = values > 0
     losses = qlike_losses(values[keep], paired["variance"].to_numpy()[keep])
     reference_losses = qlike_losses(values[keep], paired["variance_reference"].to_numpy()[keep])
@@ -336,13 +301,9 @@ def _paired_fz0_dm(rows: pd.DataFrame, reference: pd.DataFrame, lags: int) -> di
     return metrics
 
 
-def forecast_figure(forecasts: pd.DataFrame, ticker: str, models: list[str]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(12, 4.5))
+def forecast_figure(forecasts: pd.DataFrame, ticker: str, models: list[str]) -> Figure:
+    figure = Figure(figsize=(12, 4.5), layout="tight")
+    axis = figure.subplots()
     rows = forecasts[forecasts["ticker"] == ticker]
     realised = rows[rows["model"] == models[0]]
     axis.plot(realised["date"], realised["parkinson"], color="0.75", lw=0.6, label="Parkinson variance")
@@ -353,46 +314,29 @@ def forecast_figure(forecasts: pd.DataFrame, ticker: str, models: list[str]):
     axis.set_ylabel("daily variance (%²)")
     axis.set_title(f"{ticker}: 1-day-ahead variance forecasts on the test window")
     axis.legend(loc="upper right", ncol=len(models) + 1, fontsize=8)
-    figure.tight_layout()
     return figure
 
 
-ZONE_COLOURS = {"green": "tab:green", "yellow": "gold", "red": "tab:red"}
-
-
-def breach_zones(hits: np.ndarray, window: int = BASEL_WINDOW) -> np.ndarray:
-    """The traffic-light zone of the 250-day window that ends on each day (a shorter one at the start), by its
-    count of 1 % VaR breaches."""
-    counts = pd.Series(np.asarray(hits, dtype=float)).rolling(window, min_periods=1).sum().to_numpy()
-    return np.where(counts >= 10, "red", np.where(counts >= 5, "yellow", "green"))
-
-
-def risk_figure(forecasts: pd.DataFrame, ticker: str, model: str):
-    """Returns with the 1 % VaR, the 97.5 % band from VaR to ES (the tail whose mean the ES is) and the 99 % ES;
-    each breach of the 1 % VaR coloured by the traffic-light zone of the 250-day window it closes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def risk_figure(forecasts: pd.DataFrame, ticker: str, model: str) -> Figure:
+    """Returns with the 1 % VaR, the 97.5 % VaR-to-ES band and the 99 % ES; breaches coloured by traffic-light zone."""
     rows = forecasts[(forecasts["ticker"] == ticker) & (forecasts["model"] == model)].sort_values("date")
     sigma = np.sqrt(rows["variance"])
     var = value_at_risk(rows, 0.01)
     (var975, es975), (_, es99) = ([rows["mu"] + sigma * rows[column] for column in es_columns(level)]
                                   for level in (0.025, 0.01))
-    figure, axis = plt.subplots(figsize=(12, 4.5))
+    figure = Figure(figsize=(12, 4.5), layout="tight")
+    axis = figure.subplots()
     axis.plot(rows["date"], rows["ret"], color="0.55", lw=0.5, label="return (%)")
     axis.fill_between(rows["date"], var975, es975, color="tab:purple", alpha=0.3, lw=0, label="97.5% VaR to ES")
     axis.plot(rows["date"], es99, color="tab:purple", lw=0.7, ls=":", label="99% ES")
     axis.plot(rows["date"], var, color="tab:blue", lw=0.9, label="1% VaR")
     hits = (rows["ret"] < var).to_numpy()
     zones = breach_zones(hits)
-    for zone, colour in ZONE_COLOURS.items():
+    for zone, colour in {"green": "tab:green", "yellow": "gold", "red": "tab:red"}.items():
         chosen = hits & (zones == zone)
         axis.scatter(rows["date"][chosen], rows["ret"][chosen], color=colour, s=14, zorder=3, edgecolors="0.2",
                      linewidths=0.3, label=f"breach, {zone} zone ({int(chosen.sum())})")
     axis.set_ylabel("daily return (%)")
     axis.set_title(f"{ticker}: {model} VaR and ES, 1% VaR breaches by Basel traffic-light zone (250-day window)")
     axis.legend(loc="lower left", ncol=3, fontsize=8)
-    figure.tight_layout()
     return figure

@@ -1,8 +1,5 @@
-"""Causal features of a daily OHLC panel: every value at date t uses rows up to t of the same ticker only.
-
-Written against the pandas API, so cudf.pandas runs them on the GPU when the CLI enabled it.
-Units are percent: returns are 100·ln(close_t / close_t-1), variances are in percent squared.
-"""
+"""Causal features of a daily OHLC panel: a value at date t uses rows up to t of its ticker only. In pandas (so
+cudf.pandas can run them on a GPU), in percent: returns are 100·ln(close_t / close_t-1), variances percent²."""
 
 from __future__ import annotations
 
@@ -32,13 +29,8 @@ def parkinson_variance(high: pd.Series, low: pd.Series) -> pd.Series:
 
 
 def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
-    """Per ticker: returns, Parkinson variance, HAR averages, scale-free inputs, and the targets.
-
-    The first row of each ticker (no return yet) is dropped. The targets look ahead and are only ever used
-    as labels whose date is before the forecast origin: `target` is the next day's Parkinson variance (on
-    `target_date`), `target_h` the sum over the next `horizon` days (known on `target_date_h`); `target_sq` and
-    `target_sq_h` the same of squared returns, `target_ret` and `target_ret_h` of returns.
-    """
+    """Per ticker (its first row dropped): returns, Parkinson variance, HAR averages, scale-free inputs, and the
+    look-ahead targets (`target*`, the next day's and the next `horizon` days'), used only as labels."""
     frame = panel.sort_values(["ticker", "date"], kind="stable").reset_index(drop=True)
     by_ticker = frame.groupby("ticker", sort=False)
     frame["ret"] = 100 * np.log(frame["close"] / by_ticker["close"].shift(1))
@@ -57,10 +49,8 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
         frame[name] = by_ticker["sq_ret"].rolling(window).mean().reset_index(level=0, drop=True)
     floor = VARIANCE_FLOOR * frame["rv_m"]
     frame["log_rv_m"] = np.log(frame["rv_m"])
-    for name, source in [("rel_rv_d", "rv_d"), ("rel_rv_w", "rv_w"), ("rel_rv_q", "rv_q"), ("rel_sq_ret", "sq_ret"),
-                         ("rel_sq_m", "sq_m"), ("rel_sq_q", "sq_q"), ("rel_ewma_sq", "ewma_sq"),
-                         ("rel_ewma_neg", "ewma_neg")]:
-        frame[name] = np.log(np.maximum(frame[source], floor)) - frame["log_rv_m"]
+    for source in ("rv_d", "rv_w", "rv_q", "sq_ret", "sq_m", "sq_q", "ewma_sq", "ewma_neg"):
+        frame[f"rel_{source}"] = np.log(np.maximum(frame[source], floor)) - frame["log_rv_m"]
     frame["ret_std"] = frame["ret"] / np.sqrt(frame["rv_m"])
     frame["neg_ret_std"] = np.minimum(frame["ret_std"], 0)
     if "vix" in frame:
@@ -73,13 +63,10 @@ def add_features(panel: pd.DataFrame, horizon: int = 5) -> pd.DataFrame:
     if "true_variance" in frame:  # a synthetic panel's: the variance of each day's return, known the day before
         frame["target_true"] = by_ticker["true_variance"].shift(-1)
     frame["target_date"] = by_ticker["date"].shift(-1)
-    frame["target_h"] = by_ticker["parkinson"].rolling(horizon).sum().reset_index(level=0, drop=True)
-    frame["target_h"] = frame.groupby("ticker", sort=False)["target_h"].shift(-horizon)
-    frame["target_ret_h"] = by_ticker["ret"].rolling(horizon).sum().reset_index(level=0, drop=True)
-    frame["target_ret_h"] = frame.groupby("ticker", sort=False)["target_ret_h"].shift(-horizon)
     frame["target_sq"] = by_ticker["sq_ret"].shift(-1)
-    frame["target_sq_h"] = by_ticker["sq_ret"].rolling(horizon).sum().reset_index(level=0, drop=True)
-    frame["target_sq_h"] = frame.groupby("ticker", sort=False)["target_sq_h"].shift(-horizon)
+    for name, source in (("target_h", "parkinson"), ("target_ret_h", "ret"), ("target_sq_h", "sq_ret")):
+        frame[name] = by_ticker[source].rolling(horizon).sum().reset_index(level=0, drop=True)
+        frame[name] = frame.groupby("ticker", sort=False)[name].shift(-horizon)
     frame["target_date_h"] = by_ticker["date"].shift(-horizon)
     return frame
 

@@ -1,17 +1,11 @@
 """The one-factor GAS model of VaR and ES (Patton, Ziegel and Chen 2019, "Dynamic semiparametric models for expected
-shortfall (and Value-at-Risk)", §2.3): the 2.5 % VaR and ES of the next day's return are a·exp(κ) and b·exp(κ),
-b < a < 0, with the log scale κ driven by the day's tail event,
+shortfall (and Value-at-Risk)", §2.3): the 2.5 % VaR and ES are a·exp(κ) and b·exp(κ), b < a < 0, with
 
     κ(t+1) = β κ(t) + γ (1{y(t) ≤ v(t)} y(t) / (α e(t)) − 1),
 
-which falls by γ each day the VaR holds and jumps after a breach, the more the deeper the loss. Its four parameters
-minimise the mean FZ0 loss (`tails.fz0_loss`) at α = 2.5 % on every return before the refit, from the returns' own
-quantile and ES each time (no warm start: a fit depends on its data alone, not on the refits before it); between
-fits (`baselines.gas_refit_every` trading days, a year by default: about 700 evaluations of a 2 ms recursion each)
-κ is filtered forward with the last fit's parameters. The 1 % VaR and ES and the 5 % VaR are the same factor times
-constants: those of the returns over their fitted scale y / exp(κ), which minimise FZ0 for a constant pair. A
-semiparametric model of the tails alone: it forecasts no variance.
-"""
+falling by γ each day the VaR holds and jumping after a breach. The parameters minimise the mean FZ0 loss on every
+return before the refit (no warm start: a fit depends on its data alone); between fits κ is filtered forward. The
+other levels are constants of the returns over their fitted scale. A model of the tails alone: no variance."""
 
 from __future__ import annotations
 
@@ -27,9 +21,8 @@ LOG_SCALE_BOUND = 50.0  # |κ| beyond this (exp overflow) only ever comes of par
 
 
 def log_scale(returns: np.ndarray, params, start: float = 0.0) -> np.ndarray:
-    """κ for each day 0 … n (κ(0) = `start`, 0 at the first return ever: the model's unconditional level): κ(t)
-    scales the forecast of returns[t], made from the returns before it. A Python loop over floats: the recursion is
-    nonlinear (a breach depends on κ), and a day costs well under a µs."""
+    """κ for each day 0 … n from κ(0) = `start`: κ(t) scales the forecast of returns[t]. A Python loop over floats:
+    the recursion is nonlinear, and a day costs well under a µs."""
     beta, gamma, a, b = (float(value) for value in params)
     kappa, current = [start], start
     for value in returns.tolist():
@@ -49,8 +42,7 @@ def mean_fz0(params, returns: np.ndarray) -> float:
 
 
 def fit(returns: np.ndarray) -> np.ndarray:
-    """(β, γ, a, b) minimising the mean FZ0 by Nelder-Mead, from the returns' own 2.5 % quantile and ES and a
-    persistent factor."""
+    """(β, γ, a, b) minimising the mean FZ0 by Nelder-Mead, from the returns' own 2.5 % quantile and ES."""
     quantile = float(np.quantile(returns, LEVEL))
     start = np.array([0.95, 0.02, quantile, float(returns[returns <= quantile].mean())])
     options = {"maxiter": 4000, "xatol": 1e-5, "fatol": 1e-7}

@@ -1,13 +1,7 @@
-"""The network's joint VaR and ES head (the `fz` tail rule): beside the variance, the 1 % and 2.5 % VaR and ES of the
-next day and of the next H days, as functions of the variance model's own scaled inputs, trained with the FZ0 loss
-(`tails.fz0_loss`; Patton, Ziegel and Chen 2019) on the standardised returns of its refit's training window.
-
-For each level and horizon a linear map of the inputs gives two numbers (a, b): the standardised VaR is −softplus(a)
-and the ES that minus softplus(b), so ES < VaR < 0 by construction, and the day's VaR and ES are μ + σ times them
-(σ from the variance forecast). The head starts from the window's empirical quantile and ES (the `training` rule's
-filtered historical simulation) with zero weights, and moves as far as FZ0 with a ridge penalty takes it: its tails
-can widen or narrow with the market where the empirical ones stay put.
-"""
+"""The network's joint VaR and ES head (the `fz` tail rule): the 1 % and 2.5 % VaR and ES of the next day and H
+days as a linear map of the network's scaled inputs, trained with FZ0 (Patton, Ziegel and Chen 2019) on its
+window's standardised returns. Each pair (a, b) gives VaR −softplus(a) and ES that minus softplus(b), so
+ES < VaR < 0; it starts from the window's empirical tails and moves as far as FZ0 with a ridge penalty takes it."""
 
 from __future__ import annotations
 
@@ -49,15 +43,9 @@ class TailHead(nn.Module):
         return {"q01": columns[es_columns(0.01)[0]], **columns}
 
 
-def _inverse_softplus(values: np.ndarray) -> np.ndarray:
-    return values + np.log(-np.expm1(-values))
-
-
 def fit_heads(scaled: list[torch.Tensor], standardised: list[np.ndarray],
               starts: list[dict[str, float]]) -> list[TailHead]:
-    """One head per refit, all trained at once (one batched step for every refit, as the ensemble does): refit i's
-    rows of `scaled` inputs and their standardised (1-day, H-day) returns, (rows, 2), from the `starts[i]` tail
-    columns (its window's empirical ones). The refits are independent: the loss is the sum of their own means."""
+    """One head per refit, all trained in one batched step from the `starts[i]` tail columns."""
     fits, longest, width = len(scaled), max(len(rows) for rows in scaled), scaled[0].shape[1]
     inputs, targets = torch.zeros(fits, longest, width), torch.zeros(fits, longest, 2)
     weights = torch.zeros(fits, longest)  # 0 on the padding of a shorter window
@@ -90,4 +78,5 @@ def _start_bias(start: dict[str, float]) -> np.ndarray:
     for level, suffix in PAIRS:
         var, shortfall = (start[name] for name in es_columns(level, suffix))
         bias += [-var, var - shortfall]
-    return _inverse_softplus(np.array(bias))
+    bias = np.array(bias)
+    return bias + np.log(-np.expm1(-bias))  # softplus's inverse

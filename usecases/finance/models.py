@@ -1,14 +1,6 @@
-"""The neural forecaster: one MLP shared by every ticker (a global model), trained with QLIKE.
-
-Inputs are scale-free (log variances relative to the ticker's 22-day average, standardised returns) plus
-the level itself, so one network serves tickers of any volatility. It predicts the log of the next day's
-variance and of the next H days' summed variance, each as a correction to the 22-day average (times H),
-which makes an untrained network a sensible forecaster.
-
-`VolatilityEnsemble` holds many such networks (every member of every refit) with their parameters stacked, so that
-they train together as one model: one batched step for all of them, on a GPU a handful of kernels instead of a
-launch-bound loop of tiny fits.
-"""
+"""The neural forecaster: one MLP shared by every ticker, trained with QLIKE on scale-free inputs, predicting the log
+variance of the next day and of the next H days as a correction to the 22-day average (so an untrained network is
+a sensible forecaster). `VolatilityEnsemble` stacks many of them so they train in one batched step."""
 
 from __future__ import annotations
 
@@ -36,11 +28,8 @@ class VolatilityMLP(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def fit_scaler(self, features: torch.Tensor) -> None:
-        """Standardisation fitted on the training window only (missing values ignored), kept for serving.
-
-        An input never seen in the window (VIX before 2014) stays at its mean forever after: weights that
-        were never trained on it must not start reacting when it appears.
-        """
+        """Standardisation fitted on the training window only; an input never seen there (VIX before 2014) stays
+        at its mean, so untrained weights never react to it."""
         self.seen.copy_(features.isfinite().any(dim=0))
         mean = torch.nan_to_num(torch.nanmean(features, dim=0), nan=0.0)
         scale = torch.nan_to_num(torch.nanmean((features - mean) ** 2, dim=0).sqrt(), nan=0.0)
@@ -48,13 +37,11 @@ class VolatilityMLP(nn.Module):
         self.scale.copy_(torch.where(scale > 0, scale, torch.ones_like(scale)))
 
     def scaled(self, features: torch.Tensor) -> torch.Tensor:
-        """The inputs standardised as the network sees them (a missing exogenous input at its training mean): the
-        joint VaR/ES head (`joint.py`) reads them too."""
+        """The inputs as the network (and the joint VaR/ES head) sees them."""
         return torch.nan_to_num((features - self.mean) / self.scale, nan=0.0) * self.seen
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """Log variance forecasts (next day, next H days): the log 22-day average (the first feature) plus a
-        learned correction, as a (batch, 2) tensor."""
+        """(batch, 2) log variance forecasts: the log 22-day average (the first feature) plus a correction."""
         return features[:, :1] + self.log_days + self.head(self.body(self.scaled(features)))
 
 
@@ -65,8 +52,7 @@ def qlike(log_forecast: torch.Tensor, proxy: torch.Tensor) -> torch.Tensor:
 
 
 def qlike_loss(log_forecast: torch.Tensor, proxy: torch.Tensor) -> torch.Tensor:
-    """The training loss: QLIKE, minimised in expectation by forecast = E[proxy], averaged over both
-    horizons, whose losses share a scale since QLIKE depends on proxy / forecast only."""
+    """QLIKE averaged over both horizons (scale-free, so they share a scale); minimised by forecast = E[proxy]."""
     return qlike(log_forecast, proxy).mean()
 
 
@@ -77,16 +63,14 @@ def ensemble_forecast(members: list[VolatilityMLP], features: torch.Tensor) -> t
 
 
 def fit_qlike(log_forecast: torch.Tensor, proxy: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`qlike` of each fit on its own rows: (fits, rows, 2) forecasts and proxies, (fits, rows) weights that are 0 on
-    the padding of a fit with fewer rows; returns (fits, 2). Padding rows must hold real (finite) rows."""
+    """`qlike` of each fit on its own (fits, rows, 2) rows, weighted 0 on padding (which must be finite): (fits, 2)."""
     log_ratio = torch.log(proxy) - log_forecast
     losses = (torch.exp(log_ratio) - log_ratio - 1) * weights.unsqueeze(-1)
     return losses.sum(1) / weights.sum(1).clamp_min(1).unsqueeze(-1)
 
 
 class EnsembleLinear(nn.Module):
-    """One linear layer per fit, stacked: weight (fits, in, out), bias (fits, out). `forward` applies the layers of
-    `fits` to their own rows in one batched matrix product."""
+    """One linear layer per fit, stacked, applied to each fit's own rows in one batched matrix product."""
 
     def __init__(self, fits: int, in_features: int, out_features: int):
         super().__init__()
@@ -98,9 +82,7 @@ class EnsembleLinear(nn.Module):
 
 
 class FitDropout(nn.Module):
-    """Dropout of an ensemble's fits whose masks are drawn for every fit, those a step leaves out too, then taken
-    for the fits in it: a fit's masks depend on the step alone, never on which other fits still train, so no fit's
-    training depends on another's data (a later refit's prices cannot reach an earlier refit's forecasts)."""
+    """Dropout whose masks are drawn for every fit, so a fit's masks never depend on which others train."""
 
     def __init__(self, fits: int, p: float):
         super().__init__()
@@ -114,12 +96,8 @@ class FitDropout(nn.Module):
 
 
 class VolatilityEnsemble(nn.Module):
-    """VolatilityMLPs of the same architecture, each with its own weights and scaler, as one module: every parameter
-    and scaler buffer has a first dimension of fits, and `forward` runs the fits it is given on their own rows.
-    The fits are independent: a sum of their losses gives each fit its own gradient, AdamW is elementwise, and
-    `clip_grad_norm_` clips each fit's gradient alone, so training them together is training each alone.
-
-    Its state dict has VolatilityMLP's names (a Linear's weight transposed), so `stack` and `member` convert."""
+    """VolatilityMLPs as one module (every tensor with a first dimension of fits), trained together as each alone;
+    its state dict has VolatilityMLP's names, so `stack` and `member` convert."""
 
     SHARED = ("log_days",)  # the one tensor without a dimension of fits
 
@@ -157,8 +135,7 @@ class VolatilityEnsemble(nn.Module):
         return model.eval()
 
     def forward(self, features: torch.Tensor, fits: torch.Tensor) -> torch.Tensor:
-        """VolatilityMLP.forward of each fit in `fits` (indices) on its own rows: (len(fits), rows, features) in,
-        (len(fits), rows, 2) out."""
+        """VolatilityMLP.forward of each fit in `fits` on its own rows: (len(fits), rows, features) in."""
         mean, scale, seen = (buffer.index_select(0, fits).unsqueeze(1) for buffer in (self.mean, self.scale, self.seen))
         hidden = torch.nan_to_num((features - mean) / scale, nan=0.0) * seen
         for block in self.body:
@@ -171,9 +148,7 @@ class VolatilityEnsemble(nn.Module):
             return torch.exp(self(features.expand(len(fits), -1, -1), fits).float()).mean(0)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` for each fit alone: each fit's gradient norm over its own slices of
-        every parameter, each fit's gradient scaled down to `max_norm` where it is above. On the device throughout
-        (no host sync); returns the norms."""
+        """`torch.nn.utils.clip_grad_norm_` for each fit alone, on the device (no host sync); returns the norms."""
         gradients = [parameter.grad for parameter in self.parameters() if parameter.grad is not None]
         norms = torch.stack([gradient.flatten(1).norm(dim=1) for gradient in gradients]).norm(dim=0)
         factor = (max_norm / (norms + 1e-6)).clamp(max=1.0)

@@ -1,12 +1,6 @@
-"""Where the baselines' walk-forward fits run, a task per ticker and model: in a process pool started before the
-neural model trains, on a Dask cluster's workers, or under DDP in shares of the ranks. The forecasts are the same
-whichever runs them (`fit_baselines` keeps BLAS on one thread), and come back in the tasks' order.
-
-The pool has a worker for each core the training leaves (on a GPU machine every core but the one driving the GPU),
-and its workers take the tasks from a queue, the longest first. Once the network has trained, this process takes
-from the same queue until it is empty, then waits for what the workers still run: on a CPU run it would otherwise
-sit idle while its core's share of the baselines waits in the queue.
-"""
+"""Where the baselines' fits run, a task per ticker and model: in a process pool started before the network trains,
+on Dask, or under DDP in shares of the ranks; the same forecasts, in the tasks' order, whichever runs them. Pool
+workers take the longest tasks first from a queue, which this process helps empty once the network has trained."""
 
 from __future__ import annotations
 
@@ -21,7 +15,6 @@ import pandas as pd
 import torch
 
 from common.runtime.devices import Runtime
-
 from common.runtime.process import usable_cores
 from common.runtime.interrupt import stop_point, stops_deferred
 from common.runtime.sharding import gather_objects, my_share
@@ -36,8 +29,6 @@ WAIT_S = 0.1  # between checks for Ctrl-C or SIGTERM while waiting for a task
 
 @dataclass
 class BaselineTask:
-    """One baseline's walk-forward on one ticker: its rows (in date order) and its blocks of test origins."""
-
     ticker: str
     model: str
     rows: pd.DataFrame
@@ -45,20 +36,14 @@ class BaselineTask:
 
 
 def pool_workers(tasks: int, runtime: Runtime | None) -> int:
-    """A worker for each usable core the training leaves (its CPU threads on a CPU run; on a GPU, the one process
-    driving it), at least one, at most one per task. On 2 cores beside a one-thread CPU training, two workers
-    finished the `default` run no sooner than one (README: the baselines beside the network): the training keeps
-    its core."""
+    """A worker for each usable core the training leaves, at least one, at most one per task."""
     training = torch.get_num_threads() if runtime is None or runtime.device.type == "cpu" else 1
     return max(1, min(tasks, usable_cores() - training))
 
 
 class BaselineRuns:
-    """Entering starts the tasks (on the Dask `client`, else in a pool of `workers` processes, started from a thread
-    so that the training need not wait for it; under DDP nothing, each rank fitting its share in `collect`);
-    `collect` takes what the pool has not started yet (module docstring) and waits for the rest, stopping within
-    WAIT_S on Ctrl-C or SIGTERM; leaving ends whatever still runs (the pool terminated, Dask futures cancelled), on
-    every path."""
+    """Entering starts the tasks (on Dask, in a pool started from a thread, or nothing under DDP); `collect`
+    runs what is left and waits, stopping on Ctrl-C or SIGTERM; leaving ends whatever still runs."""
 
     def __init__(self, tasks: list[BaselineTask], horizon: int, settings: Baselines, runtime: Runtime | None = None,
                  client=None, workers: int | None = None):
@@ -85,8 +70,7 @@ class BaselineRuns:
         return self
 
     def _start_pool(self) -> None:
-        """forkserver: a worker holds none of this process's threads or locks (MLflow's, torch's) and ends when this
-        process does, even killed; the forkserver imports the baselines once for all of them."""
+        """forkserver: workers hold none of this process's threads or locks, end with it, and share one import."""
         try:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([fit_baselines.__module__])
@@ -101,8 +85,7 @@ class BaselineRuns:
             return self.queue.pop(0) if self.queue else None
 
     def _start_next(self, *_) -> None:
-        """Give a worker the next task; called again as each one ends (in the pool's result thread). Taken and
-        started under the queue's lock, so that a task out of the queue is always in `results`."""
+        """Give a worker the next task, as each one ends, under the queue's lock (a task out of it is in `results`)."""
         with self.queued:
             if self.queue:
                 index = self.queue.pop(0)
@@ -146,8 +129,7 @@ class BaselineRuns:
         return running.result()
 
     def _fit_shares(self) -> pd.DataFrame | None:
-        """Without a pool or Dask (under DDP, or `workers=0`): this process's share of the tasks, here, and every
-        rank's gathered on rank 0."""
+        """Without a pool or Dask: this rank's share of the tasks, every rank's gathered on rank 0."""
         parts = []
         with stops_deferred(self.distributed):
             for task in self.tasks[my_share(len(self.tasks), self.runtime)]:

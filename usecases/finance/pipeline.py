@@ -1,11 +1,7 @@
-"""The finance job: features, an expanding-window walk-forward over the test window, every model in one harness.
-
-A forecast for test day d is made at the close of the previous trading day (the origin) from data up to the
-origin only. Models are refit at the start of each block of test days: the baselines every
-`evaluation.refit_every` days, the neural model every `train.refit_every` days (it costs more to fit). Both
-walk-forwards start earlier, on a validation period just before the test window, where the tail model the
-forecaster serves its VaR and ES by is chosen; the test window then only measures it.
-"""
+"""The finance job: an expanding-window walk-forward, every model in one harness. A forecast for day d is made at
+the previous close (the origin) from data up to it; models refit at each block start (the baselines every
+`evaluation.refit_every` days, the network every `train.refit_every`). Both walks start on a validation period
+before the test window, where the served tail model is chosen; the test window only measures it."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from common.runtime.devices import Runtime
 from common.usecase import RunResult
 from .baselines import forecast_frame
 from .choice import serve_chosen_tails
-from .config import Config, Evaluation
+from .config import Config
 from .data import Panel, load_panel
 from .ensemble import Fit, train_ensemble
 from .evaluate import evaluate, forecast_figure, risk_figure
@@ -36,7 +32,6 @@ from .tails import empirical_columns, evt_columns, recalibrate
 log = logging.getLogger(__name__)
 
 MIN_HISTORY = 250
-# The validated panel as MLflow records it with the run's dataset input (its Dataset column).
 DATA_SCHEMA = "date:datetime,ticker:string,open:double,high:double,low:double,close:double,volume:double"
 
 
@@ -50,11 +45,12 @@ class Prepared:
 
 
 def load_data(config: Config, path: Path | None, client=None) -> tuple[Prepared, dict[str, str]]:
-    """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
-    `client`, the features are computed on its workers. The tags name the test window and the validation period
-    that were used."""
-    if path is not None:
-        window_from_data(config.evaluation)
+    """Everything that can be wrong with the data is found here, before an MLflow run starts."""
+    if path is not None:  # each end of the `arch` data's test window not set explicitly becomes null (the file's
+        # last `test_fraction`, or its end), in the config itself so the run's params record it
+        for end in ("test_start", "test_end"):
+            if end not in config.evaluation.model_fields_set:
+                setattr(config.evaluation, end, None)
     panel = load_panel(config.data, path)
     frame = features_per_ticker(panel.frame, config.evaluation.horizon, client)
     test = evaluation_window(frame, config, str(path) if path else panel.source)
@@ -66,24 +62,13 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[Prepared,
         "test_window": _span(frame, test), "tails_validation": _span(frame, validation)}
 
 
-def window_from_data(evaluation: Evaluation) -> None:
-    """For a user's file: the schema's 2011-2018 test window is the `arch` data's, so each end the user did not set
-    (with --set or in a preset) becomes null, and the window is the file's last `test_fraction`, or runs to its
-    end. Set in the config itself, so that the run's params record the window used."""
-    for end in ("test_start", "test_end"):
-        if end not in evaluation.model_fields_set:
-            setattr(evaluation, end, None)
-
-
 def _span(frame: pd.DataFrame, rows: pd.Series) -> str:
-    """The target days of `rows` as FIRST..LAST."""
     dates = frame.loc[rows, "target_date"]
     return f"{dates.min().date()}..{dates.max().date()}"
 
 
 def features_per_ticker(panel: pd.DataFrame, horizon: int, client=None) -> pd.DataFrame:
-    """`add_features`, whose every step is per ticker: on Dask one task per ticker, joined in the order that
-    `add_features` sorts the panel in (by ticker, then date), so both engines give the same frame."""
+    """`add_features`, on Dask one task per ticker, joined in `add_features`' order so both engines agree."""
     if client is None:
         return add_features(panel, horizon)
     tickers = panel["ticker"].drop_duplicates().sort_values(kind="stable")
@@ -95,8 +80,7 @@ AUTO_DASK_TICKERS = 50  # runtime.engine=auto fits the baselines on Dask above t
 
 
 def large_data(config: Config, path: Path | None) -> str | None:
-    """For `runtime.engine: auto`: a synthetic panel of more than AUTO_DASK_TICKERS tickers (a file's tickers are
-    known once read: give --engine dask for a large one)."""
+    """For `runtime.engine: auto`: a synthetic panel of more than AUTO_DASK_TICKERS tickers."""
     tickers = config.data.synthetic.tickers
     if path is None and config.data.source == "synthetic" and tickers > AUTO_DASK_TICKERS:
         return f"{tickers} tickers (more than {AUTO_DASK_TICKERS})"
@@ -104,8 +88,7 @@ def large_data(config: Config, path: Path | None) -> str | None:
 
 
 def evaluation_window(frame: pd.DataFrame, config: Config, where: str = "data") -> pd.Series:
-    """Rows (origins) whose forecast target day lies in the test window, checked to be one the models can be fitted
-    before and scored in; `where` (the file) starts each error."""
+    """Origins whose target day lies in the test window, checked to be fit before and scored in."""
     evaluation = config.evaluation
     dates = frame["target_date"]
     if evaluation.test_start is None:
@@ -132,8 +115,7 @@ def evaluation_window(frame: pd.DataFrame, config: Config, where: str = "data") 
 
 
 def _check_prices_move(rows: pd.DataFrame, part: str, returns: pd.Series, parkinson: pd.Series, where: str) -> None:
-    """A ticker whose close never changes, or whose high equals its low every day, has no variance to fit (GARCH
-    and the network fail on zeros) or to score forecasts against (QLIKE leaves zero proxies out)."""
+    """A ticker whose close never changes, or whose range is always 0, has no variance to fit or to score against."""
     for ticker, days in rows.groupby("ticker", sort=False).groups.items():
         span = f"{part} ({rows['date'].loc[days].min().date()} to {rows['date'].loc[days].max().date()})"
         if (returns.loc[days] == 0).all():
@@ -145,8 +127,7 @@ def _check_prices_move(rows: pd.DataFrame, part: str, returns: pd.Series, parkin
 
 
 def _check_first_refit(frame: pd.DataFrame, mask: pd.Series, config: Config, where: str) -> None:
-    """The first refit of the network (at the start of the validation period) trains on the fewest pairs (the
-    windows expand): it needs some to train on and some to stop early on."""
+    """The network's first refit has the fewest pairs (the windows expand): it needs some to train and stop on."""
     first = walk_starts(frame, validation_window(frame, mask, config), mask, config.train.refit_every)[0]
     train_rows, val_rows = training_window(frame, trainable(frame), first, config.train.val_fraction)
     if len(train_rows) == 0 or len(val_rows) == 0:
@@ -158,10 +139,8 @@ def _check_first_refit(frame: pd.DataFrame, mask: pd.Series, config: Config, whe
 
 
 def validation_window(frame: pd.DataFrame, mask: pd.Series, config: Config) -> pd.Series:
-    """Origins whose target day lies in the validation period, where the neural model's tail rule is chosen and its
-    `val_qlike_sq` measured: the `evaluation.val_days` trading days just before the test window, or half of the
-    days before it (MIN_HISTORY at least, `evaluation_window`) where there are fewer, so that the first fit keeps
-    the other half."""
+    """Origins whose target day is in the validation period (where the tail rule is chosen and `val_qlike_sq`
+    measured): the `evaluation.val_days` days before the test window, at most half of those before it."""
     dates = frame["target_date"]
     start = dates[mask].min()
     calendar = np.sort(dates[dates < start].unique())
@@ -175,8 +154,7 @@ def block_starts(frame: pd.DataFrame, mask: pd.Series, every: int) -> list[pd.Ti
 
 
 def walk_starts(frame: pd.DataFrame, validation: pd.Series, mask: pd.Series, every: int) -> list[pd.Timestamp]:
-    """Refit dates of a walk-forward over the validation period, then the test window, each cut from its own
-    first day, so that the test window starts a block as it does without a validation period."""
+    """Refit dates over the validation period, then the test window, each cut from its own first day."""
     return block_starts(frame, validation, every) + block_starts(frame, mask, every)
 
 
@@ -189,38 +167,26 @@ def ticker_blocks(rows: pd.DataFrame, mask: pd.Series, starts: list[pd.Timestamp
             if len(chunk)]
 
 
-def baseline_tasks(frame: pd.DataFrame, mask: pd.Series, config: Config,
-                   validation: pd.Series | None = None) -> list[BaselineTask]:
-    """A task per ticker and baseline (every fit of one depends on no other's), in the order of the forecasts: the
-    panel's tickers, each with `baselines.models` in turn. With `validation`, the walk-forward starts there (cut as
-    the network's, `walk_starts`), so that the tail models can be chosen on it."""
+def baseline_runs(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
+                  client=None, workers: int | None = None, validation: pd.Series | None = None) -> BaselineRuns:
+    """Every baseline's walk-forward, a task per ticker and baseline, to start (`with`) and `collect`
+    (`parallel.py`); with `validation`, the walk starts there, cut as the network's."""
     rows_forecast = mask if validation is None else validation | mask
     starts = (block_starts(frame, mask, config.evaluation.refit_every) if validation is None
               else walk_starts(frame, validation, mask, config.evaluation.refit_every))
-    return [BaselineTask(ticker, model, rows, blocks)
-            for ticker, rows in frame.groupby("ticker", sort=False)
-            for blocks in [ticker_blocks(rows, rows_forecast[rows.index], starts)]
-            for model in config.baselines.models]
-
-
-def baseline_runs(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
-                  client=None, workers: int | None = None, validation: pd.Series | None = None) -> BaselineRuns:
-    """Every baseline's walk-forward (over `validation` too, when given), to start (`with`) and `collect`: in a
-    process pool, on the Dask `client`'s workers, or among the ranks of a DDP job (`parallel.py`)."""
-    return BaselineRuns(baseline_tasks(frame, mask, config, validation), config.evaluation.horizon, config.baselines,
-                        runtime, client, workers)
+    tasks = [BaselineTask(ticker, model, rows, blocks)
+             for ticker, rows in frame.groupby("ticker", sort=False)
+             for blocks in [ticker_blocks(rows, rows_forecast[rows.index], starts)]
+             for model in config.baselines.models]
+    return BaselineRuns(tasks, config.evaluation.horizon, config.baselines, runtime, client, workers)
 
 
 def baseline_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime: Runtime | None = None,
                        client=None, workers: int | None = None,
                        validation: pd.Series | None = None) -> pd.DataFrame | None:
-    """Every baseline's walk-forward forecasts, on rank 0 in the panel's ticker order (None on the other ranks)."""
+    """Every baseline's walk-forward forecasts, on rank 0 (None on the other ranks)."""
     with baseline_runs(frame, mask, config, runtime, client, workers, validation) as runs:
         return runs.collect()
-
-
-def _member_seed(config: Config, block: int, member: int) -> int:
-    return config.runtime.seed + 1000 * block + member
 
 
 def trainable(frame: pd.DataFrame) -> pd.Series:
@@ -231,8 +197,7 @@ def trainable(frame: pd.DataFrame) -> pd.Series:
 
 def training_window(frame: pd.DataFrame, ready: pd.Series, refit_date: pd.Timestamp,
                     val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Rows to train and to early-stop on at a refit: pairs whose H target days all precede the refit date,
-    the latest `val_fraction` of them (by their last target day) held out for validation."""
+    """Pairs whose H target days all precede the refit, to train on and (the latest `val_fraction`) to stop on."""
     known = ready & (frame["target_date_h"] < refit_date)
     dates = np.sort(frame.loc[known, "target_date_h"].unique())
     val_start = dates[int(len(dates) * (1 - val_fraction))] if len(dates) else refit_date
@@ -241,25 +206,15 @@ def training_window(frame: pd.DataFrame, ready: pd.Series, refit_date: pd.Timest
 
 
 def overnight_factors(frame: pd.DataFrame, rows: np.ndarray) -> pd.Series:
-    """Per ticker, the squared close-to-close returns over the Parkinson variance of the target days in `rows`: what
-    turns a forecast of the trading-day range into one of the return, overnight move included (about 1.5 for the
-    S&P 500 and 1.7 for the NASDAQ)."""
+    """Per ticker, squared returns over Parkinson variance in `rows`: turns a range forecast into a return's."""
     window = frame.iloc[rows]
     sums = window.groupby("ticker", sort=False)[["target_sq", "target"]].sum()
     return sums["target_sq"] / sums["target"]
 
 
 def neural_walk(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) -> tuple[dict[str, pd.DataFrame], dict]:
-    """Walk-forward training of the global model over the validation period and the test window: each of its tail
-    rules' forecasts there (NEURAL_TAIL_RULES, with the realised `ret` and `ret_h`), and the last refit for serving.
-
-    Every member of every refit trains at once, as one batched ensemble (`ensemble.py`); each still sees only the
-    rows its refit's `training_window` gives, from its own seed. With `neural.target=scaled_range` the network
-    learns Parkinson variance and its forecasts are multiplied by each ticker's `overnight_factors` in that window.
-    Its VaR and Expected Shortfall come from filtered historical simulation on its training window's standardised
-    returns (`training`) or on its own earlier out-of-sample ones (`out_of_sample`, `tails.recalibrate`; with a
-    generalised Pareto tail, `out_of_sample_evt`), or from the joint VaR/ES head trained with FZ0 (`fz`, `joint.py`).
-    """
+    """The network's walk over the validation period and the test window, every refit trained at once: each
+    tail rule's forecasts (with the realised `ret` and `ret_h`) and the last refit, for serving."""
     device, horizon, target = job.runtime.device, config.evaluation.horizon, config.neural.target
     names = feature_names(config.data.exogenous)
     features = torch.tensor(frame[names].to_numpy(), dtype=torch.float32)
@@ -267,20 +222,17 @@ def neural_walk(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) 
     targets = torch.tensor(frame[proxies].to_numpy(), dtype=torch.float32)
     ready = trainable(frame)
     validation = validation_window(frame, mask, config)
-    forecast_rows = validation | mask
     starts = walk_starts(frame, validation, mask, config.train.refit_every)
     tested = len(block_starts(frame, mask, config.train.refit_every))
-    # Refits numbered (seeded) from the test window's first, the validation ones after the last: the test forecasts
-    # are the same whatever the validation period.
+    # refits seeded from the test window's first, the validation ones after: the test forecasts stay the same
     blocks = [*range(tested, len(starts)), *range(tested)]
     windows = [training_window(frame, ready, start, config.train.val_fraction) for start in starts]
-    members = config.neural.ensemble
-    fits = [Fit(_member_seed(config, block, member), train_rows, val_rows)
-            for block, (train_rows, val_rows) in zip(blocks, windows) for member in range(members)]
+    fits = [Fit(config.runtime.seed + 1000 * block + member, train_rows, val_rows)
+            for block, (train_rows, val_rows) in zip(blocks, windows) for member in range(config.neural.ensemble)]
     with job.phase("fit/neural", "device"):
         ensemble = train_ensemble(fits, features, targets, config, job)
     parts, windows_seen, inputs_ahead, latest, refit = _each_refit(frame, ensemble, features, starts, windows,
-                                                                   forecast_rows, config, device)
+                                                                   validation | mask, config, device)
     latest["models"] = [ensemble.member(fit) for fit in refit.tolist()]  # the last refit's members: served
     with job.phase("fit/tails", "serial"):  # every refit's joint VaR/ES head, on its own window (`joint.py`)
         heads = fit_heads(*map(list, zip(*windows_seen)))
@@ -297,9 +249,8 @@ def neural_walk(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job) 
 
 def _each_refit(frame: pd.DataFrame, ensemble, inputs: torch.Tensor, starts: list, windows: list,
                 forecast_rows: pd.Series, config: Config, device: torch.device):
-    """Per refit: its forecasts over its block (its members' mean, scaled by its window's overnight factors), its
-    window's scaled inputs, standardised returns and tails (what the joint head trains on), its block's scaled
-    inputs; and the last refit's model description and member indices, served."""
+    """Per refit: its block's forecasts, its window's scaled inputs, standardised returns and tails (what the joint
+    head trains on), its block's scaled inputs; and the last refit's description and members, served."""
     horizon, target, names = config.evaluation.horizon, config.neural.target, feature_names(config.data.exogenous)
     members = config.neural.ensemble
     features = inputs.to(device)
@@ -329,9 +280,7 @@ def _each_refit(frame: pd.DataFrame, ensemble, inputs: torch.Tensor, starts: lis
 
 def neural_forecasts(frame: pd.DataFrame, mask: pd.Series, config: Config, job: Job,
                      baselines: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
-    """The network's walk-forward (`neural_walk`) with its tails chosen among its rules and the tail models of
-    `baselines` (their forecasts over the validation period too, `baseline_forecasts(validation=...)`):
-    `serve_chosen_tails`."""
+    """`neural_walk` with its tails chosen among its rules and the tail models of `baselines`."""
     return serve_chosen_tails(frame, mask, validation_window(frame, mask, config), config,
                               *neural_walk(frame, mask, config, job), baselines, job)
 
@@ -341,9 +290,7 @@ def _scaled(forecast: np.ndarray, tickers: np.ndarray, factors: pd.Series | None
 
 
 def run(config: Config, data: Prepared, job: Job) -> RunResult:
-    """The baselines start in a process pool (or on Dask) before the neural model trains, and are collected after;
-    both walk over the validation period, where the served tails are chosen (`serve_chosen_tails`), then the test
-    window, the only one scored."""
+    """The baselines start (in a pool or on Dask) before the network trains and are collected after."""
     frame, mask = data.frame, data.test
     validation = validation_window(frame, mask, config)
     with baseline_runs(frame, mask, config, job.runtime, job.dask, validation=validation) as runs:
@@ -372,15 +319,11 @@ def run(config: Config, data: Prepared, job: Job) -> RunResult:
 
 
 def _log_artifacts(forecasts: pd.DataFrame, job: Job) -> None:
-    import matplotlib.pyplot as plt
-
     tracker = job.tracker
     compared = [name for name in ("har", "gjr_garch_t", "neural") if name in set(forecasts["model"])]
     for ticker in forecasts["ticker"].unique():
-        for figure, name in ((forecast_figure(forecasts, ticker, compared), f"forecast_{ticker}.png"),
-                             (risk_figure(forecasts, ticker, "neural"), f"risk_{ticker}.png")):
-            tracker.log_figure(figure, f"plots/{name}")
-            plt.close(figure)
+        tracker.log_figure(forecast_figure(forecasts, ticker, compared), f"plots/forecast_{ticker}.png")
+        tracker.log_figure(risk_figure(forecasts, ticker, "neural"), f"plots/risk_{ticker}.png")
     table = forecasts.reset_index(drop=True)[["model", "ticker", "date", "variance", "variance_h", "mu", "q01",
                                               "q05", "es975_q", "es975", "es99_q", "es99", "parkinson", "ret"]]
     tracker.log_text(table.to_csv(index=False), "forecasts.csv")

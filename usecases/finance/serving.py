@@ -24,18 +24,10 @@ SERVED_TAILS = [("var_1pct", "q01"), ("var_2_5pct", "es975_q"), ("var_5pct", "q0
 
 
 class VolatilityForecaster(ServedModel):
-    """Input: daily rows (date, ticker, high, low, close, and the exogenous columns the model was trained
-    with, such as vix), at least 67 consecutive days per ticker.
-
-    Output: one row per ticker with the variance forecast of the close-to-close return of the day after its last
-    row (percent²), the summed variance of the next H days, the volatility, and the one-day VaR (1 %, 2.5 %, 5 %)
-    and ES (97.5 % and 99 %, as `es_2_5pct` and `es_1pct`) of the percent return, by the run's tail model as it was
-    evaluated on the last test day: a ticker's own tails there (`by_ticker`; a ticker the run did not test takes the
-    last training window's), for `fz` the joint head's VaR and ES from the day's inputs, and for `gas` the GAS scale
-    filtered on from the last test day through the returns given after it (`gas_scales`). A network trained on
-    range variance (`neural.target=scaled_range`) is scaled by the ticker's overnight factor from its training
-    window, or, for a ticker it was not trained on, by that of the rows given.
-    """
+    """Input: daily rows (date, ticker, high, low, close and the model's exogenous columns), at least 67 days per
+    ticker. Output per ticker: the next day's variance (percent²), the next H days', the volatility, and the one-day
+    VaR and ES by the run's tail model as evaluated on the last test day (a ticker's own tails, the joint head's
+    from the day's inputs, or the GAS scale filtered on through the rows given)."""
 
     def load(self, bundle: dict) -> None:
         self.members = []
@@ -94,19 +86,13 @@ class VolatilityForecaster(ServedModel):
                 for name, column in SERVED_TAILS:
                     risk[name][row] = scale * state[column]
         return pd.DataFrame({
-            "ticker": latest["ticker"].to_numpy(),
-            "origin_date": latest["date"].dt.strftime("%Y-%m-%d").to_numpy(),
-            "variance": variance.astype(float),
-            f"variance_{self.horizon}d": forecast[:, 1].astype(float),
-            "volatility": volatility.astype(float),
-            **risk,
+            "ticker": latest["ticker"].to_numpy(), "origin_date": latest["date"].dt.strftime("%Y-%m-%d").to_numpy(),
+            "variance": variance.astype(float), f"variance_{self.horizon}d": forecast[:, 1].astype(float),
+            "volatility": volatility.astype(float), **risk,
         })
 
     def gas_scales(self, history: pd.DataFrame, tickers: pd.Series) -> dict[int, float]:
-        """GAS's scale exp(κ) for the day after each ticker's last row, by the row's position in `tickers`: κ filtered
-        from the run's last test origin through the returns given after it, or, where the rows do not reach back to
-        that day, from the model's unconditional level (κ = 0) through all of them. A ticker the run did not fit
-        GAS on has none (it keeps the last training window's tails)."""
+        """GAS's scale exp(κ) after each ticker's last row, filtered on from the run's last test origin (or κ = 0)."""
         scales = {}
         for row, ticker in enumerate(tickers):
             state = self.tails["gas"].get(ticker)
@@ -147,9 +133,7 @@ def forecaster_bundle(latest: dict) -> dict:
     """What the served model loads: the last refit's ensemble and the tails it is served with."""
     return {
         "states": [{key: value.cpu() for key, value in model.state_dict().items()} for model in latest["models"]],
-        "architecture": latest["architecture"],
-        "features": latest["features"],
-        "exogenous": latest["exogenous"],
+        "architecture": latest["architecture"], "features": latest["features"], "exogenous": latest["exogenous"],
         "mu": latest["mu"],
         "tails": {"rule": latest["tails"]["rule"],
                   "by_ticker": {str(ticker): _floats(tails) for ticker, tails in latest["tails"]["by_ticker"].items()},

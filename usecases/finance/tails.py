@@ -1,22 +1,11 @@
-"""Each model's own tail, standardised: the α-quantile q and the Expected Shortfall E[Z | Z ≤ q] of its
-distribution of standardised returns Z (mean 0, variance 1), at the FRTB's 97.5 % and at 99 %. A day's VaR is
-μ + σ·q and its ES μ + σ·es.
+"""Each model's standardised tail: the α-quantile q and the ES E[Z | Z ≤ q] of its standardised returns Z, at
+97.5 % (FRTB) and 99 %; a day's VaR is μ + σ·q and its ES μ + σ·es. Normal (EWMA, GARCH, HAR); Student-t (GJR-t,
+McNeil, Frey and Embrechts 2015, §2.3); empirical (the network's filtered historical simulation, of its training
+window's returns or of its earlier out-of-sample residuals, `recalibrate`); EVT, a generalised Pareto tail below
+the 10 % quantile (McNeil and Frey 2000). The run chooses the served rule on validation (`evaluate.choose_tail_rule`).
 
-Normal (EWMA, GARCH, HAR): es = −φ(z_α)/α. Student-t with ν degrees of freedom (GJR-t), scaled to unit variance by
-√((ν − 2)/ν): es = −(ν + t_α²)/(ν − 1) · f_ν(t_α)/α, times that scale (McNeil, Frey and Embrechts 2015, §2.3).
-Empirical (the neural model's filtered historical simulation): the mean of the standardised returns at or below
-their α-quantile. Two rules give those returns (NEURAL_TAIL_RULES): `training`, its training window's;
-`out_of_sample`, its own earlier out-of-sample residuals once a year of them exists (`recalibrate`);
-`out_of_sample_evt` takes a generalised Pareto tail of those (below); `fz` is the network's joint VaR/ES head
-(`joint.py`). The run chooses among them and the baselines' tail models (TAIL_RULES) on a validation period before
-the test window (`evaluate.choose_tail_rule`).
-
-EVT (GJR-t's filtered historical simulation, `gjr_garch_t_evt`): below the 10 % quantile u of the standardised
-residuals, a generalised Pareto tail fitted to the exceedances (McNeil and Frey 2000).
-
-FZ0 (Patton, Ziegel and Chen 2019) scores a VaR v and ES e at a level α together, v and e < 0:
-L(y, v, e) = −1{y ≤ v}(v − y) / (α e) + v / e + log(−e) − 1. Its expectation is smallest at the true pair.
-"""
+FZ0 (Patton, Ziegel and Chen 2019) scores a VaR v and ES e < 0 at level α together, smallest at the true pair:
+L(y, v, e) = −1{y ≤ v}(v − y) / (α e) + v / e + log(−e) − 1."""
 
 from __future__ import annotations
 
@@ -27,8 +16,7 @@ from scipy.stats import genpareto, norm, t
 VAR_LEVELS = (0.01, 0.05)
 ES_LEVELS = (0.025, 0.01)  # tail probabilities: ES at 97.5 % (FRTB) and at 99 %
 MIN_RESIDUALS = 250  # a year of out-of-sample residuals before they replace the training window's
-# The tail models the served forecaster chooses among on validation, in order of preference when the scores tie: the
-# network's own rules (its variance times standardised tails), then the baselines' models of the tails
+# the served forecaster's tail models in order of preference on a tie: the network's rules, then the baselines'
 NEURAL_TAIL_RULES = ("training", "out_of_sample", "out_of_sample_evt", "fz")
 TAIL_RULES = (*NEURAL_TAIL_RULES, "gas")
 EVT_THRESHOLD = 0.10  # the tail share of the residuals the generalised Pareto tail is fitted to
@@ -41,7 +29,7 @@ def fz0_loss(returns, var, shortfall, level: float):
 
 
 def quantile_column(level: float) -> str:
-    """The column holding the standardised return quantile at a VaR level: q01, q05."""
+    """q01, q05."""
     return f"q{round(level * 100):02d}"
 
 
@@ -75,17 +63,11 @@ def student_t_tails(nu: float) -> list[tuple[float, float]]:
 
 def empirical_tails(standardised: np.ndarray) -> list[tuple[float, float]]:
     values = np.asarray(standardised, dtype=float)
-    tails = []
-    for level in ES_LEVELS:
-        quantile = float(np.quantile(values, level))
-        tails.append((quantile, float(values[values <= quantile].mean())))
-    return tails
+    return [(float(quantile), float(values[values <= quantile].mean())) for quantile in np.quantile(values, ES_LEVELS)]
 
 
 def evt_tails(standardised: np.ndarray, levels) -> list[tuple[float, float]]:
-    """(quantile, ES) at each of `levels` (all below EVT_THRESHOLD) from a generalised Pareto tail: the excess x of
-    the loss over the threshold at tail probability α is GPD's quantile at α / EVT_THRESHOLD, and the mean excess
-    beyond it (β + ξx) / (1 − ξ)."""
+    """(quantile, ES) at each of `levels` (below EVT_THRESHOLD) from a generalised Pareto tail of the excesses."""
     threshold = float(np.quantile(standardised, EVT_THRESHOLD))
     excess = threshold - standardised[standardised < threshold]
     shape, _, scale = genpareto.fit(excess, floc=0)
@@ -98,8 +80,7 @@ def evt_tails(standardised: np.ndarray, levels) -> list[tuple[float, float]]:
 
 
 def evt_columns(standardised: np.ndarray, standardised_h: np.ndarray | None = None) -> dict[str, float]:
-    """Every tail column from GPD tails of the standardised residuals; the H-day ones from `standardised_h`, the
-    standardised H-day sums, or without them the 1-day ones (as the Student-t's: a sum of H days has lighter tails)."""
+    """Every tail column from GPD tails of the residuals (the H-day ones of `standardised_h`, else the 1-day)."""
     def finite(values):
         values = np.asarray(values, dtype=float)
         return values[np.isfinite(values)]
@@ -111,10 +92,7 @@ def evt_columns(standardised: np.ndarray, standardised_h: np.ndarray | None = No
 
 def tail_columns(quantiles, tails: list[tuple[float, float]],
                  tails_h: list[tuple[float, float]] | None = None) -> dict[str, float]:
-    """A forecast's tail columns: `quantiles` at VAR_LEVELS (q01, q05), `tails` the (quantile, ES) of the model's
-    standardised returns at ES_LEVELS (es975_q, es975, ...), and `tails_h` of its standardised H-day sums (es975_h_q,
-    ...; the 1-day ones by default: exact for the normal, conservative for the Student-t, a sum of t shocks having
-    lighter tails)."""
+    """A forecast's tail columns from `quantiles` at VAR_LEVELS and (quantile, ES) pairs at ES_LEVELS."""
     columns = {quantile_column(level): float(quantile) for level, quantile in zip(VAR_LEVELS, quantiles)}
     for suffix, values in (("", tails), ("_h", tails if tails_h is None else tails_h)):
         for level, pair in zip(ES_LEVELS, values):
@@ -130,13 +108,7 @@ def empirical_columns(standardised: np.ndarray, standardised_h: np.ndarray) -> d
 
 def recalibrate(forecasts: pd.DataFrame, starts: list[pd.Timestamp], horizon: int,
                 tails_of=empirical_columns) -> pd.DataFrame:
-    """The tails of each ticker's forecasts from its own earlier out-of-sample residuals, renewed at every date in
-    `starts`: `tails_of` (the empirical columns, or `evt_columns`) of the residuals of the days before it (of the H-day
-    sums wholly before it), once MIN_RESIDUALS exist. Rows without a forecast (NaN variance) give no residual.
-
-    `forecasts` holds `date` and `date_h` (the first and last target day), `ret` and `ret_h` (the realised 1-day
-    return and H-day sum), `mu`, `variance`, `variance_h`, and the training window's tail columns, kept until then.
-    """
+    """Each ticker's tails renewed at each of `starts` from `tails_of` its earlier out-of-sample residuals."""
     residuals = ((forecasts["ret"] - forecasts["mu"]) / np.sqrt(forecasts["variance"])).to_numpy()
     residuals_h = ((forecasts["ret_h"] - horizon * forecasts["mu"]) / np.sqrt(forecasts["variance_h"])).to_numpy()
     dates, dates_h = forecasts["date"].to_numpy(), forecasts["date_h"].to_numpy()

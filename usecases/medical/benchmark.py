@@ -1,10 +1,5 @@
-"""Training throughput, ours against a plain loop in the style of the official MedMNIST script, in one run.
-
-The plain loop turns each image into a tensor through a per-sample torchvision transform in a DataLoader and
-trains in fp32 in the default memory format; ours holds the data as one uint8 tensor on the device, augments
-there in batches, and trains channels-last with mixed precision through the common training loop. Both train
-the same model on the same images for the same epochs; the first epoch of each is a warm-up and not counted.
-"""
+"""Training throughput, ours against a plain loop in the style of the official MedMNIST script (per-sample
+transforms in a DataLoader, fp32): the same model, images and epochs, the first epoch of each a warm-up."""
 
 from __future__ import annotations
 
@@ -17,8 +12,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from common.runtime.interrupt import stop_point
+from common.errors import UserError
 from common.job import Job
+from common.runtime.interrupt import stop_point
 from common.runtime.devices import Runtime
 from .config import Config
 from .images import ImageSet
@@ -47,7 +43,7 @@ class PerSampleImages(Dataset):
 
 
 def plain_loop(config: Config, data: ImageSet, runtime: Runtime, epochs: int) -> list[dict[str, float]]:
-    """One dict per epoch: training images per second and the share of the time spent waiting for data."""
+    """Per epoch: training images per second and the share of the time spent waiting for data."""
     torch.manual_seed(config.runtime.seed)
     _, arch = new_classifier(config, data)
     model = build_classifier({**arch, "channels_last": False}).backbone.to(runtime.device).train()
@@ -91,8 +87,6 @@ def benchmark(config: Config, data: ImageSet | SlideSet, job: Job) -> dict[str, 
     if isinstance(data, SlideSet):  # a preset with data.source slides (`bench slides medical`)
         return slides_benchmark(config, data, job)
     if job.runtime.distributed:
-        from common.errors import UserError
-
         raise UserError("the benchmark compares single-process training; run it without torchrun")
     epochs = config.benchmark.epochs
     timed = config.model_copy(deep=True)

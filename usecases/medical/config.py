@@ -54,8 +54,7 @@ class Synthetic(ConfigModel):
 
 
 class Slides(ConfigModel):
-    """Whole-slide images: `--data FOLDER` with the slides and a labels file (slide, label, optional patient), read
-    region by region; tiles at `mpp` microns per pixel where the tissue covers at least `min_tissue` of the tile."""
+    """Whole-slide images: `--data FOLDER` with the slides and a labels file (slide, label, optional patient)."""
 
     labels_file: str = "labels.csv"
     unlabelled: Literal["refuse", "skip"] = Field(
@@ -81,8 +80,7 @@ class Slides(ConfigModel):
 
 
 class SlideEncoder(ConfigModel):
-    """Tile features: `model.name` trained on tiles that carry their slide's label (weak labels; ImageNet weights
-    cannot be downloaded everywhere), its pooled layer as the features attention MIL reads."""
+    """Tile features: `model.name` trained on tiles that carry their slide's label, its pooled layer read by MIL."""
 
     tiles_per_slide: int = Field(48, ge=1, description="tiles sampled per training and validation slide")
     epochs: int = Field(4, ge=1)
@@ -102,8 +100,7 @@ class MIL(ConfigModel):
 
 
 class SyntheticSlides(ConfigModel):
-    """Pyramidal TIFF slides written tile by tile: tissue on glass, positive slides with tumour-like nuclei
-    clusters in some of their tissue (a slide-level signal that attention can find)."""
+    """Pyramidal TIFF slides of tissue on glass, positive ones with tumour-like clusters of nuclei."""
 
     slides: int = Field(24, ge=8)
     size: int = Field(4096, ge=512, description="level-0 width and height in pixels")
@@ -148,8 +145,7 @@ class Model(ConfigModel):
 
 
 class Train(TrainConfig):
-    """The common loop's keys (epochs, batch_size, lr, patience on the val AUC, grad_clip, checkpoint_every_s: a
-    ResNet-18 checkpoint is ~130 MB) and the recipe's schedule and imbalance handling."""
+    """The common loop's keys and the recipe's schedule and imbalance handling."""
 
     weight_decay: float = Field(0.0, ge=0)
     milestones: list[Annotated[float, Field(gt=0, lt=1)]] = Field(
@@ -186,8 +182,7 @@ class Baselines(ConfigModel):
 
 
 class Benchmark(ConfigModel):
-    """`bench medical`: training epochs; with `--slides`, the whole-slide pipeline's reader counts, the plain loop's
-    tiles and the gigapixel slide whose peak memory is measured."""
+    """`bench medical`: training epochs; with `--slides`, reader counts, plain-loop tiles, the gigapixel slide."""
 
     epochs: int = Field(3, ge=2, description="per side; the first is a warm-up and not counted")
     slide_workers: list[Annotated[int, Field(ge=0)]] = Field(

@@ -1,10 +1,7 @@
-"""Image classification data sets as uint8 arrays split into train, val and test.
-
-Three sources: an official MedMNIST `.npz` (from the cache, a mirror folder in $USECASES_DATA_PATH, a download
-with its MD5 checked, or a local file; read and checked in `npz.py`), your own images through a CSV manifest or
-class folders (`files.py`: PNG, JPEG or DICOM, split by patient), and a synthetic set. The `ImageSet` they all
-return is in `images.py`.
-"""
+"""Image data sets as uint8 arrays split into train, val and test: an official MedMNIST `.npz` (cached, mirrored,
+downloaded with its MD5 checked, or a local file), your own images (`files.py`), or a synthetic set. An `.npz` has
+every array checked before training: a missing key, bad labels, an empty split or a mismatched size stops the run in
+one line naming the file, the key and the first bad entry."""
 
 from __future__ import annotations
 
@@ -13,26 +10,29 @@ import json
 import logging
 import os
 import socket
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 from common.errors import DataUnavailable, UserError, one_line
-from common.paths import cache_dir, data_search_path
+from common.paths import cache_dir, data_search_path, file_sha256
 from .config import Data, MedMNIST, Synthetic
 from .files import load_files
-from .images import SPLITS, ImageSet
-from .npz import load_medmnist_file
+from .images import SPLITS, ImageSet, Task, check_classes
 from .shards import write_image_folder
 
 log = logging.getLogger(__name__)
 
 DOWNLOAD_TIMEOUT_S = 30
+KEYS = tuple(f"{split}_{kind}" for split in SPLITS for kind in ("images", "labels"))
+DAMAGE_ERRORS = (OSError, EOFError, zipfile.BadZipFile, zlib.error)
+NUMERIC_KINDS = "biuf"  # bool, signed and unsigned integers, floats
 
 
 def load_images(config: Data, path: Path | None, seed: int, client=None) -> ImageSet:
-    """`--data` decides the source when given: a `.npz` is MedMNIST, anything else your own files. With a Dask
-    `client`, files are decoded on its cluster into memory-mapped shards (`shards.py`)."""
+    """`--data` decides the source when given: a `.npz` is MedMNIST, anything else your own files."""
     if path is not None:
         if path.suffix.lower() == ".npz":
             return load_medmnist_file(path)
@@ -49,9 +49,7 @@ def load_images(config: Data, path: Path | None, seed: int, client=None) -> Imag
 
 
 def medmnist_path(config: MedMNIST) -> Path:
-    """The cache (`data.medmnist.cache_dir`, else $MEDMNIST_CACHE, else ~/.cache/gpu-usecases/medmnist), then
-    `medmnist/NAME` in each mirror folder in $USECASES_DATA_PATH, then a download (into the cache) checked against
-    the official MD5."""
+    """The cache, then each mirror folder in $USECASES_DATA_PATH, then a download checked by its MD5."""
     from medmnist.info import INFO
 
     if config.flag not in INFO:
@@ -136,5 +134,127 @@ def synthetic_images(config: Synthetic) -> ImageSet:
     classes = [SHAPES[index % len(SHAPES)] + ("" if index < len(SHAPES) else f"_{index // len(SHAPES)}")
                for index in range(config.classes)]
     digest = hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-    return ImageSet(images, labels, "binary" if config.classes == 2 else "multi-class", classes, "synthetic",
-                    digest)
+    return ImageSet(images, labels, "binary" if config.classes == 2 else "multi-class", classes, "synthetic", digest)
+
+
+def load_medmnist_file(path: Path) -> ImageSet:
+    """A MedMNIST npz of any 2D set and size; the set's name comes from the file name (`dermamnist_64.npz`)."""
+    arrays = read_arrays(path)
+    images = {split: check_images(path, f"{split}_images", arrays[f"{split}_images"]) for split in SPLITS}
+    for split in SPLITS:
+        if images[split].shape[1:] != images["train"].shape[1:]:
+            raise UserError(f"{path}: {split}_images are {describe(images[split])} but train_images are "
+                            f"{describe(images['train'])}; every split must hold images of one size")
+    raw = {split: whole_numbers(path, split, arrays[f"{split}_labels"], len(images[split])) for split in SPLITS}
+    task, classes = medmnist_task(path, raw)
+    labels = {split: class_labels(path, f"{split}_labels", raw[split], task, classes) for split in SPLITS}
+    data = ImageSet(images, labels, task, classes, f"medmnist:{path.name}", file_sha256(path), files=[path])
+    check_classes(data, str(path))
+    return data
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The six arrays, loaded without pickles (unpickling can run code), so an object array is refused by name."""
+    if not zipfile.is_zipfile(path):  # else numpy would try the file as a pickle and advise allow_pickle
+        raise UserError(f"{path}: not a readable .npz file (not a zip archive; expected the arrays "
+                        f"{', '.join(KEYS)} as np.savez writes them)")
+    try:
+        archive = np.load(path)
+    except (*DAMAGE_ERRORS, ValueError) as error:
+        raise UserError(f"{path}: not a readable .npz file ({one_line(error)})") from None
+    with archive:
+        missing = [key for key in KEYS if key not in archive.files]
+        if missing:
+            raise UserError(f"{path}: missing key '{missing[0]}' (a MedMNIST file has {', '.join(KEYS)}; "
+                            f"this one has {', '.join(sorted(archive.files)) or 'none'})")
+        arrays = {}
+        for key in KEYS:
+            try:
+                arrays[key] = archive[key]
+            except ValueError as error:  # an object array, or a header numpy cannot parse
+                raise UserError(f"{path}: {key} cannot be loaded ({one_line(error)}); save it as a numeric array "
+                                f"(uint8 images, integer labels) with np.savez") from None
+            except DAMAGE_ERRORS as error:
+                raise UserError(f"{path}: {key} cannot be read ({one_line(error)}); the file is damaged, copy or "
+                                f"download it again") from None
+    return arrays
+
+
+def describe(images: np.ndarray) -> str:
+    return f"{images.shape[1]}x{images.shape[2]} with {images.shape[3]} channel(s)"
+
+
+def check_images(path: Path, key: str, images: np.ndarray) -> np.ndarray:
+    """Square uint8 (N, S, S, C) with C 1 or 3, at least one image: what the network and the served model take."""
+    if images.dtype != np.uint8 or images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] not in (1, 3)):
+        raise UserError(f"{path}: {key} must be uint8 of shape (N, H, W) or (N, H, W, 3), "
+                        f"got {images.dtype} {images.shape}")
+    if len(images) == 0:
+        raise UserError(f"{path}: {key} holds no images (shape {images.shape}); every split needs at least one")
+    if images.shape[1] != images.shape[2]:
+        raise UserError(f"{path}: {key} are {images.shape[1]}x{images.shape[2]} pixels; images must be square "
+                        f"(N, S, S), as MedMNIST's are and the served model takes")
+    return images[..., None] if images.ndim == 3 else images
+
+
+def entry(key: str, mask: np.ndarray, values: np.ndarray) -> str:
+    """`key[i] is v` for the first True of `mask`, indexed as numpy would (`test_labels[3, 1]`)."""
+    index = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(mask)[0]), mask.shape))
+    return f"{key}[{', '.join(map(str, index))}] is {values[index].item()}"
+
+
+def whole_numbers(path: Path, split: str, labels: np.ndarray, count: int) -> np.ndarray:
+    """int64 labels, one row per image, refused unless every value is a finite whole number of at least 0."""
+    key = f"{split}_labels"
+    if labels.ndim == 0:
+        raise UserError(f"{path}: {key} is a single value (shape ()), not one label per image")
+    if len(labels) != count:
+        raise UserError(f"{path}: {key} has {len(labels)} rows but {split}_images has {count}")
+    if labels.dtype.kind not in NUMERIC_KINDS:
+        raise UserError(f"{path}: {key} must hold integer class indices, got dtype {labels.dtype}")
+    values = labels.astype(np.float64)
+    for bad, why in ((~np.isfinite(values), "not a class index"),
+                     (values != np.round(values), "not a whole number (labels are class indices)"),
+                     (values < 0, "negative (class indices start at 0)")):
+        if bad.any():
+            raise UserError(f"{path}: {entry(key, bad, labels)}, {why}")
+    return labels.astype(np.int64)
+
+
+def medmnist_task(path: Path, labels: dict[str, np.ndarray]) -> tuple[Task, list[str]]:
+    """Task and class names from MedMNIST's own metadata, or from the labels for a file of unknown name."""
+    from medmnist.info import INFO
+
+    info = INFO.get(path.name.removesuffix(".npz").split("_")[0])
+    if info is not None:
+        task = {"binary-class": "binary", "multi-label, binary-class": "multi-label"}.get(info["task"], "multi-class")
+        return task, [info["label"][key] for key in sorted(info["label"], key=int)]
+    train = labels["train"]
+    if train.ndim == 2 and train.shape[1] > 1:
+        return "multi-label", [str(index) for index in range(train.shape[1])]
+    count = max(int(split.max()) for split in labels.values()) + 1
+    if count < 2:
+        raise UserError(f"{path}: every label in train_labels, val_labels and test_labels is 0; a classifier "
+                        f"needs at least 2 classes")
+    return ("binary" if count == 2 else "multi-class"), [str(index) for index in range(count)]
+
+
+def class_labels(path: Path, key: str, labels: np.ndarray, task: Task, classes: list[str]) -> np.ndarray:
+    """(N,) class indices below the number of classes, or (N, L) zeros and ones for a multi-label set."""
+    if task == "multi-label":
+        if labels.ndim != 2 or labels.shape[1] != len(classes):
+            raise UserError(f"{path}: {key} must be of shape (N, {len(classes)}), a 0/1 column per label, "
+                            f"got {labels.shape}")
+        if (labels > 1).any():
+            raise UserError(f"{path}: {entry(key, labels > 1, labels)}, not 0 or 1 (a multi-label set marks each "
+                            f"label present or absent)")
+        return labels
+    if labels.ndim > 2 or (labels.ndim == 2 and labels.shape[1] != 1):
+        raise UserError(f"{path}: {key} must be of shape (N,) or (N, 1), one class index per image, "
+                        f"got {labels.shape}")
+    labels = labels.reshape(-1)
+    beyond = labels >= len(classes)
+    if beyond.any():
+        raise UserError(f"{path}: {entry(key, beyond, labels)}, not a class index 0..{len(classes) - 1} "
+                        f"(classes: {', '.join(f'{index} {name!r}' for index, name in enumerate(classes))})")
+    return labels

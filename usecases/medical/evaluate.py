@@ -1,14 +1,7 @@
-"""The clinical evaluation of an image classifier on its test split.
-
-AUC and accuracy are MedMNIST's own definitions (their evaluator is called), so results compare with the
-published benchmarks. A clinician also needs what AUC hides: sensitivity, specificity, PPV and NPV at an operating
-threshold chosen on validation data for a target sensitivity (choosing it on test data would flatter it), how far the
-probabilities can be taken at face value (adaptive ECE and Brier score, before and after temperature scaling), and how
-uncertain the AUC is on a test set of a few hundred images (a percentile bootstrap).
-
-Every model gives logits (N, C): softmax gives the probabilities of binary (two columns, as in MedMNIST) and
-multi-class tasks, sigmoid those of each label of a multi-label task.
-"""
+"""The clinical evaluation of an image classifier on its test split: MedMNIST's own AUC and accuracy (comparable with
+the published benchmarks), and what AUC hides: the rates at a threshold chosen on validation for a target
+sensitivity, calibration (adaptive ECE, Brier, before and after temperature scaling) and a bootstrap AUC interval.
+Logits (N, C) become probabilities by softmax, or by sigmoid per label for a multi-label task."""
 
 from __future__ import annotations
 
@@ -25,13 +18,7 @@ from scipy.optimize import minimize_scalar
 from scipy.special import expit, softmax
 from scipy.stats import rankdata
 from sklearn.calibration import CalibrationDisplay
-from sklearn.metrics import (
-    PrecisionRecallDisplay,
-    RocCurveDisplay,
-    brier_score_loss,
-    confusion_matrix,
-    roc_curve,
-)
+from sklearn.metrics import PrecisionRecallDisplay, RocCurveDisplay, brier_score_loss, confusion_matrix, roc_curve
 
 from common.errors import UserError
 from .config import Evaluation
@@ -59,23 +46,15 @@ def acc(labels: np.ndarray, logits: np.ndarray, task: Task) -> float:
     return float(getACC(labels, probabilities(logits, task), MEDMNIST_TASKS[task]))
 
 
-def one_vs_rest(labels: np.ndarray, probs: np.ndarray, task: Task) -> tuple[np.ndarray, np.ndarray]:
-    """Boolean targets and scores per class (per label), (N, K) each: the columns per-class metrics are taken on."""
+def one_vs_rest(labels: np.ndarray, probs: np.ndarray, task: Task) -> np.ndarray:
+    """(N, K) boolean targets per class (per label), the columns of `probs` per-class metrics are taken on."""
     if task == "multi-label":
-        return np.asarray(labels).astype(bool), probs
-    return np.asarray(labels)[:, None] == np.arange(probs.shape[1]), probs
-
-
-def predicted(probs: np.ndarray, task: Task) -> np.ndarray:
-    """(N, K) boolean decisions: each label above 0.5, or the argmax class (as MedMNIST's accuracy decides)."""
-    if task == "multi-label":
-        return probs > LABEL_THRESHOLD
-    return probs.argmax(axis=1)[:, None] == np.arange(probs.shape[1])
+        return np.asarray(labels).astype(bool)
+    return np.asarray(labels)[:, None] == np.arange(probs.shape[1])
 
 
 def threshold_for_sensitivity(is_positive: np.ndarray, score: np.ndarray, target: float) -> float:
-    """The highest t at which `score >= t` finds at least `target` of the positives: the most specific threshold
-    that still meets the sensitivity the clinic asked for."""
+    """The highest (most specific) t at which `score >= t` finds at least `target` of the positives."""
     if not np.any(is_positive):
         raise UserError("evaluation: no positive images to choose the operating threshold on")
     _, sensitivity, thresholds = roc_curve(is_positive, score, drop_intermediate=False)
@@ -100,18 +79,15 @@ def metric_safe(name: str) -> str:
 
 def class_rates(labels: np.ndarray, probs: np.ndarray, task: Task, classes: list[str]) -> dict[str, float]:
     """`<rate>/<class>` for every class one-vs-rest at the argmax prediction, or every label at 0.5."""
-    targets, _ = one_vs_rest(labels, probs, task)
-    decisions = predicted(probs, task)
-    metrics = {}
-    for index, name in enumerate(classes):
-        for rate, value in rates(targets[:, index], decisions[:, index]).items():
-            metrics[f"{rate}/{metric_safe(name)}"] = value
-    return metrics
+    targets, decisions = one_vs_rest(labels, probs, task), probs > LABEL_THRESHOLD
+    if task != "multi-label":  # the argmax class, as MedMNIST's accuracy decides
+        decisions = probs.argmax(axis=1)[:, None] == np.arange(probs.shape[1])
+    return {f"{rate}/{metric_safe(name)}": value for index, name in enumerate(classes)
+            for rate, value in rates(targets[:, index], decisions[:, index]).items()}
 
 
 def _top_label(labels: np.ndarray, probs: np.ndarray, task: Task) -> tuple[np.ndarray, np.ndarray]:
-    """Confidence in the decision taken and whether it was right: of the argmax class (N,), or of each label's
-    yes/no decision (N, L) for multi-label tasks."""
+    """Confidence in the decision taken and whether it was right: of the argmax (N,), or per label (N, L)."""
     if task == "multi-label":
         decisions = probs > LABEL_THRESHOLD
         return np.where(decisions, probs, 1 - probs), decisions == np.asarray(labels).astype(bool)
@@ -126,8 +102,7 @@ def _adaptive_ece(confidence: np.ndarray, correct: np.ndarray, bins: int) -> flo
 
 
 def expected_calibration_error(labels: np.ndarray, probs: np.ndarray, task: Task, bins: int) -> float:
-    """ECE of the top-label confidence in equal-mass bins; for multi-label tasks the mean over labels of each
-    label's yes/no decision."""
+    """ECE of the top-label confidence in equal-mass bins (the mean over labels for multi-label tasks)."""
     confidence, correct = _top_label(labels, probs, task)
     if task == "multi-label":
         return float(np.mean([_adaptive_ece(confidence[:, label], correct[:, label], bins)
@@ -136,8 +111,7 @@ def expected_calibration_error(labels: np.ndarray, probs: np.ndarray, task: Task
 
 
 def brier(labels: np.ndarray, probs: np.ndarray, task: Task) -> float:
-    """Binary: mean (p - y)^2 of the positive class, in [0, 1]. Multi-class: the original Brier score, the mean
-    over images of the summed squared error over classes, in [0, 2]. Multi-label: the mean of per-label scores."""
+    """Binary: of the positive class; multi-class: the original score, in [0, 2]; multi-label: the labels' mean."""
     labels = np.asarray(labels)
     if task == "binary":
         return float(brier_score_loss(labels, probs[:, 1], pos_label=1))
@@ -157,20 +131,15 @@ def nll(logits: np.ndarray, labels: np.ndarray, task: Task, temperature: float =
 
 
 def fit_temperature(logits: np.ndarray, labels: np.ndarray, task: Task) -> float:
-    """Temperature scaling (Guo et al. 2017): one T dividing the logits, minimising the validation NLL. It leaves
-    the argmax, and the ranking of a binary score, unchanged: it fixes confidence, not discrimination."""
+    """Temperature scaling (Guo et al. 2017): the T dividing the logits that minimises the validation NLL."""
     result = minimize_scalar(lambda log_t: nll(logits, labels, task, math.exp(log_t)),
                              bounds=LOG_TEMPERATURE_BOUNDS, method="bounded")
     return math.exp(result.x)
 
 
 def resampled_auc(labels: np.ndarray, probs: np.ndarray, task: Task, indices: np.ndarray) -> np.ndarray:
-    """MedMNIST's AUC on each row of `indices` (R, n) at once, NaN where a class is missing from a resample.
-
-    Through the Mann-Whitney statistic of mid-ranks, which is ROC AUC with ties counted half, so that a thousand
-    resamples cost a few vectorised rankings rather than thousands of roc_auc_score calls.
-    """
-    targets, scores = one_vs_rest(labels, probs, task)
+    """MedMNIST's AUC on each row of `indices` at once (NaN where a class is missing), by Mann-Whitney mid-ranks."""
+    targets, scores = one_vs_rest(labels, probs, task), probs
     if task == "binary":
         targets, scores = targets[:, -1:], scores[:, -1:]
     per_column = []
@@ -219,7 +188,7 @@ class EvaluationDetails:
 
     @property
     def is_positive(self) -> np.ndarray:
-        return one_vs_rest(self.labels, self.probabilities, self.task)[0][:, self.positive_class]
+        return one_vs_rest(self.labels, self.probabilities, self.task)[:, self.positive_class]
 
     @property
     def score(self) -> np.ndarray:
@@ -238,10 +207,8 @@ def conventional_positive(classes: list[str]) -> int | None:
 
 
 def positive_class_index(setting: int | str | None, classes: list[str], task: Task, own_data: bool = False) -> int:
-    """`evaluation.positive_class` as a class index. An index or a class name is taken as given; unset, the class
-    with a conventional positive name, else class 1. Unset on your own binary data with no such name, the run is
-    refused: a wrong guess would choose the threshold for, and report the sensitivity of, the healthy class
-    without a word."""
+    """`evaluation.positive_class` as a class index; unset, the class with a conventional positive name, else class
+    1, except on your own binary data, where a wrong guess would silently report the healthy class."""
     listed = ", ".join(f"{index} '{name}'" for index, name in enumerate(classes))
     if isinstance(setting, int):
         if setting >= len(classes):
@@ -266,17 +233,12 @@ def positive_class_index(setting: int | str | None, classes: list[str], task: Ta
 def evaluate_model(val_logits: np.ndarray, val_labels: np.ndarray, test_logits: np.ndarray, test_labels: np.ndarray,
                    task: Task, classes: list[str], config: Evaluation,
                    seed: int) -> tuple[dict[str, float], EvaluationDetails]:
-    """The test metrics (and `val_auc`), flat for MLflow, with the operating threshold and the temperature fitted on
-    validation.
-
-    The threshold is on the model's own (uncalibrated) probability of `config.positive_class`. The bootstrap
-    interval keys are absent when `config.bootstrap` is 0.
-    """
+    """The test metrics (and `val_auc`), flat for MLflow; the threshold and temperature fitted on validation."""
     positive = positive_class_index(config.positive_class, classes, task)
     val_probs, test_probs = probabilities(val_logits, task), probabilities(test_logits, task)
     temperature = fit_temperature(val_logits, val_labels, task)
     calibrated = probabilities(test_logits, task, temperature)
-    threshold = threshold_for_sensitivity(one_vs_rest(val_labels, val_probs, task)[0][:, positive],
+    threshold = threshold_for_sensitivity(one_vs_rest(val_labels, val_probs, task)[:, positive],
                                           val_probs[:, positive], config.target_sensitivity)
     details = EvaluationDetails(task, list(classes), np.asarray(test_labels), test_probs, calibrated, temperature,
                                 positive, threshold, config.target_sensitivity, config.calibration_bins)
@@ -300,20 +262,15 @@ def evaluate_model(val_logits: np.ndarray, val_labels: np.ndarray, test_logits: 
     return metrics, details
 
 
-def _curve_classes(details: EvaluationDetails) -> list[int]:
-    """The positive class alone for binary tasks; else every class with both outcomes in the test split."""
-    if details.task == "binary":
-        return [details.positive_class]
-    targets, _ = one_vs_rest(details.labels, details.probabilities, details.task)
-    return [index for index in range(targets.shape[1]) if 0 < targets[:, index].sum() < len(targets)]
-
-
 def roc_pr_figure(details: EvaluationDetails) -> Figure:
     """ROC and precision-recall curves one-vs-rest, with the operating point of the positive class marked."""
     figure = Figure(figsize=(11, 5), layout="constrained")
     roc_axes, pr_axes = figure.subplots(1, 2)
-    targets, scores = one_vs_rest(details.labels, details.probabilities, details.task)
-    for index in _curve_classes(details):
+    targets, scores = one_vs_rest(details.labels, details.probabilities, details.task), details.probabilities
+    curves = [index for index in range(targets.shape[1]) if 0 < targets[:, index].sum() < len(targets)]
+    if details.task == "binary":  # the positive class alone; else every class with both outcomes in the test split
+        curves = [details.positive_class]
+    for index in curves:
         name = details.classes[index]
         RocCurveDisplay.from_predictions(targets[:, index], scores[:, index], name=name, ax=roc_axes)
         PrecisionRecallDisplay.from_predictions(targets[:, index], scores[:, index], name=name, ax=pr_axes)

@@ -1,8 +1,5 @@
-"""Grad-CAM (Selvaraju et al. 2017) through captum: where in the image the network looked for its decision.
-
-A clinician reads an AUC with more trust when the heat sits on the lesion rather than on a ruler, a text marker or
-the image border; the overlays show it for the most confident true positives, false positives and false negatives.
-"""
+"""Grad-CAM (Selvaraju et al. 2017) through captum: where in the image the network looked for its decision. A
+clinician trusts an AUC more when the heat sits on the lesion rather than on a ruler, a marker or the border."""
 
 from __future__ import annotations
 
@@ -19,11 +16,7 @@ EXAMPLE_GROUPS = ("true positives", "false positives", "false negatives")
 
 
 def last_conv_layer(model: nn.Module, example: torch.Tensor) -> nn.Module:
-    """The last module holding a Conv2d to output a feature map (N, C, H, W) in a forward pass of `example`.
-
-    That is Grad-CAM's usual layer: `layer4` of a ResNet, `features` of a DenseNet, VGG or EfficientNet, found
-    through any wrapper around the network.
-    """
+    """The last module holding a Conv2d to output a feature map: Grad-CAM's usual layer, through any wrapper."""
     finished: list[nn.Module] = []
 
     def record(module: nn.Module, inputs, output) -> None:
@@ -43,19 +36,14 @@ def last_conv_layer(model: nn.Module, example: torch.Tensor) -> nn.Module:
     return finished[-1]
 
 
-def grad_cam(model: nn.Module, images: torch.Tensor, target: int | torch.Tensor,
-             layer: nn.Module | None = None) -> np.ndarray:
-    """Grad-CAM maps (N, H, W) in [0, 1] for the `target` class (one, or one per image), at the input's size.
-
-    `images` are (N, C, H, W) as the model takes them. Computed in fp32 with gradients on whatever the caller's
-    context, and in eval mode so that batch norm neither uses nor updates batch statistics.
-    """
+def grad_cam(model: nn.Module, images: torch.Tensor, target: int | torch.Tensor) -> np.ndarray:
+    """Grad-CAM maps (N, H, W) in [0, 1] for the `target` class, in fp32 and eval mode whatever the context."""
     was_training = model.training
     model.eval()
     try:
         with torch.enable_grad(), torch.autocast(images.device.type, enabled=False):
-            layer = layer if layer is not None else last_conv_layer(model, images[:1])
-            cams = LayerGradCam(model, layer).attribute(images, target=target, relu_attributions=True)
+            gradcam = LayerGradCam(model, last_conv_layer(model, images[:1]))
+            cams = gradcam.attribute(images, target=target, relu_attributions=True)
             cams = LayerAttribution.interpolate(cams.detach().float(), tuple(images.shape[-2:]), "bilinear")
     finally:
         model.train(was_training)
@@ -67,8 +55,7 @@ def grad_cam(model: nn.Module, images: torch.Tensor, target: int | torch.Tensor,
 
 def pick_examples(is_positive: np.ndarray, predicted_positive: np.ndarray, scores: np.ndarray,
                   count: int) -> dict[str, np.ndarray]:
-    """Indices of up to `count` true positives, false positives and false negatives, the most confident first
-    (highest score for the positive calls, lowest for the missed positives)."""
+    """Up to `count` true positives, false positives and false negatives each, the most confident first."""
     is_positive, predicted_positive = np.asarray(is_positive, bool), np.asarray(predicted_positive, bool)
     order = np.argsort(-np.asarray(scores), kind="stable")
     groups = (order[(is_positive & predicted_positive)[order]], order[(~is_positive & predicted_positive)[order]],

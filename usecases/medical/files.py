@@ -1,10 +1,5 @@
-"""Your own images (PNG, JPEG or DICOM) as an ImageSet, split so that no patient is in two splits.
-
-Images of one patient look alike, so a patient in both train and test inflates every test metric; a given split
-is checked for that leak and a split made here holds out whole patients (stratified by label). Every mistake in the
-manifest or the files fails before training with one line naming the file, column or row. Each image is read by
-`pixels.py`.
-"""
+"""Your own images (PNG, JPEG or DICOM, read by `pixels.py`) as an ImageSet, split so that no patient is in two
+splits (a patient in train and test inflates every test metric); every mistake fails before training in one line."""
 
 from __future__ import annotations
 
@@ -41,8 +36,7 @@ class Listing:
 
 
 def load_files(path: Path, config: Files, seed: int, client=None) -> ImageSet:
-    """A CSV manifest, a folder holding `manifest.csv`, or a folder of class folders; with a Dask `client`, decoded
-    on its cluster into memory-mapped shards."""
+    """A CSV manifest, a folder holding `manifest.csv`, or a folder of class folders."""
     path = Path(path)
     if (config.window_center is None) != (config.window_width is None):
         raise UserError("data.files.window_center and data.files.window_width must be set together (or both null)")
@@ -62,10 +56,8 @@ def load_files(path: Path, config: Files, seed: int, client=None) -> ImageSet:
     if not listing.has_patients:
         listing.notices.append(f"{listing.where}: no patient ids, so every image is its own patient: the split is by "
                                f"image, not patient, and images of one patient may land in different splits")
-    if listing.splits is None:
-        split_of = split_by_patient(labels, patients, config, seed, listing.where)
-    else:
-        split_of = np.array(listing.splits, dtype=str)
+    split_of = (split_by_patient(labels, patients, config, seed, listing.where) if listing.splits is None
+                else np.array(listing.splits, dtype=str))
     rows = {split: np.flatnonzero(split_of == split) for split in SPLITS}
     for split, members in rows.items():
         if len(members) == 0:
@@ -80,17 +72,10 @@ def load_files(path: Path, config: Files, seed: int, client=None) -> ImageSet:
     else:
         decoded = np.stack([read_image(file, config) for file in listing.files])
         images = {split: decoded[members] for split, members in rows.items()}
-    data = ImageSet(
-        images=images,
-        labels={split: labels[members] for split, members in rows.items()},
-        task="binary" if len(classes) == 2 else "multi-class",
-        classes=classes,
-        source=f"files:{path.name}",
-        sha256=sha256,
-        patients={split: patients[members] for split, members in rows.items()},
-        notices=listing.notices,
-        files=([listing.manifest] if listing.manifest else []) + listing.files,
-    )
+    data = ImageSet(images, {split: labels[members] for split, members in rows.items()},
+                    "binary" if len(classes) == 2 else "multi-class", classes, f"files:{path.name}", sha256,
+                    patients={split: patients[members] for split, members in rows.items()}, notices=listing.notices,
+                    files=([listing.manifest] if listing.manifest else []) + listing.files)
     check_classes(data, where=str(path))
     return data
 
@@ -133,8 +118,7 @@ def read_manifest(manifest: Path, config: Files) -> Listing:
             raise UserError(f"{where}: column '{config.split_column}', row {bad[0] + 1}: split "
                             f"'{table[config.split_column].iloc[bad[0]]}' is not one of {', '.join(SPLITS)}")
         splits = splits.tolist()
-    return Listing(where, files, table[config.label_column].tolist(), patients.tolist(), has_patients, splits,
-                   manifest)
+    return Listing(where, files, table[config.label_column].tolist(), patients.tolist(), has_patients, splits, manifest)
 
 
 def list_class_folders(root: Path) -> Listing:
@@ -212,8 +196,7 @@ def assert_no_patient_leak(patients: dict[str, np.ndarray], where: str) -> None:
 
 
 def listing_sha256(listing: Listing) -> str:
-    """The manifest and the images pin the data; without a manifest the labels live in the folder names, so the
-    relative paths are hashed with the images' bytes."""
+    """The manifest and the images pin the data; without one, the relative paths (the labels) are hashed too."""
     if listing.manifest is not None:
         return file_sha256(listing.manifest, *listing.files)
     layout = "\n".join(f"{label}\t{patient}" for label, patient in zip(listing.labels, listing.patients))

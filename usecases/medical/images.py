@@ -1,7 +1,4 @@
-"""The in-memory image data set that every source produces (`data.py`, `files.py`) and every step reads.
-
-A leaf module: it imports no other module of the use case, so the sources can import it and each other freely.
-"""
+"""The image data set that every source produces and every step reads: a leaf module, importing no other."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ Task = Literal["binary", "multi-class", "multi-label"]
 
 @dataclass
 class ImageSet:
-    """Images are uint8 (N, H, W, C) with C 1 or 3. Labels are int64 class indices (N,), or 0/1 (N, L) for
-    multi-label tasks. `patients` holds each image's patient id where the source has one."""
+    """uint8 (N, H, W, C) images, C 1 or 3; int64 class indices (N,), or 0/1 (N, L) for multi-label tasks."""
 
     images: dict[str, np.ndarray]
     labels: dict[str, np.ndarray]

@@ -1,19 +1,22 @@
-"""The classifier: a torchvision model behind on-device preprocessing and augmentation.
-
-The network takes uint8 images (or floats in [0, 1]) as (N, C, H, W), so the data stays uint8 until it is on
-the device and the logged model accepts raw pixels.
-"""
+"""The classifier: a torchvision model behind on-device preprocessing and augmentation, taking uint8 images (or
+floats in [0, 1]) as (N, C, H, W), so the data stays uint8 until it is on the device and the logged model takes raw
+pixels."""
 
 from __future__ import annotations
 
 import difflib
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 import torchvision
 from torch import nn
 
 from common.errors import UserError, one_line
+
+if TYPE_CHECKING:  # config imports this module to check model.name
+    from .config import Augment
 
 CIFAR_STEM_BELOW = 64
 SHAPE_ERRORS = (AssertionError, RuntimeError, ValueError)
@@ -42,11 +45,7 @@ def _first_conv(model: nn.Module) -> tuple[nn.Module, str, nn.Conv2d]:
 
 
 def build_backbone(name: str, in_channels: int, num_classes: int, cifar_stem: bool) -> nn.Module:
-    """A torchvision model trained from scratch, its first convolution taking `in_channels`.
-
-    The CIFAR stem (3x3 stride-1 first convolution, no max-pool) is the MedMNIST recipe for 28 px inputs, where
-    the usual stem would shrink a 28 px image to 7 px before the first residual block.
-    """
+    """A torchvision model from scratch; the CIFAR stem (3x3 stride 1, no max-pool) keeps 28 px images whole."""
     if name not in model_names():
         raise UserError(f"model.name: {unknown_model_hint(name)}")
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
@@ -63,9 +62,7 @@ def build_backbone(name: str, in_channels: int, num_classes: int, cifar_stem: bo
 
 
 def check_backbone_fits(name: str, in_channels: int, num_classes: int, cifar_stem: bool, size: int) -> None:
-    """One training-mode forward pass on the meta device (shapes only: no memory, no arithmetic), so that a network
-    that cannot take the data's images (a ViT fixed at 224 px, a deep stem that shrinks 28 px to nothing, auxiliary
-    outputs) stops before a run starts instead of in its first training step."""
+    """A forward pass on the meta device, so a network that cannot take the data's images stops before a run."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchvision's init notices come again when the network is really built
         try:
@@ -87,6 +84,52 @@ def use_cifar_stem(setting: bool | str, name: str, image_size: int) -> bool:
     if setting == "auto":
         return name.startswith(("resnet", "resnext", "wide_resnet")) and image_size < CIFAR_STEM_BELOW
     return bool(setting)
+
+
+class RandomFlip(nn.Module):
+    """Flip each image along `dim` (-1: horizontal, -2: vertical) with probability `p`."""
+
+    def __init__(self, dim: int, p: float = 0.5):
+        super().__init__()
+        self.dim, self.p = dim, p
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return images
+        flip = torch.rand(len(images), device=images.device) < self.p
+        return torch.where(flip[:, None, None, None], images.flip(self.dim), images)
+
+
+class RandomShift(nn.Module):
+    """Translate each image by up to `pixels` in each direction, reflecting at the border."""
+
+    def __init__(self, pixels: int):
+        super().__init__()
+        self.pixels = pixels
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.pixels == 0:
+            return images
+        count, _, height, width = images.shape
+        shift = torch.randint(-self.pixels, self.pixels + 1, (count, 2), device=images.device).float()
+        theta = torch.zeros(count, 2, 3, device=images.device)
+        theta[:, 0, 0] = theta[:, 1, 1] = 1
+        theta[:, 0, 2] = 2 * shift[:, 0] / width
+        theta[:, 1, 2] = 2 * shift[:, 1] / height
+        grid = F.affine_grid(theta, list(images.shape), align_corners=False)
+        return F.grid_sample(images, grid, mode="nearest", padding_mode="reflection", align_corners=False)
+
+
+def build_augment(config: Augment) -> nn.Module:
+    """Whole batches augmented on the device: per-image transforms in workers starve a GPU on small images."""
+    steps: list[nn.Module] = []
+    if config.horizontal_flip:
+        steps.append(RandomFlip(-1))
+    if config.vertical_flip:
+        steps.append(RandomFlip(-2))
+    if config.shift_pixels:
+        steps.append(RandomShift(config.shift_pixels))
+    return nn.Sequential(*steps)
 
 
 class ImageClassifier(nn.Module):

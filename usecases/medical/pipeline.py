@@ -1,5 +1,5 @@
-"""The medical job: train the network (best epoch by validation AUC), evaluate it and the baseline on the test
-set with the same clinical metrics, log plots, Grad-CAM overlays and the model."""
+"""The medical job: train the network, evaluate it and the baseline (logistic regression on downsized pixels, for
+scale) alike on the test set, log plots, Grad-CAM overlays (`explain.py`) and the model."""
 
 from __future__ import annotations
 
@@ -10,14 +10,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from sklearn.linear_model import LogisticRegression
+from sklearn.multioutput import MultiOutputClassifier
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from common.errors import UserError
 from common.job import Job
 from common.paths import stored_bytes
 from common.runtime.sharding import shared_predictions
 from common.usecase import RunResult
-from .baselines import logreg_logits
-from .config import Config
+from .config import Baselines, Config
 from .data import load_images
 from .evaluate import conventional_positive, evaluate_model, positive_class_index, reliability_figure, roc_pr_figure
 from .explain import grad_cam, overlay_figure, pick_examples
@@ -32,9 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet | SlideSet, dict[str, str]]:
-    """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
-    `client`, image files are decoded on its cluster. `evaluation.positive_class` is resolved to an index here, so
-    that the run's params say which class the threshold is for."""
+    """Everything that can be wrong with the data is found here, before an MLflow run starts (image files decoded on
+    a Dask `client`'s cluster when given); `evaluation.positive_class` becomes an index, for the run's params."""
     if config.data.source == "slides":
         return _load_slides(config, path, client)
     data = load_images(config.data, path, config.runtime.seed, client)
@@ -58,26 +61,20 @@ def load_data(config: Config, path: Path | None, client=None) -> tuple[ImageSet 
     for notice in data.notices:  # not before: a rejected input is reported in one line, without them
         log.warning(notice)
     schema = "image:binary,label:long" + (",patient_id:string" if data.patients else "")  # uint8 H x W x C images
+    # what a run reads from storage: its files, or a generated set's arrays as stored uncompressed
+    stored = stored_bytes(*data.files) if data.files else sum(
+        array.nbytes for arrays in (data.images, data.labels) for array in arrays.values())
     return data, {"data_source": data.source, "data_sha256": data.sha256, "task": data.task,
                   **{f"data_{split}_images": count for split, count in sizes.items()},
-                  "data_bytes": image_bytes(data), "data_samples": sum(sizes.values()),
+                  "data_bytes": stored, "data_samples": sum(sizes.values()),
                   **({"data_path": str(path)} if path else {}), "data_schema": schema, "positive_class": positive}
-
-
-def image_bytes(data: ImageSet) -> int:
-    """What a run reads from storage: the files the images were read from; for a set generated in memory, its
-    arrays as they would be stored uncompressed."""
-    if data.files:
-        return stored_bytes(*data.files)
-    return sum(array.nbytes for arrays in (data.images, data.labels) for array in arrays.values())
 
 
 AUTO_DASK_IMAGES = 50_000  # runtime.engine=auto decodes image files on Dask above this many
 
 
 def large_data(config: Config, path: Path | None) -> str | None:
-    """For `runtime.engine: auto`: more than AUTO_DASK_IMAGES image files to decode (the synthetic set written as
-    files; a user's files are counted only once listed, so give --engine dask for those)."""
+    """For `runtime.engine: auto`: more than AUTO_DASK_IMAGES synthetic image files to decode."""
     synthetic = config.data.synthetic
     count = synthetic.train + synthetic.val + synthetic.test
     if path is None and config.data.source == "synthetic" and synthetic.as_files and count > AUTO_DASK_IMAGES:
@@ -151,19 +148,46 @@ def baselines(config: Config, data: ImageSet, job: Job) -> dict[str, dict[str, f
     return models
 
 
-def _log_figures(name: str, details, job: Job) -> None:
-    import matplotlib.pyplot as plt
+EPSILON = 1e-7  # keeps the baseline's log-probabilities finite
 
-    for figure, artifact in ((roc_pr_figure(details), f"plots/{name}_roc_pr.png"),
-                             (reliability_figure(details), f"plots/{name}_reliability.png")):
-        job.tracker.log_figure(figure, artifact)
-        plt.close(figure)
+
+def pixel_features(images: np.ndarray, size: int, batch: int = 4096) -> np.ndarray:
+    """uint8 (N, H, W, C) images area-resized and flattened to [0, 1] floats, a batch at a time."""
+    features = []
+    for start in range(0, len(images), batch):
+        tensor = torch.from_numpy(np.ascontiguousarray(images[start : start + batch])).permute(0, 3, 1, 2).float()
+        tensor = tensor / 255
+        if tensor.shape[-1] != size:
+            tensor = F.interpolate(tensor, size=(size, size), mode="area")
+        features.append(tensor.flatten(1).numpy())
+    return np.concatenate(features)
+
+
+def logreg_logits(data: ImageSet, config: Baselines, seed: int) -> dict[str, np.ndarray]:
+    """Validation and test logits: log-probabilities, or log-odds per label for a multi-label task."""
+    classifier = LogisticRegression(C=config.logreg_c, max_iter=2000, random_state=seed)
+    if data.task == "multi-label":
+        classifier = MultiOutputClassifier(classifier)
+    model = make_pipeline(StandardScaler(), classifier)
+    model.fit(pixel_features(data.images["train"], config.logreg_size), data.labels["train"])
+    logits = {}
+    for split in ("val", "test"):
+        probabilities = model.predict_proba(pixel_features(data.images[split], config.logreg_size))
+        if data.task == "multi-label":
+            positive = np.clip(np.stack([column[:, 1] for column in probabilities], axis=1), EPSILON, 1 - EPSILON)
+            logits[split] = np.log(positive) - np.log1p(-positive)
+        else:
+            logits[split] = np.log(np.clip(probabilities, EPSILON, 1))
+    return logits
+
+
+def _log_figures(name: str, details, job: Job) -> None:
+    job.tracker.log_figure(roc_pr_figure(details), f"plots/{name}_roc_pr.png")
+    job.tracker.log_figure(reliability_figure(details), f"plots/{name}_reliability.png")
 
 
 def _log_gradcam(model: torch.nn.Module, data: ImageSet, details, count: int, job: Job) -> None:
     """Where the network looked, for its most confident true positives, false positives and false negatives."""
-    import matplotlib.pyplot as plt
-
     if count == 0 or not job.tracker.active:
         return
     examples = pick_examples(details.is_positive, details.predicted_positive, details.score, count)
@@ -176,6 +200,4 @@ def _log_gradcam(model: torch.nn.Module, data: ImageSet, details, count: int, jo
                     else np.zeros((0, data.size, data.size)))
         titles = [f"p={details.score[index]:.2f}" for index in indices]
         rows[group] = (images, heatmaps, titles)
-    figure = overlay_figure(rows)
-    job.tracker.log_figure(figure, "plots/gradcam.png")
-    plt.close(figure)
+    job.tracker.log_figure(overlay_figure(rows), "plots/gradcam.png")

@@ -1,8 +1,4 @@
-"""One image file (PNG, JPEG or DICOM) as uint8 pixels, or one line naming the file and what is wrong with it.
-
-DICOM pixels become what a radiologist's viewer shows: modality LUT (e.g. Hounsfield units), then a window, with
-MONOCHROME1 inverted.
-"""
+"""One image file (PNG, JPEG or DICOM) as uint8 pixels, or one line naming the file and what is wrong with it."""
 
 from __future__ import annotations
 
@@ -61,8 +57,7 @@ def read_pillow(file: Path) -> Image.Image:
 
 
 def read_dicom(file: Path) -> pydicom.Dataset:
-    """Forced, since files without the Part 10 header are common; a file that is no DICOM at all then reads as
-    one without a header nor pixel data."""
+    """Forced, since files without the Part 10 header are common."""
     try:
         dataset = pydicom.dcmread(file, force=True)
     except DICOM_READ_ERRORS as error:
@@ -73,13 +68,9 @@ def read_dicom(file: Path) -> pydicom.Dataset:
 
 
 def dicom_to_uint8(dataset: pydicom.Dataset, center: float | None = None, width: float | None = None) -> np.ndarray:
-    """What a viewer shows, as uint8 (H, W) grey or (H, W, 3) colour.
-
-    Grey: the modality LUT (rescale slope and intercept), then the DICOM linear window (PS3.3 C.11.2.1.2) given
-    by `center` and `width`, else the file's first window, else min-max; MONOCHROME1 is inverted so high is bright.
-    Colour: scaled from its stored bit depth, no window. Multi-frame: the middle frame, as the most representative
-    single image of a series or cine loop.
-    """
+    """What a radiologist's viewer shows, as uint8 (H, W) grey or (H, W, 3) colour: grey through the modality LUT
+    and the DICOM linear window (`center` and `width`, else the file's, else min-max), MONOCHROME1 inverted; colour
+    scaled from its bit depth; the middle frame of a multi-frame file."""
     name = getattr(dataset, "filename", None) or "DICOM dataset"
     if not any(tag in dataset for tag in PIXEL_DATA_TAGS):
         raise UserError(f"{name}: DICOM has no pixel data")
@@ -101,8 +92,9 @@ def dicom_to_uint8(dataset: pydicom.Dataset, center: float | None = None, width:
     except MODALITY_LUT_ERRORS as error:  # e.g. a Rescale Slope that is no number
         raise UserError(f"{name}: cannot apply the DICOM rescale slope and intercept or modality LUT "
                         f"({one_line(error)})") from None
-    if center is None or width is None:
-        center, width = file_window(dataset)
+    if (center is None or width is None) and "WindowCenter" in dataset and "WindowWidth" in dataset:
+        # the file's first window: a file may list several alternatives (e.g. lung, then mediastinum)
+        center, width = first_number(dataset, "WindowCenter"), first_number(dataset, "WindowWidth")
     if center is None or width is None:
         scaled = unit_range(values)
     elif width <= 1:
@@ -112,13 +104,6 @@ def dicom_to_uint8(dataset: pydicom.Dataset, center: float | None = None, width:
     if photometric == "MONOCHROME1":
         scaled = 1 - scaled
     return to_uint8(scaled)
-
-
-def file_window(dataset: pydicom.Dataset) -> tuple[float | None, float | None]:
-    """The file's first window: a file may list several alternatives (e.g. lung, then mediastinum)."""
-    if "WindowCenter" not in dataset or "WindowWidth" not in dataset:
-        return None, None
-    return first_number(dataset, "WindowCenter"), first_number(dataset, "WindowWidth")
 
 
 def first_number(dataset: pydicom.Dataset, keyword: str) -> float:

@@ -15,13 +15,8 @@ BATCH = 256
 
 
 class ImageClassifierModel(ServedModel):
-    """Input: images as the MedMNIST files hold them, uint8 (N, H, W) for grey or (N, H, W, 3) for RGB, at the
-    training size. Output: a column of probabilities per class (softmax; sigmoid per label for multi-label tasks).
-
-    The operating threshold chosen on validation, the positive class and the calibration temperature travel
-    in the model's metadata. A run with `evaluation.tta` averages the logits of each image and its mirror image
-    here too, so that the threshold and the temperature apply to the scores they were fitted on.
-    """
+    """uint8 images as MedMNIST holds them ((N, H, W) grey, (N, H, W, 3) RGB) in, a probability per class out;
+    with `evaluation.tta` the mirror image averaged in, as evaluated."""
 
     def load(self, bundle: dict) -> None:
         self.network = build_classifier(bundle["architecture"]).eval()
@@ -58,8 +53,7 @@ class ImageClassifierModel(ServedModel):
 
 
 def log_classifier(model: torch.nn.Module, arch: dict, data, metadata: dict, job, tta: bool = False) -> Served | None:
-    """Log the best-epoch network as `model`, with a signature and real test images as the input example; `tta`:
-    served with the mirror image, as it was evaluated."""
+    """Log the best-epoch network as `model`, real test images its input example."""
     if not job.tracker.active:
         return None
     bundle = {"state": {key: value.cpu() for key, value in model.state_dict().items()}, "architecture": arch,

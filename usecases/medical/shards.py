@@ -1,11 +1,6 @@
-"""Images from disk on the Dask engine: decoded, windowed and resized in parallel, one task per batch of files, into
-uint8 shards that are joined into one memory-mapped `.npy` per split, in a cache keyed by the data's digest and the
-decoding settings, so the next run starts from them. Training streams from those with DataLoader workers when they
-are larger than memory allows (`train.fits_in_memory`).
-
-Also the synthetic set written as a folder of PNG files with a manifest (`data.synthetic.as_files`), so the scale
-preset reads 100,000 images from disk as a user's own would be read.
-"""
+"""Images from disk on the Dask engine: decoded in parallel, a task per batch of files, into one memory-mapped
+uint8 `.npy` per split, cached by the data's digest and the decoding settings. Also the synthetic set written as
+PNG files with a manifest (`data.synthetic.as_files`), read back as a user's own would be."""
 
 from __future__ import annotations
 
@@ -74,9 +69,7 @@ def _decode_batch(files: list[Path], path: Path, config: Files) -> None:
 
 
 def write_image_folder(config: Synthetic, generate: Callable[[], ImageSet], client=None) -> Path:
-    """The synthetic set that `generate` draws, as PNG files under the cache with `manifest.csv` (path, label,
-    split, patient_id; each image its own patient); drawn and written once per setting, on the Dask workers when
-    there is a client."""
+    """The synthetic set that `generate` draws, as PNG files with `manifest.csv`, written once per setting."""
     digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:20]
     folder = cache_dir("medical-synthetic") / digest
     with building(folder, "manifest.csv") as work:

@@ -1,5 +1,4 @@
-"""MLflow models-from-code entry point of the slide-level model: the logged model is this file, not a pickled
-object."""
+"""MLflow models-from-code entry point of the slide-level model: the logged model is this file, not a pickled object."""
 
 import mlflow
 

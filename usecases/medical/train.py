@@ -20,8 +20,7 @@ from common.training.spec import TrainSpec
 from .config import Config
 from .evaluate import auc, nll
 from .images import ImageSet
-from .models import ImageClassifier, architecture, build_classifier, use_cifar_stem
-from .transforms import build_augment
+from .models import ImageClassifier, architecture, build_augment, build_classifier, use_cifar_stem
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,7 @@ def label_tensor(labels: np.ndarray, task: str) -> torch.Tensor:
 
 
 class UInt8Images(Dataset):
-    """One uint8 (C, H, W) image per item from (N, H, W, C) arrays, memory-mapped shards included: the workers
-    only read and index, and the device does the float conversion and augmentation."""
+    """One uint8 (C, H, W) image per item: the workers only read, the device converts and augments."""
 
     def __init__(self, images: np.ndarray, labels: torch.Tensor):
         self.images, self.labels = images, labels
@@ -54,8 +52,7 @@ class UInt8Images(Dataset):
 
 
 def fits_in_memory(data: ImageSet, runtime: Runtime, setting: bool | str) -> bool:
-    """On a GPU, when the uint8 training set takes under a quarter of its free memory; on a CPU, arrays in memory
-    already do, and memory-mapped shards (the Dask engine's) when they take under a quarter of the free RAM."""
+    """When the training set takes under a quarter of the GPU's free memory (or a CPU's free RAM, for shards)."""
     if setting != "auto":
         return bool(setting)
     images = data.images["train"]
@@ -91,10 +88,7 @@ def loss_function(data: ImageSet, imbalance: str, device: torch.device) -> nn.Mo
 @torch.no_grad()
 def predict_logits(model: nn.Module, images: torch.Tensor | np.ndarray, runtime: Runtime, tta: bool = False
                    ) -> np.ndarray:
-    """Logits in fp32 for uint8 images, in batches: (N, C, H, W) tensors, or (N, H, W, C) arrays (memory-mapped
-    shards among them) turned to tensors one batch at a time, so a split never has to fit in memory. With `tta`
-    the logits of the image and its mirror image are averaged (for multi-class, averaging logits ranks as averaging
-    log-probabilities up to a constant)."""
+    """fp32 logits of uint8 images, a batch at a time; with `tta`, averaged with those of the mirror image."""
     model.eval()
     outputs = []
     for start in range(0, len(images), PREDICT_BATCH):
@@ -118,8 +112,7 @@ def new_classifier(config: Config, data: ImageSet) -> tuple[ImageClassifier, dic
 
 
 def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifier, dict, FitResult]:
-    """Train from scratch; the returned model holds the weights of the epoch with the best validation AUC, the
-    lowest validation loss among epochs of equal AUC."""
+    """Train from scratch; the model of the epoch with the best validation AUC (the lowest loss among equals)."""
     runtime, settings = job.runtime, config.train
     torch.manual_seed(config.runtime.seed)
     model, arch = new_classifier(config, data)
@@ -136,17 +129,16 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
     else:
         batches = make_loader(UInt8Images(data.images["train"], train_labels), settings.batch_size, runtime,
                               num_workers=settings.workers, seed=config.runtime.seed, weights=weights)
-    log.info("training %s on %d images (%s)", arch["name"], len(train_labels),
-             "in memory" if isinstance(batches, TensorBatches) else f"DataLoader, {settings.workers} workers")
     in_memory = isinstance(batches, TensorBatches)
+    log.info("training %s on %d images (%s)", arch["name"], len(train_labels),
+             "in memory" if in_memory else f"DataLoader, {settings.workers} workers")
     val_images = channels_first(data.images["val"]).to(runtime.device) if in_memory else data.images["val"]
     val_labels = data.labels["val"]
 
     as_served, tta = replace(runtime, amp_dtype=None), config.evaluation.tta
 
     def validate(network: nn.Module) -> dict[str, float]:
-        """Scored as the logged model scores: in fp32 (also when training in bf16), with the mirror image under TTA.
-        The loss decides between epochs of equal AUC (a saturated AUC of 1.0 would keep the first of them)."""
+        """Scored as the logged model scores: in fp32, with the mirror image under TTA."""
         logits = shared_predictions(lambda rows: predict_logits(network, val_images[rows], as_served, tta=tta),
                                     len(val_labels), runtime)  # each rank scores its share of the images
         return {"val/auc": auc(val_labels, logits, data.task), "val/loss": nll(logits, val_labels, data.task)}

@@ -1,7 +1,5 @@
 """The simple baselines that learned recommenders must beat (Dacrema et al., RecSys 2019, found that most neural
-models do not): popularity, item k-NN, EASE and ALS, each fitted in closed form or a few sweeps from the binary
-training matrix and scoring every item for a batch of users on the device, as `evaluate.Scorer` asks.
-"""
+models do not): popularity, item k-NN, EASE and ALS, each scoring every item for a batch of users on the device."""
 
 from __future__ import annotations
 
@@ -24,12 +22,10 @@ COSINE_EPSILON = 1e-6  # RecBole's, keeps items without interactions from dividi
 
 
 class ModelUnavailable(UserError):
-    """A model that cannot run here (its optional package is missing, or the catalogue is too large for it): the
-    pipeline logs the message and skips the model."""
+    """A model that cannot run here (a missing package, too large a catalogue): the pipeline skips it."""
 
 
 class Popularity:
-    """Every user gets the same list, the most interacted-with items first."""
 
     def __init__(self, train: sp.csr_matrix, device: torch.device):
         counts = np.bincount(train.tocsr().indices, minlength=train.shape[1])
@@ -40,14 +36,7 @@ class Popularity:
 
 
 class ItemKNN:
-    """Item-based k-NN as RecBole's ItemKNN: cosine with shrinkage, sim(i, j) = x_i·x_j / (|x_i| |x_j| + shrink),
-    where x_i is item i's column of users; each item j keeps its `neighbours` most similar items i, stored as
-    `similarity[i, j]`, and score(u, j) = sum_i x_ui similarity[i, j].
-
-    Similarities are computed a block of items at a time, so the full items x items product is never held. On a GPU
-    the pruned matrix is kept dense when it fits in DENSE_SIMILARITY_BYTES; otherwise it stays a scipy CSR matrix,
-    whose sparse product skips the zeros that a dense one would multiply on the CPU.
-    """
+    """Item-based k-NN as RecBole's (cosine with shrinkage), computed a block of items at a time."""
 
     def __init__(self, train: sp.csr_matrix, config: cfg.ItemKNN, device: torch.device):
         n_items = train.shape[1]
@@ -82,24 +71,22 @@ class ItemKNN:
         return _history_times(self.train, users, self.similarity, self.device)
 
     def similarity_matrix(self) -> sp.csr_matrix:
-        """W with score(u) = x_u W, on the CPU, for serving without torch on a GPU."""
+        """W with score(u) = x_u W, on the CPU, for serving."""
         if isinstance(self.similarity, torch.Tensor):
             return sp.csr_matrix(self.similarity.cpu().numpy())
         return self.similarity
 
 
 class EASE:
-    """Steck's EASE (WWW 2019): the item-item weights B minimising |X - XB|² + λ|B|² with diag(B) = 0 have the
-    closed form P = (XᵀX + λI)⁻¹, B = -P / diag(P) column-wise, diag(B) = 0; score(u) = x_u B.
-
-    The inverse is taken in float32, on a CPU as on a GPU (where float64 is slow on most cards): λ keeps the system
-    well conditioned, and on ml-latest-small's 9,724 items the weights were within 1.2e-7 of float64's with every
-    ranking metric and replay figure the same, in half the time (21 s against 38 s on one core of the 2-core
-    machine) and half the memory."""
+    """Steck's EASE (WWW 2019), in float32: λ keeps the system well conditioned, and on ml-latest-small every metric
+    was float64's, in half the time and memory."""
 
     def __init__(self, train: sp.csr_matrix, config: cfg.EASE, device: torch.device):
+        import psutil
+
         n_items = train.shape[1]
-        needed, free = ease_memory(n_items, device)
+        needed = EASE_LIVE_MATRICES * n_items**2 * 4  # bytes at the fit's peak (float32)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
         if needed > EASE_MEMORY_SHARE * free:
             raise ModelUnavailable(f"ease: {n_items:,} items need {needed / 2**30:.1f} GB for its items x items "
                                    f"matrices on {device.type} ({free / 2**30:.1f} GB free); raise "
@@ -120,9 +107,7 @@ class EASE:
         return _history_times(self.train, users, self.weights, self.device)
 
     def similarity_matrix(self, neighbours: int, max_bytes: float) -> torch.Tensor | sp.csr_matrix:
-        """B for serving, on the CPU: whole (a float32 tensor) when it takes at most `max_bytes`, so that the served
-        model is the evaluated one; else pruned to the `neighbours` largest weights of each item's column (the
-        dense B of 50k items would be 10 GB in every logged model)."""
+        """B for serving: whole within `max_bytes` (the evaluated model), else each column's `neighbours` largest."""
         if self.weights.numel() * self.weights.element_size() <= max_bytes:
             return self.weights.cpu()
         keep = min(neighbours, self.weights.shape[0])
@@ -133,23 +118,12 @@ class EASE:
                              shape=self.weights.shape)
 
 
-def ease_memory(n_items: int, device: torch.device) -> tuple[int, int]:
-    """Bytes EASE's fit needs at its peak (float32), and bytes free where it runs (the GPU's, else the machine's)."""
-    import psutil
-
-    needed = EASE_LIVE_MATRICES * n_items**2 * 4
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    return needed, free
-
-
 def als_available() -> bool:
     return importlib.util.find_spec("implicit") is not None
 
 
 class ALS:
-    """Implicit-feedback matrix factorisation (Hu, Koren and Volinsky 2008) by the `implicit` package, on the GPU
-    when implicit was built with CUDA. Confidence is alpha·x on an interaction and 1 elsewhere (implicit's
-    convention; the paper has 1 + alpha·x). score(u) = p_u · Q."""
+    """Implicit-feedback matrix factorisation (Hu, Koren and Volinsky 2008) by `implicit`, on the GPU if it can."""
 
     def __init__(self, train: sp.csr_matrix, config: cfg.ALS, device: torch.device, seed: int = 0):
         if not als_available():
@@ -178,8 +152,7 @@ class ALS:
 
 def _history_times(train: sp.csr_matrix, users: torch.Tensor, weights: torch.Tensor | sp.csr_matrix,
                    device: torch.device) -> torch.Tensor:
-    """x_u W for a batch of users: a dense product on the GPU; on the CPU scipy's sparse one, which skips the zeros
-    of the histories (and of W when it is sparse), several times faster than a dense product there."""
+    """x_u W for a batch of users: dense on the GPU, scipy's sparse product on the CPU (several times faster)."""
     if device.type == "cuda" and isinstance(weights, torch.Tensor):
         return rows_as_dense(train, users, device) @ weights
     operand = weights.numpy() if isinstance(weights, torch.Tensor) else weights

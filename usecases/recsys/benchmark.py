@@ -1,10 +1,5 @@
-"""Speed in one run: BPR training through our loop against a plain PyTorch loop, and our full ranking against
-`implicit`'s `recommend`, on the same data.
-
-The plain loop is what one writes by hand: shuffled (user, item) tensors, uniform negatives, the fused Adam ours
-uses, no checkpoints or metrics. Ranking is timed on the training users repeated to `RANKED_USERS`, every item
-scored, the user's training items masked, the top 10 kept. The first epoch of each loop is a warm-up and not counted.
-"""
+"""Speed on the same data: BPR through our loop against a hand-written PyTorch loop (the same fused Adam, no
+checkpoints or metrics; each loop's first epoch a warm-up, not counted), our full ranking against `implicit`'s."""
 
 from __future__ import annotations
 
@@ -25,6 +20,7 @@ from common.training.loop import make_optimizer
 from .baselines import als_available
 from .config import Config
 from .data import Interactions
+from .evaluate import synchronize
 from .ranking import top_k
 from .train import fit_ranker, seconds_per_epoch
 
@@ -42,10 +38,8 @@ def plain_bpr(train: sp.csr_matrix, config: Config, runtime: Runtime, epochs: in
     coo = train.tocoo()
     users = torch.from_numpy(coo.row.astype(np.int64)).to(device)
     items = torch.from_numpy(coo.col.astype(np.int64)).to(device)
-    user_table, item_table = nn.Embedding(train.shape[0], settings.dim).to(device), nn.Embedding(
-        train.shape[1], settings.dim).to(device)
-    optimizer = make_optimizer("adam", [*user_table.parameters(), *item_table.parameters()], runtime,
-                               lr=settings.lr)
+    user_table, item_table = (nn.Embedding(rows, settings.dim).to(device) for rows in train.shape)
+    optimizer = make_optimizer("adam", [*user_table.parameters(), *item_table.parameters()], runtime, lr=settings.lr)
     seconds = []
     for _ in range(epochs):
         started = time.perf_counter()
@@ -60,13 +54,13 @@ def plain_bpr(train: sp.csr_matrix, config: Config, runtime: Runtime, epochs: in
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         seconds.append(time.perf_counter() - started)
     return seconds
 
 
 def ranked_users(train: sp.csr_matrix) -> np.ndarray:
+    """The training users repeated to `RANKED_USERS`."""
     known = np.flatnonzero(np.diff(train.indptr))
     return np.resize(known, max(RANKED_USERS, len(known)))
 
@@ -76,8 +70,7 @@ def our_ranking_speed(model, train: sp.csr_matrix, device: torch.device) -> floa
     started = time.perf_counter()
     for first in range(0, len(users), RANK_BATCH):
         top_k(model, users[first : first + RANK_BATCH], train, K, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return len(users) / (time.perf_counter() - started)
 
 
@@ -85,9 +78,9 @@ def implicit_ranking_speed(model, train: sp.csr_matrix) -> float:
     """`implicit`'s own batched top-K over the same users, from the same BPR factors."""
     from implicit.cpu.als import AlternatingLeastSquares
 
-    users, items = (table.detach().float().cpu().numpy() for table in model.embeddings())
     reference = AlternatingLeastSquares()
-    reference.user_factors, reference.item_factors = users, items
+    reference.user_factors, reference.item_factors = (table.detach().float().cpu().numpy()
+                                                      for table in model.embeddings())
     chosen = ranked_users(train)
     started = time.perf_counter()
     for first in range(0, len(chosen), RANK_BATCH):

@@ -13,8 +13,6 @@ ModelName = Literal["pop", "itemknn", "ease", "als", "bpr", "lightgcn", "sasrec"
 
 
 class Columns(ConfigModel):
-    """Column names in a user's interaction log (CSV or Parquet)."""
-
     user: str = "user_id"
     item: str = "item_id"
     rating: str | None = Field("rating", description="optional; null when the log has none")
@@ -92,8 +90,7 @@ class ALS(ConfigModel):
 
 
 class Learned(TrainConfig):
-    """A learned model's embedding size, and the common loop's keys (epochs, batch_size, lr, patience on the
-    validation NDCG@10, grad_clip, checkpoint_every_s) with these models' defaults."""
+    """A learned model's embedding size, and the common loop's keys with these models' defaults."""
 
     epochs: int = Field(200, ge=1)
     batch_size: int = Field(2048, ge=1)
@@ -111,8 +108,7 @@ class LightGCNConfig(Learned):
 
 
 class FoldInConfig(ConfigModel):
-    """How the served model takes a user's latest events in (request's `recent_items`, `POST /events`). ALS folds in
-    by its own least squares (its regularization and alpha), ItemKNN and EASE score the history at once."""
+    """How the served model takes a user's latest events in (ALS by its own least squares)."""
 
     bpr: Literal["auto", "gradient", "least_squares"] = Field(
         "auto", description="BPR steps on the fixed item factors from the user's trained vector (zero for a new user), "
@@ -132,8 +128,7 @@ class FoldInConfig(ConfigModel):
 
 
 class ANN(ConfigModel):
-    """The first stage of two-stage serving for factor and sequence models: a FAISS index over the item vectors
-    retrieves `candidates` items per request, scored exactly, the best k served."""
+    """Two-stage serving's first stage: a FAISS index over the item vectors."""
 
     index: str = Field("auto", description="a FAISS index_factory string on the inner product (HNSW32, "
                                            "'IVF4096,Flat', 'HNSW32,SQ8'), or auto: an inverted file and "
@@ -173,10 +168,8 @@ class Benchmark(ConfigModel):
 
 
 class SASRec(TrainConfig):
-    """SASRec (Kang & McAuley 2018): causal self-attention over each user's last `max_len` items, trained to
-    predict the next item at every position; the common loop's keys with this model's defaults. The defaults train
-    on ml-latest-small in about a minute on 2 free CPU cores (the paper's ML-1M settings: max_len 200, batch_size
-    128, lr 1e-3, 200 epochs; on a GPU)."""
+    """SASRec's settings, whose defaults train on ml-latest-small in about a minute on 2 CPU cores (the paper's
+    ML-1M settings: max_len 200, batch_size 128, lr 1e-3, 200 epochs; on a GPU)."""
 
     epochs: int = Field(40, ge=1)
     batch_size: int = Field(32, ge=1, description="user sequences per batch (few users: more steps per epoch)")

@@ -1,26 +1,5 @@
-"""Full-ranking top-K evaluation, metric for metric as RecBole defines it, so that numbers compare with papers.
-
-Sampled evaluation (ranking the truth against 100 random items) overstates quality and reorders models (Krichene
-and Rendle, KDD 2020); ranking the whole catalogue for every test user is the honest protocol and, on a GPU, cheap:
-one score matrix, one mask, one `torch.topk` per batch of users.
-
-For a user u with relevant (held-out) items R_u, top-K list L_u and hits h_i = [L_u[i] in R_u] at rank i = 1..K,
-the metrics (RecBole `recbole/evaluator/metrics.py`) are, each averaged over the users with at least one relevant
-item:
-
-    hit@K       = 1 if sum_i h_i > 0 else 0
-    recall@K    = sum_i h_i / |R_u|
-    precision@K = sum_i h_i / K
-    mrr@K       = 1 / (rank of the first hit), 0 without a hit
-    ndcg@K      = DCG / IDCG, DCG = sum_i h_i / log2(i + 1), IDCG = sum_{i=1}^{min(|R_u|, K)} 1 / log2(i + 1)
-    coverage@K  = |union over users of L_u| / (n_items - 1)
-
-|R_u| counts every relevant item, even one that the exclusion mask hides (RecBole does the same). Coverage leaves
-the unknown item 0 out of the catalogue size; RecBole's `ItemCoverage` counts its padding item in.
-
-Under DDP each rank ranks its own block of the users and the sums are all-reduced, so every rank gets the metrics of
-all users for the cost of its share.
-"""
+"""Full-ranking top-K evaluation, metric for metric as RecBole's, so that numbers compare with papers (sampled
+evaluation overstates quality and reorders models: Krichene and Rendle, KDD 2020); coverage leaves out item 0."""
 
 from __future__ import annotations
 
@@ -39,8 +18,7 @@ METRICS = ("hit", "recall", "precision", "mrr", "ndcg", "coverage")
 
 
 def rows_as_dense(matrix: sp.csr_matrix, rows: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
-    """The chosen rows of a CSR matrix as a dense float32 (len(rows), n_columns) tensor built on the device: only
-    the non-zeros travel."""
+    """The chosen rows of a CSR matrix as a dense float32 tensor built on the device: only the non-zeros travel."""
     index = rows.cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
     picked = matrix[index]
     row_of_value = np.repeat(np.arange(len(index)), np.diff(picked.indptr))
@@ -51,8 +29,7 @@ def rows_as_dense(matrix: sp.csr_matrix, rows: torch.Tensor | np.ndarray, device
 
 
 def sample_users(truth: sp.csr_matrix, count: int | None, seed: int) -> sp.csr_matrix:
-    """`truth` with the rows of a seeded sample of `count` of its users with relevant items, the others emptied:
-    full ranking of every item, for fewer users (None or more than there are: all of them)."""
+    """`truth` with only the rows of a seeded sample of `count` of its users kept (None: all of them)."""
     users = np.flatnonzero(np.diff(truth.indptr))
     if count is None or count >= len(users):
         return truth
@@ -61,20 +38,15 @@ def sample_users(truth: sp.csr_matrix, count: int | None, seed: int) -> sp.csr_m
     return (sp.diags(keep) @ truth).tocsr()
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def full_ranking(scorer: Scorer, truth: sp.csr_matrix, exclude: sp.csr_matrix, ks: list[int], device: torch.device,
                  batch_users: int, runtime: Runtime | None = None) -> dict[str, float]:
-    """Rank every item for each user with a non-empty `truth` row and average the metrics of the module docstring.
-
-    `exclude` holds the items each user already has and that must not be recommended again: the training matrix
-    when evaluating on validation, training + validation when evaluating on test (RecBole's full-sort protocol).
-    Returns `{metric}@{k}` for each k, `users_evaluated` and `users_per_s` (scoring, masking, top-K and metrics,
-    timed with the device synchronised). With a distributed `runtime`, every rank of it must call this together.
-    """
+    """`{metric}@{k}` over the users with a `truth` row, `exclude`'s items left out; with a distributed `runtime`,
+    each rank ranks its share of the users, and every rank must call this together."""
     n_items = truth.shape[1]
     largest = max(ks)
     if largest > n_items - 1:
@@ -91,7 +63,7 @@ def full_ranking(scorer: Scorer, truth: sp.csr_matrix, exclude: sp.csr_matrix, k
               for name in METRICS if name != "coverage" for k in ks}
     recommended = {k: torch.zeros(n_items, dtype=torch.bool, device=device) for k in ks}
 
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for first in range(0, len(users), batch_users):
         batch = torch.from_numpy(users[first:first + batch_users]).to(device)
@@ -109,7 +81,7 @@ def full_ranking(scorer: Scorer, truth: sp.csr_matrix, exclude: sp.csr_matrix, k
             ideal = ideal_dcg[torch.clamp(n_relevant, max=k).long() - 1]
             totals[f"ndcg@{k}"] += ((hits_k * discounts[:k]).sum(1) / ideal).sum()
             recommended[k][items[:, :k][returned[:, :k]]] = True
-    _synchronize(device)
+    synchronize(device)
     elapsed = all_reduce_max(time.perf_counter() - start, runtime)
 
     names = list(totals)

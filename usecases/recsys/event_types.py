@@ -1,7 +1,5 @@
-"""What the event store keeps and how it is checked, whatever the backend (`events.py`: SQLite, `redis_events.py`:
-Redis): an event is a user id, an item id (each a string or an integer, kept as text: the served model maps raw ids
-by `str`) and a timestamp in whole seconds since the epoch, from 1995-01-01 to a day after now (the time of the
-append when left out): the rules of `schema.py`, which `/invocations` follows too."""
+"""What the event store keeps, whatever the backend (`events.py`): user and item ids as text (the served model maps
+raw ids by `str`) and a timestamp (the append's time when left out), checked by the rules of `schema.py`."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ class BadEvent(UserError):
 
 
 class EventStoreUnavailable(UserError):
-    """A store that cannot be opened, written or read, said in one line: a server's start stops on it (`check`), and
-    a request that meets it later gets HTTP 503 with the line."""
+    """A store that cannot be opened, written or read, in one line (HTTP 503 on a server)."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +41,7 @@ class EventStore(Protocol):
         """The item ids of the user's latest `limit` events, newest last."""
 
     def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
-        """Up to `count` events after `cursor`, oldest first, and the cursor to pass next, which says that the events
-        up to it are handled; [] when none is new."""
+        """Up to `count` events after `cursor` (which says the events up to it are handled), and the next cursor."""
 
     def check(self) -> None:
         """Open, write and read the store once (a server's start), or `EventStoreUnavailable`."""
@@ -55,8 +51,7 @@ class EventStore(Protocol):
 
 @refused_as(BadEvent)
 def parse_events(events: Any) -> list[Event]:
-    """`events` (an event or a list of them, each an `Event` or a dict of `FIELDS`) checked by the servers' rules
-    (`schema.py`), as `Event`s."""
+    """An event or a list of them, each an `Event` or a dict of `FIELDS`, checked, as `Event`s."""
     batch = [events] if isinstance(events, (dict, Event)) else events
     if not isinstance(batch, (list, tuple)):
         raise BadField(f"events: expected an event (an object with user_id, item_id and an optional timestamp) "

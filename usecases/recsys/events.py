@@ -1,15 +1,5 @@
-"""The event store behind `POST /events`: what users did since the model was trained, kept where every worker of the
-server reads it, so that the next request of a user folds in their latest items.
-
-Two stores behind one interface (`EventStore`), chosen by `open_event_store(url_or_path)`:
-- SQLite (a path, or `sqlite:///PATH`): one file in WAL mode shared by the worker processes of one machine;
-- Redis Streams (`redis://HOST:PORT/DB`): for servers on several machines; needs the `redis` client.
-
-What an event is and how it is checked: `event_types.py`. `append` returns once the events are
-committed: an acknowledged event survives a kill of the process. Nothing is deduplicated here; the fold-in does that.
-A retraining job pages through every event with `read_since`, handing back the cursor it was given to say it has
-the events before it.
-"""
+"""The event store behind `POST /events`, where every worker of the server reads what users did since the model
+was trained: SQLite for the processes of one machine, Redis Streams for several (`EventStore`: `event_types.py`)."""
 
 import os
 import sqlite3
@@ -18,18 +8,20 @@ import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from common.errors import UserError, one_line
 from .event_types import START, BadEvent, Event, EventStore, EventStoreUnavailable, checked_cursor, parse_events
 
-__all__ = ["START", "BadEvent", "Event", "EventStore", "EventStoreUnavailable", "SQLiteEventStore", "open_event_store"]
+__all__ = ["START", "BadEvent", "Event", "EventStore", "EventStoreUnavailable", "RedisEventStore", "SQLiteEventStore",
+           "open_event_store"]
 
 BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's write lock (each one takes microseconds)
 
 
 def open_event_store(url_or_path: str | Path) -> EventStore:
-    """The store a server was told to use: `sqlite:///PATH` (PATH relative unless it starts with /, as in
-    SQLAlchemy's URLs) or a bare path, or `redis://HOST:PORT/DB` (`rediss://` with TLS)."""
+    """`sqlite:///PATH` (relative unless PATH starts with /, as in SQLAlchemy's URLs), a bare path, or
+    `redis://HOST:PORT/DB` (`rediss://` with TLS)."""
     text = str(url_or_path)
     scheme = text.partition("://")[0].lower() if "://" in text else ""
     if not scheme:
@@ -39,8 +31,6 @@ def open_event_store(url_or_path: str | Path) -> EventStore:
             raise UserError(f"events: {text!r} names no file: write sqlite:///relative.db or sqlite:////absolute.db")
         return SQLiteEventStore(Path(text.removeprefix("sqlite:///")).expanduser())
     if scheme in ("redis", "rediss"):
-        from .redis_events import RedisEventStore
-
         return RedisEventStore(text)
     raise UserError(f"events: unknown store {scheme}:// in {text!r}: give a file path, sqlite:///PATH or "
                     f"redis://HOST:PORT/DB")
@@ -71,66 +61,53 @@ os.register_at_fork(after_in_child=_forget_parent_connections)
 
 
 class SQLiteEventStore:
-    """One SQLite file in WAL mode, shared by every process of one machine: readers never wait for the writer, and
-    writers from several processes take turns on the write lock (`BUSY_TIMEOUT_S`).
+    """One SQLite file in WAL mode, shared by the processes of one machine, each with its own connection (a forked
+    child too). With NORMAL a commit survives a kill of the process; FULL adds an fsync per commit, which only
+    matters when the machine goes down, at 60 times the time."""
 
-    Each process opens its own connection on first use, a forked child too (it never touches its parent's); the
-    threads of a process share it, one call at a time. `synchronous=NORMAL` by default: a commit is written to the
-    WAL file before `append` returns, so it survives a kill of the process (the test kills one mid-stream). FULL adds
-    an fsync per commit, which only matters when the machine itself goes down (power loss, a kernel crash; there
-    NORMAL may lose the last commits, never corrupt the file) and costs 60 times the time: a one-event append took
-    50-70 µs at the median with NORMAL and 4.0 ms with FULL (2 cores, ext4, 2026-12). Pass "FULL" for that case.
-    """
-
-    def __init__(self, path: Path, synchronous: str = "NORMAL"):
-        if synchronous not in ("NORMAL", "FULL"):
-            raise UserError(f"events: synchronous must be NORMAL or FULL, got {synchronous!r}")
-        self.path, self.synchronous = Path(path), synchronous
+    def __init__(self, path: Path):
+        self.path = Path(path)
         self._connected: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         _SQLITE_STORES.add(self)
 
     def _forget_parent(self) -> None:
-        """In a forked child, where the forking thread is the only one: a fresh lock, and a connection of its own."""
+        """In a forked child: a fresh lock, and a connection of its own."""
         if self._connected is not None:
             _INHERITED.append(self._connected)
         self._connected, self._lock = None, threading.Lock()
 
-    def _connection(self) -> sqlite3.Connection:
-        """The process's connection (call under `_lock`)."""
-        if self._connected is None:
-            self._connected = self._connect()
-        return self._connected
-
     def _connect(self) -> sqlite3.Connection:
-        """Several processes (a server's workers) may open a new file at once: switching it to WAL and creating the
-        table take locks that SQLite's busy handler does not wait for, so a busy open is retried until
-        BUSY_TIMEOUT_S."""
+        """Retried while busy: workers opening a new file at once take locks SQLite's busy handler does not wait for."""
         deadline = time.monotonic() + BUSY_TIMEOUT_S
         while True:
             try:
                 return self._open()
-            except sqlite3.OperationalError as error:
-                if "locked" not in str(error) or time.monotonic() > deadline:
+            except (OSError, sqlite3.Error) as error:
+                busy = isinstance(error, sqlite3.OperationalError) and "locked" in str(error)
+                if not busy or time.monotonic() > deadline:
                     raise EventStoreUnavailable(f"{self.path}: cannot open the event store: {one_line(error)}") \
                         from None
                 time.sleep(0.01)
-            except (OSError, sqlite3.Error) as error:
-                raise EventStoreUnavailable(f"{self.path}: cannot open the event store: {one_line(error)}") from None
 
     def _open(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         try:
-            foreign = _foreign_tables(connection)
+            tables = [name for name, in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            foreign = sorted(name for name in tables if name not in OWN_TABLES and not name.startswith("sqlite_"))
+            if "events" in tables:
+                columns = [row[1] for row in connection.execute("PRAGMA table_info(events)")]
+                if columns != ["seq", "user_id", "item_id", "ts"]:
+                    foreign.insert(0, f"events of columns {', '.join(columns)}")
             if foreign:  # another program's database (MLflow's tracking store beside it): left as it is
                 raise EventStoreUnavailable(f"{self.path}: this SQLite file holds tables that are not the event "
-                                            f"store's ({foreign}): give the events a file of their own")
+                                            f"store's ({', '.join(foreign[:5])}): give the events a file of their own")
             mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
                 raise EventStoreUnavailable(f"{self.path}: SQLite cannot keep the event store in WAL mode here "
                                             f"(journal mode {mode}); give a file on a local disk")
-            connection.execute(f"PRAGMA synchronous={self.synchronous}")
+            connection.execute("PRAGMA synchronous=NORMAL")
             connection.executescript(SCHEMA)
         except BaseException:
             connection.close()
@@ -164,11 +141,7 @@ class SQLiteEventStore:
         return [Event(user, item, ts) for _, user, item, ts in rows], str(rows[-1][0])
 
     def check(self) -> None:
-        """Opened, checked, written and read once, as a server does before it binds its port: a file that is no
-        SQLite database or holds another program's tables, a damaged one, a folder or file this process cannot write
-        is one line now rather than HTTP 500 at the first request. The write is a probe event inserted, read back and
-        deleted in one committed transaction (its `seq` is never reused: cursors skip it). SQLite's quick_check reads
-        the whole file: a store of millions of events adds seconds to the start."""
+        """Checked, written and read once before a server binds its port (the probe's `seq` is never reused)."""
         with self._database("check") as connection:
             problems = [line for row, in connection.execute("PRAGMA quick_check") for line in str(row).splitlines()
                         if not line.startswith("***")]
@@ -183,12 +156,12 @@ class SQLiteEventStore:
 
     @contextmanager
     def _database(self, doing: str):
-        """The process's connection, one caller at a time; SQLite's errors (a disk full, a file gone read-only) as
-        `EventStoreUnavailable`, saying what failed (`doing`: read, write, check)."""
+        """The process's connection, one caller at a time; SQLite's errors as `EventStoreUnavailable`."""
         with self._lock:
-            connection = self._connection()
+            if self._connected is None:
+                self._connected = self._connect()
             try:
-                yield connection
+                yield self._connected
             except sqlite3.Error as error:
                 raise EventStoreUnavailable(f"{self.path}: cannot {doing} the event store: {one_line(error)}") \
                     from None
@@ -200,13 +173,106 @@ class SQLiteEventStore:
                 self._connected = None
 
 
-def _foreign_tables(connection: sqlite3.Connection) -> str:
-    """The tables of the file that are not the store's, and an `events` table of other columns, said briefly ("" for
-    an event store or an empty file), read before anything is written."""
-    tables = [name for name, in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-    foreign = sorted(name for name in tables if name not in OWN_TABLES and not name.startswith("sqlite_"))
-    if "events" in tables:
-        columns = [row[1] for row in connection.execute("PRAGMA table_info(events)")]
-        if columns != ["seq", "user_id", "item_id", "ts"]:
-            foreign.insert(0, f"events of columns {', '.join(columns)}")
-    return ", ".join(foreign[:5])
+REDIS_RECENT_PER_USER = 1000  # events kept in a user's own stream (approximately: at least this many)
+REDIS_STREAM_LENGTH = 10_000_000  # events kept in the stream that retraining reads (approximately)
+
+
+class RedisEventStore:
+    """Each event is added, in one MULTI/EXEC, to the user's own stream (`recent` is one XREVRANGE whatever other
+    users do) and to `PREFIX:events`, which a retraining job reads through the consumer group `group`."""
+
+    def __init__(self, url: str, prefix: str = "recsys", group: str = "retrain", consumer: str = "retrain-1"):
+        try:
+            import redis
+        except ImportError:
+            raise UserError("the redis extra is not installed: pip install redis") from None
+        parts = urlsplit(url)
+        self.where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"  # without a password
+        self.stream, self.user_prefix = f"{prefix}:events", f"{prefix}:user:"
+        self.check_key = f"{prefix}:check"
+        self.group, self.consumer = group, consumer
+        self._response_error, self._redis_error = redis.ResponseError, redis.RedisError
+        self._has_group = False
+        try:
+            self.client = redis.Redis.from_url(url, decode_responses=True)
+            self.client.ping()
+        except (ValueError, redis.RedisError) as error:
+            raise EventStoreUnavailable(f"events: cannot use {self.where}: {one_line(error)}") from None
+
+    @contextmanager
+    def _redis(self, doing: str):
+        try:
+            yield
+        except self._redis_error as error:
+            raise EventStoreUnavailable(f"events: cannot {doing} {self.where}: {one_line(error)}") from None
+
+    def check(self) -> None:
+        """A round trip before a server binds its port: the events key is a stream, and a key written is read back."""
+        with self._redis("read"):
+            kind = self.client.type(self.stream)
+        if kind not in ("stream", "none"):
+            raise EventStoreUnavailable(f"events: {self.where}: key {self.stream!r} holds a {kind}, not a stream of "
+                                        "events: give the events a Redis database of their own (redis://HOST:PORT/DB)")
+        with self._redis("write"):
+            token = f"{os.getpid()}:{time.time_ns()}"
+            self.client.set(self.check_key, token, ex=60)
+            if self.client.get(self.check_key) != token:
+                raise EventStoreUnavailable(f"events: {self.where}: a key written was not read back")
+
+    def append(self, events: Event | dict | list[Event | dict]) -> int:
+        checked = parse_events(events)
+        if not checked:
+            return 0
+        pipeline = self.client.pipeline(transaction=True)
+        for event in checked:
+            pipeline.xadd(self.user_prefix + event.user_id, {"item": event.item_id, "ts": event.timestamp},
+                          maxlen=REDIS_RECENT_PER_USER, approximate=True)
+            pipeline.xadd(self.stream, {"user": event.user_id, "item": event.item_id, "ts": event.timestamp},
+                          maxlen=REDIS_STREAM_LENGTH, approximate=True)
+        with self._redis("write"):
+            pipeline.execute()
+        return len(checked)
+
+    def recent(self, user_id: str | int, limit: int) -> list[str]:
+        if limit < 1:
+            return []
+        with self._redis("read"):
+            entries = self.client.xrevrange(self.user_prefix + str(user_id), count=int(limit))
+        return [fields["item"] for _, fields in reversed(entries)]
+
+    def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
+        """Acknowledges the entries up to `cursor`; reads this consumer's pending ones again, else undelivered ones."""
+        cursor, count = checked_cursor(cursor, r"\d+(-\d+)?"), max(1, int(count))
+        with self._redis("read"):
+            if not self._has_group:
+                try:
+                    self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+                except self._response_error as error:
+                    if "BUSYGROUP" not in str(error):
+                        raise
+                self._has_group = True
+            while True:
+                self._acknowledge(cursor)
+                entries = self._read_group(cursor, count) or self._read_group(">", count)
+                if not entries:
+                    return [], cursor
+                cursor = entries[-1][0]
+                events = [Event(fields["user"], fields["item"], int(fields["ts"])) for _, fields in entries if fields]
+                if events:  # else every entry was trimmed off the stream while pending: skip past them
+                    return events, cursor
+
+    def _acknowledge(self, cursor: str) -> None:
+        while True:
+            done = self.client.xpending_range(self.stream, self.group, min="-", max=cursor, count=1000,
+                                              consumername=self.consumer)
+            if not done:
+                return
+            self.client.xack(self.stream, self.group, *(entry["message_id"] for entry in done))
+
+    def _read_group(self, after: str, count: int) -> list[tuple[str, dict | None]]:
+        answer = self.client.xreadgroup(self.group, self.consumer, {self.stream: after}, count=count)
+        streams = answer.values() if isinstance(answer, dict) else (entries for _, entries in answer or [])
+        return [(entry_id, fields) for entries in streams for entry_id, fields in entries]
+
+    def close(self) -> None:
+        self.client.close()

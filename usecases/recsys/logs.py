@@ -1,10 +1,5 @@
-"""A user's interaction log (CSV or Parquet) read into a `RawLog`, the form every source is read into, and the
-column checks that MovieLens's files share with it.
-
-The file is read by `common.tables`, which every use case reads a user's table with. Every mistake in a log is one
-`UserError` line naming the file, the column (or config key) and the row, and saying how rows are counted: from 1
-at the line after the header (with the line it is on), at the first line of a file without one.
-"""
+"""A user's interaction log read into a `RawLog`, the form every source is read into, and the column checks
+MovieLens's files share; every mistake is one `UserError` line naming the file, the column and the row."""
 
 from __future__ import annotations
 
@@ -17,11 +12,9 @@ import pandas as pd
 
 from common.errors import UserError
 from common.paths import file_sha256
-from common.tables import (Rows, Table, csv_separator, found_columns, is_parquet, numbers_or_text, read_numbers,
+from common.tables import (Rows, csv_separator, found_columns, is_parquet, numbers_or_text, read_numbers,
                            read_table, value_kind)
 from .config import Columns
-
-__all__ = ["RawLog", "check_columns", "log_frame", "no_rows", "read_ids", "read_log", "read_ratings", "read_seconds"]
 
 EPOCH = pd.Timestamp(0, tz="UTC")
 DATE_KINDS = ("date", "datetime", "datetime64")  # Python dates in an object column (Parquet's date32, for one)
@@ -30,8 +23,7 @@ EXPECTED = "a .csv, .tsv or .parquet interaction log (one row per user and item)
 
 @dataclass
 class RawLog:
-    """A log before filtering: columns user and item (raw ids: int64, or str where any id is not an integer),
-    rating (float, NaN where missing) and timestamp (int64 Unix seconds, 0 when the log has none)."""
+    """A log before filtering: user and item (raw ids), rating (NaN where missing) and timestamp (Unix seconds)."""
 
     frame: pd.DataFrame
     titles: pd.Series | None  # title by raw item id
@@ -40,19 +32,11 @@ class RawLog:
     has_timestamps: bool
 
 
-def _read_table(path: Path) -> Table:
+def read_log(path: Path, columns: Columns) -> RawLog:
+    """A CSV or Parquet log; an optional column named explicitly must be there (not silently dropped)."""
     if csv_separator(path) is None and not is_parquet(path) and path.name.lower().endswith(".zip"):
         raise UserError(f"{path}: a zip archive; unzip it and pass the log, or a MovieLens zip's unzipped folder")
-    return read_table(path, EXPECTED)
-
-
-def read_log(path: Path, columns: Columns) -> RawLog:
-    """A CSV or Parquet log with `columns`' names; absent optional columns (rating, timestamp, title) are none,
-    unless they were named explicitly (a misspelt name would otherwise drop the column silently).
-
-    Ids are read as integers when every one is an integer, else as text.
-    """
-    table = _read_table(path)
+    table = read_table(path, EXPECTED)
     if table.frame.empty:
         raise no_rows(path, columns)
     names = check_columns(table.frame, columns, path)
@@ -69,8 +53,7 @@ def no_rows(path: Path, columns: Columns) -> UserError:
 
 def log_frame(table: pd.DataFrame, columns: Columns, names: dict[str, str], rows: Rows
               ) -> tuple[pd.DataFrame, pd.Series | None]:
-    """The checked columns of a log, or of a part of one, as a `RawLog` holds them, and with a title column the
-    first title of each item (NaN where it has none)."""
+    """The checked columns of a log, or of a part of one, as a `RawLog` holds them, and each item's first title."""
     users, items = table[columns.user], table[columns.item]
     if not pd.api.types.is_numeric_dtype(users) and not pd.api.types.is_numeric_dtype(items):
         header = (users.astype(str) == columns.user) & (items.astype(str) == columns.item)
@@ -82,14 +65,12 @@ def log_frame(table: pd.DataFrame, columns: Columns, names: dict[str, str], rows
     frame["rating"] = read_ratings(table[names["rating"]], rows, names["rating"]) if "rating" in names else np.nan
     frame["timestamp"] = (read_seconds(table[names["timestamp"]], rows, names["timestamp"])
                           if "timestamp" in names else 0)
-    frame["timestamp"] = frame["timestamp"].astype("int64")
     titles = table[names["title"]].groupby(frame["item"]).first() if "title" in names else None
     return frame, titles
 
 
 def check_columns(table: pd.DataFrame, columns: Columns, path: Path) -> dict[str, str]:
-    """The log's column for each key of data.columns it has: user and item always, an optional one when present
-    (or an error when it was named explicitly and is absent)."""
+    """The log's column for each key of data.columns it has."""
     found = found_columns(table)
     if columns.user == columns.item:
         raise UserError(f"data.columns.user and data.columns.item both name '{columns.user}' in {path}; the user "
@@ -105,7 +86,6 @@ def check_columns(table: pd.DataFrame, columns: Columns, path: Path) -> dict[str
 
 
 def _rename_hint(table: pd.DataFrame, key: str) -> str:
-    """What to do about a missing column, when the header says why it is missing."""
     if {"userId", "movieId"} <= set(table.columns):
         return "this is a MovieLens ratings.csv: pass its folder as --data"
     optional = "" if key in ("user", "item") else f", or data.columns.{key}=null if the log has none"
@@ -113,8 +93,7 @@ def _rename_hint(table: pd.DataFrame, key: str) -> str:
 
 
 def read_ids(values: pd.Series, rows: Rows, column: str, text: bool = True) -> pd.Series:
-    """Integer ids (a float column's values must be whole numbers), or with `text` text ids where any id is not a
-    number; anything else (true/false, dates, bytes) is a column named wrongly or a wrong type."""
+    """Integer ids (whole numbers in a float column), or with `text` text ids where any id is not a number."""
     missing = values.isna()
     if missing.any():
         raise rows.at(column, values, missing, "missing id")
@@ -137,8 +116,7 @@ def read_ids(values: pd.Series, rows: Rows, column: str, text: bool = True) -> p
 
 def read_ratings(values: pd.Series, rows: Rows, column: str, stars: tuple[float, float] | None = None
                  ) -> pd.Series:
-    """Numbers; an empty cell is no rating (NaN), text is an error. With `stars` (MovieLens) every row has a
-    rating in that range."""
+    """Numbers, NaN where empty; with `stars` (MovieLens) every row has a rating in that range."""
     numbers = read_numbers(values, rows, column, expected="numeric ratings")
     if stars is not None:
         if numbers.isna().any():
@@ -151,8 +129,7 @@ def read_ratings(values: pd.Series, rows: Rows, column: str, stars: tuple[float,
 
 
 def read_seconds(values: pd.Series, rows: Rows, column: str) -> pd.Series:
-    """Unix seconds (not negative: 1970 or later) from integer seconds or from anything pandas reads as a date
-    (UTC when it names no zone)."""
+    """Unix seconds (1970 or later) from integer seconds or anything pandas reads as a date (UTC by default)."""
     missing = values.isna()
     if missing.any():
         raise rows.at(column, values, missing, "missing timestamp")

@@ -1,8 +1,5 @@
-"""The learned models: BPR matrix factorisation and LightGCN, trained with the BPR loss on sampled negatives.
-
-Both score a user against every item with one matrix product of embeddings, which is what makes full ranking
-of all items cheap on a GPU.
-"""
+"""The learned models, BPR matrix factorisation and LightGCN, trained with the BPR loss on sampled negatives; both
+score a user against every item with one matrix product of embeddings."""
 
 from __future__ import annotations
 
@@ -21,14 +18,10 @@ DENSE_POSITIVES_BYTES = 256 * 2**20  # a users x items table of booleans up to t
 
 
 class NegativeSampler:
-    """Uniform negatives over the real items (codes from 1), resampled where they hit a training positive.
+    """Uniform negatives over the real items, resampled where they hit a positive, looked up on the device in a
+    table of one boolean per pair where it fits (a tenth of the binary search's time), else among sorted keys."""
 
-    Positives are looked up by their `user * n_items + item` key, on the device: in a table of one boolean per pair
-    where it takes at most DENSE_POSITIVES_BYTES (a tenth of the binary search's time: 8 µs against 84 for a batch
-    of 2,048 on a CPU, where the search was a tenth of a BPR step), else among the sorted keys of the positives.
-    """
-
-    def __init__(self, train: sp.csr_matrix, device: torch.device, retries: int = 1):
+    def __init__(self, train: sp.csr_matrix, device: torch.device):
         train = train if train.has_sorted_indices else train.sorted_indices()
         keys = np.repeat(np.arange(train.shape[0], dtype=np.int64), np.diff(train.indptr))
         keys *= train.shape[1]
@@ -39,7 +32,6 @@ class NegativeSampler:
             self.table = torch.zeros(train.shape[0] * train.shape[1], dtype=torch.bool, device=device)
             self.table[self.keys] = True
         self.n_items = train.shape[1]
-        self.retries = retries
 
     def _is_positive(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         keys = users * self.n_items + items
@@ -49,18 +41,14 @@ class NegativeSampler:
         return self.keys[found] == keys
 
     def __call__(self, users: torch.Tensor) -> torch.Tensor:
-        """Every retry draws for the whole batch and keeps the draws where a positive was hit: no branch on the
-        device's values, so a training step never waits for the GPU."""
+        """One retry, drawn for the whole batch: no branch on the device's values."""
         negatives = torch.randint(1, self.n_items, users.shape, device=users.device)
-        for _ in range(self.retries):
-            hit = self._is_positive(users, negatives)
-            negatives = torch.where(hit, torch.randint(1, self.n_items, users.shape, device=users.device), negatives)
-        return negatives
+        hit = self._is_positive(users, negatives)
+        return torch.where(hit, torch.randint(1, self.n_items, users.shape, device=users.device), negatives)
 
 
 class PairwiseRanker(nn.Module, ABC):
-    """Takes (users, positive items) and returns the batch's BPR loss against sampled negatives, with the L2 penalty
-    of the rows' embeddings: the common loop's step is a forward pass."""
+    """The batch's BPR loss against sampled negatives: the common loop's step is a forward pass."""
 
     def __init__(self, sampler: NegativeSampler, weight_decay: float):
         super().__init__()
@@ -80,7 +68,7 @@ class PairwiseRanker(nn.Module, ABC):
         """The trainable rows behind a batch, for the L2 penalty."""
 
     def forward(self, users: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
-        """-log sigmoid(margin) plus the rows' L2 penalty (per row, as RecBole), averaged over the batch."""
+        """-log sigmoid(margin) plus the rows' L2 penalty (per row, as RecBole), averaged."""
         pair = torch.stack([positives, self.sampler(users)])
         user, items = self.rows(users, pair)
         margin = (user * items[0]).sum(-1) - (user * items[1]).sum(-1)
@@ -117,8 +105,7 @@ class BPR(PairwiseRanker):
 
 
 def normalised_adjacency(train: sp.csr_matrix) -> torch.Tensor:
-    """D^-1/2 A D^-1/2 of the user-item bipartite graph, as a sparse CSR (users + items) square tensor (a product
-    with CSR took a quarter of the time of one with COO on a CPU)."""
+    """D^-1/2 A D^-1/2 of the user-item graph as a sparse CSR tensor (a quarter of COO's product time on a CPU)."""
     adjacency = sp.bmat([[None, train], [train.T, None]], format="csr").astype(np.float32)
     degree = np.asarray(adjacency.sum(axis=1)).ravel()
     inverse_sqrt = np.divide(1.0, np.sqrt(degree), out=np.zeros_like(degree), where=degree > 0)
@@ -126,9 +113,7 @@ def normalised_adjacency(train: sp.csr_matrix) -> torch.Tensor:
 
 
 class _SymmetricProduct(torch.autograd.Function):
-    """A @ X for a symmetric sparse A, whose gradient with respect to X is A @ G: the same product, where torch's
-    own backward of a sparse product transposes A first (five times the forward's cost on a CPU: a LightGCN step's
-    three layers took 33 ms forward and backward, 11 ms this way)."""
+    """A @ X for a symmetric sparse A, whose gradient is A @ G (torch's own backward transposes A: 3x slower)."""
 
     @staticmethod
     def forward(ctx, adjacency: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
@@ -140,9 +125,7 @@ class _SymmetricProduct(torch.autograd.Function):
         return None, torch.sparse.mm(ctx.adjacency, gradient)
 
 
-def propagate(adjacency: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
-    """One LightGCN layer: the normalised (symmetric) adjacency times the embeddings."""
-    return _SymmetricProduct.apply(adjacency, layer)
+propagate = _SymmetricProduct.apply  # one LightGCN layer: the normalised adjacency times the embeddings
 
 
 class LightGCN(PairwiseRanker):
@@ -174,8 +157,7 @@ class LightGCN(PairwiseRanker):
 
     @torch.no_grad()
     def foldin_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The users' layer-0 rows and the items' rows summed over layers 0..L-1: all that folding a user in as a
-        new node of the graph needs (`foldin.GraphFoldIn`)."""
+        """The users' layer-0 rows and the items' rows summed over layers 0..L-1 (`foldin.GraphFoldIn`)."""
         layer = self.ego_embeddings.weight.detach().float()
         total = torch.zeros_like(layer)
         for _ in range(self.layers):

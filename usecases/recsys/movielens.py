@@ -1,9 +1,5 @@
-"""Where MovieLens comes from, and its three published formats read into a `RawLog`.
-
-The data set is looked for in the cache, then in each mirror folder in $USECASES_DATA_PATH (as
-movielens/<version>/), then downloaded from GroupLens with its MD5 checked; when it cannot be had offline the error
-is a `DataUnavailable`, on which the demo falls back to the synthetic log.
-"""
+"""Where MovieLens comes from (the cache, a mirror folder in $USECASES_DATA_PATH, else GroupLens, MD5-checked; a
+`DataUnavailable` offline, on which the demo falls back to the synthetic log), and its three formats read."""
 
 from __future__ import annotations
 
@@ -45,8 +41,7 @@ STARS = (0.5, 5.0)  # the rating scale of every release (half stars since ml-lat
 
 @dataclass(frozen=True)
 class Layout:
-    """A release's ratings file: its field separator, its fields (user, item, rating and timestamp, named as
-    GroupLens's README names them) and the titles file beside it."""
+    """A release's ratings file: its separator, its fields (as GroupLens names them) and its titles file."""
 
     separator: str
     fields: tuple[str, str, str, str]
@@ -65,8 +60,7 @@ def movielens_format(folder: Path) -> str | None:
 
 
 def movielens_folder(config: MovieLens) -> Path:
-    """The extracted data set: the cache, then each mirror folder in $USECASES_DATA_PATH, then a download from
-    GroupLens into the cache."""
+    """The extracted data set: the cache, each mirror folder, else a download into the cache."""
     cache = cache_dir("movielens", config.cache_dir, "MOVIELENS_CACHE")
     mirrors = [folder / "movielens" / config.version for folder in data_search_path()]
     for candidate in (cache / config.version, *mirrors):
@@ -91,9 +85,8 @@ def _download(version: str, cache: Path, where: str) -> Path:
         digest = _fetch(url, part)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         part.unlink(missing_ok=True)
-        reason = one_line(exc, 80)
-        raise DataUnavailable(f"MovieLens {version} is not in {cache} and cannot be downloaded ({reason}): "
-                              f"{where}") from None
+        raise DataUnavailable(f"MovieLens {version} is not in {cache} and cannot be downloaded "
+                              f"({one_line(exc, 80)}): {where}") from None
     staging = cache / f".{version}.extract"
     try:
         if digest != expected:
@@ -115,7 +108,6 @@ def _download(version: str, cache: Path, where: str) -> Path:
 
 
 def _fetch(url: str, target: Path) -> str:
-    """Stream `url` into `target`; its MD5."""
     digest = hashlib.md5()
     with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, open(target, "wb") as out:
         for block in iter(lambda: response.read(1 << 20), b""):
@@ -135,25 +127,26 @@ def _published_md5(url: str) -> str:
 
 
 def read_movielens(folder: Path) -> RawLog:
-    """Any of the MovieLens layouts: ml-100k (u.data, u.item), ml-1m (ratings.dat, movies.dat) or the CSV
-    releases such as ml-latest-small and ml-25m (ratings.csv, movies.csv). Every value is checked, so that a bad
-    one is reported with its file, field and row."""
+    """Any of the MovieLens layouts, every value checked (a bad one reported with its file, field and row)."""
     kind = movielens_format(folder)
     if kind is None:
         raise UserError(f"{folder}: not a MovieLens folder (expected {', '.join(RATINGS_FILES)} in it); pass a "
                         "CSV or Parquet log as a file")
     layout = LAYOUTS[kind]
     ratings_file = folder / kind
-    table, rows = _read_csv_ratings(ratings_file) if kind == "ratings.csv" else _read_headerless(ratings_file, layout)
+    if kind == "ratings.csv":
+        read = read_table(ratings_file, "a MovieLens ratings.csv")
+        check_ratings_columns(read.frame, ratings_file)
+        table, rows = read.frame, read.rows
+    else:
+        table, rows = _read_headerless(ratings_file, layout)
     if table.empty:
         raise UserError(f"{ratings_file}: no data rows (expected one rating per line)")
-    frame = movielens_frame(table, layout, rows)
-    titles = read_titles(folder, kind)
-    return RawLog(frame, titles, f"movielens:{folder.name}", movielens_sha256(folder, kind), has_timestamps=True)
+    return RawLog(movielens_frame(table, layout, rows), read_titles(folder, kind), f"movielens:{folder.name}",
+                  file_sha256(*movielens_files(folder, kind)), has_timestamps=True)
 
 
 def movielens_frame(table: pd.DataFrame, layout: Layout, rows: Rows) -> pd.DataFrame:
-    """A release's ratings, or a part of them, checked: integer ids, star ratings, Unix seconds."""
     user, item, rating, timestamp = layout.fields
     return pd.DataFrame({"user": read_ids(table[user], rows, user, text=False),
                          "item": read_ids(table[item], rows, item, text=False),
@@ -162,23 +155,26 @@ def movielens_frame(table: pd.DataFrame, layout: Layout, rows: Rows) -> pd.DataF
 
 
 def read_titles(folder: Path, kind: str) -> pd.Series | None:
-    titles_file = folder / LAYOUTS[kind].titles
-    return _read_titles(titles_file, kind) if titles_file.is_file() else None
+    """Titles by item id; latin-1, as GroupLens wrote the older releases."""
+    path = folder / LAYOUTS[kind].titles
+    if not path.is_file():
+        return None
+    try:
+        if kind == "u.data":
+            table = pd.read_csv(path, sep="|", header=None, usecols=[0, 1], encoding="latin-1", quoting=3)
+        elif kind == "ratings.dat":
+            table = pd.read_csv(path, sep="::", engine="python", header=None, usecols=[0, 1], encoding="latin-1",
+                                quoting=3)
+        else:
+            table = pd.read_csv(path, usecols=["movieId", "title"]).set_axis([0, 1], axis=1)
+    except (ValueError, OSError, pd.errors.ParserError) as exc:
+        raise UserError(f"{path}: cannot be read as MovieLens titles ({one_line(exc)})") from None
+    return pd.Series(table[1].to_numpy(), index=table[0].to_numpy())
 
 
 def movielens_files(folder: Path, kind: str) -> list[Path]:
-    """The ratings file and, where there is one, the titles file: what is read, hashed and counted in data_bytes."""
+    """The ratings file and the titles file where there is one: what is read, hashed and counted in data_bytes."""
     return [path for path in (folder / kind, folder / LAYOUTS[kind].titles) if path.is_file()]
-
-
-def movielens_sha256(folder: Path, kind: str) -> str:
-    return file_sha256(*movielens_files(folder, kind))
-
-
-def _read_csv_ratings(path: Path) -> tuple[pd.DataFrame, Rows]:
-    table = read_table(path, "a MovieLens ratings.csv")
-    check_ratings_columns(table.frame, path)
-    return table.frame, table.rows
 
 
 def check_ratings_columns(table: pd.DataFrame, path: Path) -> None:
@@ -187,9 +183,7 @@ def check_ratings_columns(table: pd.DataFrame, path: Path) -> None:
 
 
 def _read_headerless(path: Path, layout: Layout) -> tuple[pd.DataFrame, Rows]:
-    """u.data or ratings.dat, read by pyarrow as text, single-threaded so that a row with too few or too many
-    fields is reported with its line. `::` is read as ':' with an empty field between each two, which keeps
-    pyarrow's fast single-character parser (the ratings hold no other colons)."""
+    """u.data or ratings.dat, single-threaded (a ragged row is reported with its line); `::` as ':' and empty fields."""
     double = layout.separator == "::"
     names = [f"field{index}" for index in range(2 * len(layout.fields) - 1 if double else len(layout.fields))]
     if path.stat().st_size == 0:
@@ -218,18 +212,3 @@ def _read_headerless(path: Path, layout: Layout) -> tuple[pd.DataFrame, Rows]:
         raise UserError(f"{path}: row {int(np.flatnonzero(empty)[0]) + 1} is empty (expected "
                         f"{', '.join(layout.fields)}; row N is line N: the file has no header)")
     return frame, Rows(path, fields=layout.fields)
-
-
-def _read_titles(path: Path, kind: str) -> pd.Series:
-    """Titles by item id; latin-1, as GroupLens wrote the older releases."""
-    try:
-        if kind == "u.data":
-            table = pd.read_csv(path, sep="|", header=None, usecols=[0, 1], encoding="latin-1", quoting=3)
-        elif kind == "ratings.dat":
-            table = pd.read_csv(path, sep="::", engine="python", header=None, usecols=[0, 1], encoding="latin-1",
-                                quoting=3)
-        else:
-            table = pd.read_csv(path, usecols=["movieId", "title"]).set_axis([0, 1], axis=1)
-    except (ValueError, OSError, pd.errors.ParserError) as exc:
-        raise UserError(f"{path}: cannot be read as MovieLens titles ({one_line(exc)})") from None
-    return pd.Series(table[1].to_numpy(), index=table[0].to_numpy())

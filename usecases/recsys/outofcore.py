@@ -1,21 +1,5 @@
-"""The Dask engine's preprocessing: the steps of `preprocess` and `splits`, over a log that never meets in one
-process, written as CSR matrices in a cache that the next run starts from.
-
-1. The log in partitions (Parquet shards of the synthetic generator, drawn on the workers; a CSV or Parquet file or
-   a MovieLens ratings.csv read in parts on the workers, `partitions`; or a small release read whole and cut),
-   each row numbered in log order; the rating threshold.
-2. A shuffle by user (skipped for the generator's shards, already one block of users each), then in each partition
-   the time sort and the de-duplication: positives as Parquet shards, one set of users each.
-3. Ids: the sorted unique users and items; the k-core as passes of counts over the shards until nothing changes
-   (its result is the largest sub-log meeting both minimums, so it is the pandas engine's, whatever the order);
-   codes 1..n in the order of the sorted raw ids of what is left.
-4. The splits: per-user ones (random, leave-last-out) in each shard; the temporal cut from a histogram of days,
-   then the timestamps of the one day each cut falls in. Val and test lose the users without training rows.
-5. Train, val and test as CSR matrices (memory-mapped `.npy`, filled shard by shard), and `known`: every positive,
-   the dropped rows included, for the served model.
-
-Only counts, ids and the cut days come back to this process; the client never holds a DataFrame of the log.
-"""
+"""The Dask engine's preprocessing: the steps of `preprocess` over a log that never meets in one process, written
+as CSR matrices in a cache that the next run starts from; only counts, ids and the cut days come back here."""
 
 from __future__ import annotations
 
@@ -36,9 +20,8 @@ from common.runtime.engine import worker_frames
 from common.errors import UserError
 from common.paths import building, cache_dir, write_json_atomic
 from .config import Config
-from .preprocess import _with_placeholder
-from .splits import (TEST, TRAIN, VAL, check_ratios, cut_positions, drop_unrankable, split_at, split_leave_last_out,
-                     split_random)
+from .preprocess import (TEST, TRAIN, VAL, _with_placeholder, check_ratios, check_threshold, check_variety,
+                         cut_positions, drop_unrankable, split)
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +34,7 @@ MATRICES = (*SPLITS, "known")
 
 @dataclass
 class Source:
-    """A log as the Dask engine reads it: `write_shards(client, folder)` writes it as Parquet shards (columns user,
-    item, rating and timestamp, in log order; one set of users each when `by_user`) and returns them with the
-    titles by raw item id, if any."""
+    """A log as the Dask engine reads it: `write_shards(client, folder)` writes its shards, returns them and titles."""
 
     write_shards: Callable[[Any, Path], tuple[list[Path], pd.Series | None]]
     by_user: bool
@@ -63,7 +44,7 @@ class Source:
 
 
 def frame_source(raw) -> Source:
-    """A `RawLog` read whole in this process (a compressed CSV; ml-100k, ml-1m), as shards for the workers."""
+    """A `RawLog` read whole in this process, as shards for the workers."""
     return Source(lambda client, folder: (_raw_shards(raw.frame, folder), raw.titles), False, raw.source,
                   raw.sha256, raw.has_timestamps)
 
@@ -79,8 +60,7 @@ class Prepared:
 
 
 def prepared_key(config: Config, sha256: str) -> str:
-    """What the cached matrices depend on: the data, the columns read from it, and the preprocessing and split
-    settings."""
+    """What the cached matrices depend on: the data and the settings that read, filter and split it."""
     data = config.data
     settings = {"format": PREPARED_FORMAT, "data": sha256, "columns": data.columns.model_dump(),
                 "threshold": data.rating_threshold, "min_user": data.min_user_interactions,
@@ -90,8 +70,7 @@ def prepared_key(config: Config, sha256: str) -> str:
 
 
 def cached(config: Config, sha256: str) -> Prepared | None:
-    """The matrices an earlier run prepared from this data with these settings, if any: what a run under torchrun
-    trains from after a Dask run prepared them."""
+    """The matrices an earlier run prepared from this data with these settings, if any (for torchrun)."""
     folder = _folder(config, sha256)
     if not (folder / "meta.json").exists():
         return None
@@ -104,7 +83,6 @@ def _folder(config: Config, sha256: str) -> Path:
 
 
 def prepare(source: Source, config: Config, client) -> Prepared:
-    """The cached matrices of this data and these settings, else computed on the cluster and cached."""
     folder = _folder(config, source.sha256)
     with building(folder, "meta.json") as work:
         if work is None:
@@ -117,8 +95,6 @@ def prepare(source: Source, config: Config, client) -> Prepared:
 
 
 def _compute(source: Source, config: Config, client, work: Path) -> None:
-    """The prepared matrices, ids and titles of `source` in `work`: its positives de-duplicated per user, the
-    k-core kept, split, and written as CSR."""
     shards, titles = source.write_shards(client, work / "raw")
     positives = _positives(source, shards, config, client, work / "positives")
     kept = _kept_ids(source, positives, config, client)
@@ -127,7 +103,6 @@ def _compute(source: Source, config: Config, client, work: Path) -> None:
 
 
 def _positives(source: Source, shards: list[Path], config: Config, client, folder: Path) -> list[Path]:
-    """The log's rows above the rating threshold, shuffled by user and de-duplicated, as Parquet shards."""
     import dask.dataframe as dd
     import pyarrow.parquet as pq
 
@@ -136,13 +111,8 @@ def _positives(source: Source, shards: list[Path], config: Config, client, folde
     frame = dd.from_map(_numbered_shard, shards, offsets, meta=_numbered_shard(shards[0], 0)[:0])
     threshold = config.data.rating_threshold
     if threshold is not None:
-        rated, highest = client.compute([frame["rating"].count(), frame["rating"].max()], sync=True)
-        if not rated:
-            raise UserError(f"{source.source}: data.rating_threshold={threshold} needs ratings but there are none "
-                            "(data.columns.rating names the column); set data.rating_threshold=null")
-        if highest < threshold:
-            raise UserError(f"{source.source}: nothing left after data.rating_threshold={threshold}: the highest "
-                            f"rating is {highest:g}; lower it, or set data.rating_threshold=null to keep every rating")
+        check_threshold(source.source, threshold, *client.compute([frame["rating"].count(), frame["rating"].max()],
+                                                                  sync=True))
         frame = frame[frame["rating"] >= threshold]
     if worker_frames(client) == "cudf":
         frame = frame.to_backend("cudf")  # the shuffle, sort and de-duplication on the workers' GPUs
@@ -174,11 +144,8 @@ def _kept_ids(source: Source, shards: list[Path], config: Config, client) -> Kep
         raise UserError(f"{source.source}: nothing left after the k-core filter (data.min_user_interactions="
                         f"{data.min_user_interactions}, data.min_item_interactions={data.min_item_interactions}); "
                         "relax the filters")
-    for key, kept, ids in (("user", keep_users, users), ("item", keep_items, items)):
-        if kept.sum() == 1:
-            raise UserError(f"{source.source}: every interaction is of one {key} ('{ids[kept][0]}') after "
-                            f"de-duplication and the data.* filters; a recommender needs several: is the {key} "
-                            f"column the right one (data.columns.{key})?")
+    for key, kept, ids, others in (("user", keep_users, users, keep_items), ("item", keep_items, items, keep_users)):
+        check_variety(source.source, key, ids[kept], int(others.sum()))
     return Kept(users, items, keep_users, keep_items)
 
 
@@ -193,11 +160,10 @@ def _split_counts(source: Source, shards: list[Path], kept: Kept, config: Config
     counts = client.gather(client.map(_split_shard, shards, range(len(shards)), coded=coded, config=config, cuts=cuts,
                                       out=out, pure=False))
     sizes = {name: sum(shard[name][1].sum() for shard in counts) for name in SPLITS}
-    held_out = {name: sum(shard[f"{name}_held_out"] for shard in counts) for name in ("val", "test")}
     for name in ("val", "test"):
-        if held_out[name] > sizes[name]:
-            log.info("data: dropped %d %s interactions of users without training interactions",
-                     held_out[name] - sizes[name], name)
+        dropped = sum(shard[f"{name}_held_out"] for shard in counts) - sizes[name]
+        if dropped:
+            log.info("data: dropped %d %s interactions of users without training interactions", dropped, name)
     empty = [name for name in SPLITS if not sizes[name]]
     if empty:
         raise UserError(f"{source.source}: split={config.split} leaves the {' and '.join(empty)} split empty; "
@@ -209,7 +175,7 @@ def _write_prepared(source: Source, kept: Kept, split: tuple[list, dict], titles
     counts, sizes = split
     n_users, n_items = int(kept.keep_users.sum()) + 1, int(kept.keep_items.sum()) + 1
     for name in MATRICES:
-        _write_csr(work, name, counts, n_users, n_items)
+        _write_csr(work, name, counts, n_users)
     pd.DataFrame({"id": kept.users[kept.keep_users]}).to_parquet(work / "user_ids.parquet")
     pd.DataFrame({"id": kept.items[kept.keep_items]}).to_parquet(work / "item_ids.parquet")
     if titles is not None:
@@ -223,7 +189,7 @@ def _write_prepared(source: Source, kept: Kept, split: tuple[list, dict], titles
 
 
 def _raw_shards(frame: pd.DataFrame, folder: Path) -> list[Path]:
-    """A log read in this process, as Parquet shards for the workers to read (not sent inside the task graph)."""
+    """A log read in this process, as Parquet shards (not sent inside the task graph)."""
     folder.mkdir(parents=True)
     paths = []
     for start in range(0, len(frame), ROWS_PER_PARTITION):
@@ -240,8 +206,7 @@ def _numbered_shard(path: Path, first: int) -> pd.DataFrame:
 
 
 def _deduplicated(partition):
-    """Each (user, item) once, at its earliest time (ties in log order), the rows in that order; a pandas or a cuDF
-    partition (whose de-duplication keeps the first row but not the order: sorted again)."""
+    """Each (user, item) once, at its earliest time, in time order (cuDF's de-duplication loses it: sorted again)."""
     by_time = ["timestamp", "order"]  # a total order: `order` numbers every row
     kept = partition.sort_values(by_time).drop_duplicates(["user", "item"], keep="first")
     return kept if isinstance(kept, pd.DataFrame) else kept.sort_values(by_time)
@@ -253,7 +218,6 @@ def _shard_ids(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _codes(shard: pd.DataFrame, users: np.ndarray, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions of the shard's raw ids in the sorted unique ids."""
     return np.searchsorted(users, shard["user"].to_numpy()), np.searchsorted(items, shard["item"].to_numpy())
 
 
@@ -267,7 +231,6 @@ def _shard_counts(path: Path, users, items, keep_users, keep_items) -> tuple[np.
 
 def _k_core(client, shards: list[Path], users: np.ndarray, items: np.ndarray, min_user: int, min_item: int
             ) -> tuple[np.ndarray, np.ndarray]:
-    """Passes of counts until every user and item left meets its minimum; what has no interaction left is out."""
     from distributed import as_completed
 
     keep_users, keep_items = np.ones(len(users), dtype=bool), np.ones(len(items), dtype=bool)
@@ -291,7 +254,7 @@ def _k_core(client, shards: list[Path], users: np.ndarray, items: np.ndarray, mi
 
 
 def _kept_rows(path: Path, coded: dict, columns: list[str]) -> pd.DataFrame:
-    """A shard's rows that survived the filters, with codes 1..n for users and items, in time order."""
+    """A shard's rows that survived the filters, with codes 1..n for users and items."""
     shard = pd.read_parquet(path, columns=columns)
     user, item = _codes(shard, coded["users"], coded["items"])
     user, item = coded["user_codes"][user], coded["item_codes"][item]
@@ -309,8 +272,7 @@ def _shard_times_on(path: Path, coded: dict, days: list[int]) -> np.ndarray:
 
 
 def _temporal_cuts(client, shards: list[Path], coded: dict, config: Config) -> list[int]:
-    """The timestamps at the cut positions of the time-sorted log, as `split_temporal` takes them: a histogram of
-    days finds the day of each position, and only that day's timestamps come back to be sorted."""
+    """`split_temporal`'s cuts: only the timestamps of the days the cuts fall in come back to be sorted."""
     histogram = pd.concat(client.gather(client.map(_shard_days, shards, coded=coded, pure=False)))
     histogram = histogram.groupby(level=0).sum().sort_index()
     total, ends = int(histogram.sum()), np.cumsum(histogram.to_numpy())
@@ -327,23 +289,16 @@ def _temporal_cuts(client, shards: list[Path], coded: dict, config: Config) -> l
     for position in positions:
         if position >= total:
             cuts.append(int(times.max()) + 1)
-            continue
-        day, rank = wanted[position]
-        on_day = times[times // DAY_S == day]
-        cuts.append(int(on_day[rank]))
+        else:
+            day, rank = wanted[position]
+            cuts.append(int(times[times // DAY_S == day][rank]))
     return cuts
 
 
 def _split_shard(path: Path, index: int, coded: dict, config: Config, cuts: list[int] | None, out: Path) -> dict:
-    """One shard's train, val, test and all its positives (`known`) as (user, item) code arrays on disk; per matrix
-    its users and their counts."""
+    """One shard's matrices as code arrays on disk; per matrix its users and their counts."""
     rows = _kept_rows(path, coded, ["user", "item", "timestamp", "order"]).reset_index(drop=True)
-    if config.split == "temporal":
-        parts = split_at(rows, cuts)
-    elif config.split == "random":
-        parts = split_random(rows, check_ratios(config.split_ratios), config.runtime.seed)
-    else:
-        parts = split_leave_last_out(rows)
+    parts = split(rows, config.split, check_ratios(config.split_ratios), config.runtime.seed, cuts)
     val, test = drop_unrankable(parts[TRAIN], parts[VAL], parts[TEST])
     result = {"val_held_out": len(parts[VAL]), "test_held_out": len(parts[TEST])}
     for name, part in zip(MATRICES, (parts[TRAIN], val, test, rows)):
@@ -356,8 +311,8 @@ def _split_shard(path: Path, index: int, coded: dict, config: Config, cuts: list
     return result
 
 
-def _write_csr(work: Path, name: str, counts: list[dict], n_users: int, n_items: int) -> None:
-    """Fill one split's CSR arrays shard by shard: a user's rows all come from one shard, sorted by item."""
+def _write_csr(work: Path, name: str, counts: list[dict], n_users: int) -> None:
+    """One split's CSR arrays, filled shard by shard (a user's rows all come from one shard, sorted by item)."""
     per_user = np.zeros(n_users, dtype=np.int64)
     for shard in counts:
         present, how_many = shard[name]

@@ -1,14 +1,5 @@
-"""A log file read in partitions on the Dask workers: a CSV or Parquet log, or a MovieLens ratings.csv (ml-25m's
-among them). Each part is checked by the readers of `logs` and `movielens`, its rows numbered as in the whole file,
-and written as a Parquet shard; this process reads only the header, counts and titles.
-
-A CSV's parts are byte ranges cut at line ends, as `dask.dataframe.read_csv` cuts them, so that, as with it, a
-quoted value may not hold a line break. A Parquet file's parts are its row groups. A compressed CSV cannot be cut
-and is read whole, as are MovieLens's headerless releases (ml-100k, ml-1m: a million ratings at most).
-
-The result is the whole-file readers': the first bad value in the file is the one reported, with its row; ids are
-text in every part when any part has a text id (a part whose ids all look like integers is read again as text).
-"""
+"""A CSV or Parquet log, or a MovieLens ratings.csv, read in partitions on the Dask workers (a CSV's byte ranges cut
+at line ends, a Parquet file's row groups), each part checked by the whole-file readers and written as a shard."""
 
 from __future__ import annotations
 
@@ -27,7 +18,7 @@ from common.tables import (COMPRESSED_SUFFIXES as COMPRESSED, Rows, csv_separato
                            read_csv_text, text_encoding)
 from .config import Columns
 from .logs import check_columns, log_frame, no_rows
-from .movielens import LAYOUTS, check_ratings_columns, movielens_frame, movielens_sha256, read_titles
+from .movielens import LAYOUTS, check_ratings_columns, movielens_files, movielens_frame, read_titles
 from .outofcore import Source
 
 BLOCK_BYTES = 64 * 2**20  # of a CSV per part: about 3 M MovieLens ratings
@@ -36,8 +27,7 @@ ID_KEYS = ("user", "item")
 
 @dataclass(frozen=True)
 class LogFile:
-    """What every part of one file is read with: its kind, the header line of a CSV, the log's columns (`names`:
-    the column of each key it has), and for MovieLens its layout."""
+    """What every part of one file is read with (`names`: the log's column of each key it has)."""
 
     path: Path
     separator: str | None  # None for Parquet
@@ -65,8 +55,7 @@ class PartRead:
 
 
 def log_source(path: Path, columns: Columns) -> Source | None:
-    """A user's log as a Source read in partitions; None for a file that cannot be cut (compressed, unreadable, or
-    neither CSV nor Parquet), which the whole-file reader reads or explains."""
+    """A user's log as a Source read in partitions; None for a file that cannot be cut (read whole)."""
     suffixes = "".join(path.suffixes).lower()
     separator = csv_separator(path)
     if suffixes.endswith(COMPRESSED) or (separator is None and not is_parquet(path)) or not os.access(path, os.R_OK):
@@ -82,8 +71,8 @@ def log_source(path: Path, columns: Columns) -> Source | None:
                   file_sha256(path), "timestamp" in names)
 
 
-def movielens_source(folder: Path, kind: str) -> Source | None:
-    """A MovieLens release as a Source read in partitions (ratings.csv); None for the headerless ones."""
+def movielens_source(folder: Path, kind: str | None) -> Source | None:
+    """A MovieLens ratings.csv as a Source read in partitions; None for the headerless releases (or no `kind`)."""
     if kind != "ratings.csv":
         return None
     path = folder / kind
@@ -97,7 +86,7 @@ def movielens_source(folder: Path, kind: str) -> Source | None:
     def read(client, shards: Path):
         return read_parts(log, client, shards)[0], read_titles(folder, kind)
 
-    return Source(read, False, f"movielens:{folder.name}", movielens_sha256(folder, kind), True)
+    return Source(read, False, f"movielens:{folder.name}", file_sha256(*movielens_files(folder, kind)), True)
 
 
 def _header(path: Path, separator: str | None) -> tuple[bytes, pd.DataFrame | None]:
@@ -117,7 +106,7 @@ def _header(path: Path, separator: str | None) -> tuple[bytes, pd.DataFrame | No
 
 
 def read_parts(log: LogFile, client, folder: Path) -> tuple[list[Path], pd.Series | None]:
-    """Every part of the log on the cluster, as shards in `folder`; the first bad value in the file is one line."""
+    """Every part of the log read on the cluster, as shards in `folder`, and the titles."""
     folder.mkdir(parents=True, exist_ok=True)
     parts = _plan(log)
     reads = client.gather(client.map(_read_part, [log] * len(parts), parts, [folder] * len(parts), pure=False))
@@ -171,8 +160,7 @@ def _table(log: LogFile, part: Part, first_line: int = 0) -> pd.DataFrame:
 
 
 def _read_part(log: LogFile, part: Part, folder: Path | None, first: int = 0, first_line: int = 0) -> PartRead:
-    """One part checked and (with a `folder`) written; a problem is returned, not raised, so that the client can
-    report the one that comes first in the file."""
+    """One part checked and written; a problem is returned, so that the client can report the first in the file."""
     try:
         table = _table(log, part, first_line)
     except UserError as problem:
@@ -185,23 +173,20 @@ def _read_part(log: LogFile, part: Part, folder: Path | None, first: int = 0, fi
             frame, titles = log_frame(table, log.columns, log.names, rows) if len(table) else (table, None)
     except UserError as problem:
         return PartRead(len(table), (), None, str(problem))
-    if folder is not None and len(table):
-        frame[["user", "item", "rating", "timestamp"]].to_parquet(_shard(folder, part), index=False)
-    elif folder is not None:
-        _empty_shard(log).to_parquet(_shard(folder, part), index=False)
+    if folder is not None:
+        shard = frame[["user", "item", "rating", "timestamp"]] if len(table) else _empty_shard(log)
+        shard.to_parquet(_shard(folder, part), index=False)
     text = tuple(key for key in ID_KEYS if len(table) and not pd.api.types.is_integer_dtype(frame[key]))
     return PartRead(len(table), text, titles, None)
 
 
 def _empty_shard(log: LogFile) -> pd.DataFrame:
-    id_type = {key: (str if key in log.text_ids else "int64") for key in ID_KEYS}
-    return pd.DataFrame({"user": pd.Series(dtype=id_type["user"]), "item": pd.Series(dtype=id_type["item"]),
-                         "rating": pd.Series(dtype="float64"), "timestamp": pd.Series(dtype="int64")})
+    ids = {key: pd.Series(dtype=str if key in log.text_ids else "int64") for key in ID_KEYS}
+    return pd.DataFrame({**ids, "rating": pd.Series(dtype="float64"), "timestamp": pd.Series(dtype="int64")})
 
 
 def _raise_first_error(log: LogFile, parts: list[Part], reads: list[PartRead], client) -> None:
-    """The problem of the first part that has one, read again with the rows (or, for the parser's, the lines) of
-    the parts before it, so that it names the row of the whole file."""
+    """The first part's problem, read again counting the rows (or lines) before it: the row of the whole file."""
     failed = next((index for index, read in enumerate(reads) if read.error is not None), None)
     if failed is None:
         return

@@ -1,14 +1,5 @@
-"""The recsys job: every model fitted on the same training split, ranked against every item on the same test
-users, the best one (by validation NDCG@10, or by the validation period's replay) served and timed.
-
-Each model's served form (what `serving` scores with: factors, an item-item matrix, a sequence network, popularity)
-is ranked on the test users too, as `served_ndcg@10` with the history the evaluation used (so a loss to the form,
-EASE pruned above `serving.max_similarity_mb`, shows), and as `served_fresh_ndcg@10` with the history known at the
-test cut (train + validation): what the served model's use of every event it knows is worth. The users first seen in
-the validation period, whom no model trained on and the test metrics leave out, are ranked by the served form at the
-test cut against their test items, as `served_untrained_ndcg@10`: what a user known only from their events gets.
-With `evaluation.replay`, the form also replays the test period's events in time order (`replay.py`): frozen at the
-cut against each user's events folded in as they come, what real-time serving is worth."""
+"""The recsys job: every model fitted on the same training split and ranked against every item on the same test
+users, its served form ranked and replayed too, and the best one served."""
 
 from __future__ import annotations
 
@@ -26,29 +17,28 @@ from common.errors import UserError
 from common.job import Job
 from common.paths import stored_bytes
 from common.runtime.process import all_cores
-from common.serving.ann import VectorIndex
+from common.serving.ann import VectorIndex, overlap
 from common.usecase import RunResult
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
 from .data import Interactions, expected_interactions, load_interactions
 from .evaluate import full_ranking, sample_users
 from .movielens import movielens_files, movielens_folder, movielens_format
-from .retrieval import KINDS, ann_figures, build_index
-from .sasrec import fit_sasrec, sequences_by_user
+from .ranking import UNKNOWN
+from .retrieval import KINDS
 from .sequence import SequenceScorer
-from .publish import log_recommender
-from .served import Cut, bundle_at, chosen_foldin, replayed, served_at, served_form
+from .served import Cut, bundle_at, chosen_foldin, log_recommender, replayed, served_at, served_form
 from .serving import Recommender
-from .train import fit_ranker, seconds_per_epoch
+from .train import fit_figures, fit_ranker, fit_sasrec, sequences_by_user
 
 log = logging.getLogger(__name__)
 
 LEARNED = ("bpr", "lightgcn")
+BASELINES = {"itemknn": ItemKNN, "ease": EASE, "als": ALS}  # each fitted from (train, its config, device)
 
 
 def load_data(config: Config, path: Path | None, client=None) -> tuple[Interactions, dict[str, str]]:
-    """Everything that can be wrong with the data is found here, before an MLflow run is started; with a Dask
-    `client`, on its cluster."""
+    """The data and its tags; what can be wrong with it is found here, before an MLflow run is started."""
     if path is None and config.data.source == "synthetic":  # before drawing a log too large to hold
         check_memory(config, config.data.synthetic.users + 1, config.data.synthetic.items + 1, "data.synthetic")
     data = load_interactions(config, path, client)
@@ -70,8 +60,7 @@ SCORE_COPIES = 3  # a batch's scores, their masked copy and top-k's work
 
 
 def memory_needed(config: Config, users: int, items: int) -> dict[str, float]:
-    """Bytes the largest parts of a run hold at once, from the catalogue's size: each learned model's tables while
-    it trains, a batch of full-ranking scores, the ANN index over the item vectors."""
+    """Bytes the largest parts of a run hold at once, from the catalogue's size."""
     parts = {}
     for name in ("bpr", "lightgcn", "sasrec"):
         if name in config.models:
@@ -88,7 +77,6 @@ def memory_needed(config: Config, users: int, items: int) -> dict[str, float]:
 
 
 def check_memory(config: Config, users: int, items: int, where: str) -> None:
-    """One line, before anything is trained, where the catalogue's largest part would not fit the memory free."""
     import psutil
 
     parts = memory_needed(config, users, items)
@@ -104,9 +92,7 @@ INTERACTION_BYTES = 32  # a row of the split frames: user, item and timestamp as
 
 
 def log_bytes(config: Config, path: Path | None, samples: int) -> int:
-    """What a run reads from storage: the log file, or a MovieLens release's files; a synthetic log (generated in
-    memory, or on Dask into the cache) counts its `samples` interactions as the frames hold them, uncompressed, so
-    that both engines report one size."""
+    """What a run reads from storage; a synthetic log counts its `samples` as the frames hold them."""
     if path is None and config.data.source == "synthetic":
         return samples * INTERACTION_BYTES
     where = movielens_folder(config.data.movielens) if path is None else path
@@ -119,8 +105,7 @@ AUTO_DASK_INTERACTIONS = 20_000_000  # runtime.engine=auto prepares logs of more
 
 
 def large_data(config: Config, path: Path | None) -> str | None:
-    """For `runtime.engine: auto`: a log of more than AUTO_DASK_INTERACTIONS interactions, when its size is known
-    before reading it."""
+    """For `runtime.engine: auto`: why the log is large, when its size is known before reading it."""
     rows = expected_interactions(config, path)
     if rows is not None and rows > AUTO_DASK_INTERACTIONS:
         return f"about {rows / 1e6:,.0f} M interactions (more than {AUTO_DASK_INTERACTIONS / 1e6:,.0f} M)"
@@ -128,44 +113,32 @@ def large_data(config: Config, path: Path | None) -> str | None:
 
 
 FIT_SCALES = {"als": "cores"}  # how each fit scales (`common.runtime.phases`); the others are tensor work: device
-# Fits of large matrix work, given every core: on the 2-core machine with its cores free, a SASRec epoch on
-# ml-latest-small took 2.5 s against 4.1 s on one core, EASE's inverse (float64) 24 s against 33 s. The others keep
-# runtime.cpu_threads (one, in the presets: BPR's and LightGCN's small steps were slower on two threads).
+# Fits of large matrix work, given every core (a SASRec epoch on 2 cores took 60 % of one core's time); the others
+# keep runtime.cpu_threads (BPR's and LightGCN's small steps were slower on two threads).
 ALL_CORES = ("ease", "sasrec")
 
 
-def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.csr_matrix | None = None):
-    """The fitted scorer and what its fit measured (seconds; per epoch for the learned models). `val` is what the
-    learned models validate on (the validation split, or its sample of users)."""
-    with all_cores() if name in ALL_CORES else nullcontext():
-        return _fitted(name, data, config, job, val)
-
-
-def _fitted(name: str, data: Interactions, config: Config, job: Job, val: sp.csr_matrix | None):
+def fit_model(name: str, data: Interactions, config: Config, job: Job, val: sp.csr_matrix):
+    """The fitted scorer and what its fit measured; the learned models validate on `val`."""
     train, device = data.matrix("train"), job.runtime.device
     started = time.perf_counter()
-    if name == "sasrec":
-        return fit_sasrec(data, data.matrix("val") if val is None else val, config, job)
-    if name in LEARNED:
-        model, result = fit_ranker(name, train, data.matrix("val") if val is None else val, config, job)
-        settings = getattr(config, name)
-        world = job.runtime.world_size  # every rank draws its own batches of the epoch
-        pairs = min(train.nnz, (settings.steps_per_epoch or train.nnz) * settings.batch_size * world)
-        return model, {"fit_seconds": time.perf_counter() - started, "best_epoch": result.best_epoch + 1,
-                       "seconds_per_epoch": seconds_per_epoch(result.history, pairs)}
-    make = {"pop": lambda: Popularity(train, device),
-            "itemknn": lambda: ItemKNN(train, config.itemknn, device),
-            "ease": lambda: EASE(train, config.ease, device),
-            "als": lambda: ALS(train, config.als, device)}[name]
-    scorer = make()
-    return scorer, {"fit_seconds": time.perf_counter() - started}
+    with all_cores() if name in ALL_CORES else nullcontext():
+        if name == "sasrec":
+            return fit_sasrec(data, val, config, job)
+        if name in LEARNED:
+            model, result = fit_ranker(name, train, val, config, job)
+            settings = getattr(config, name)
+            # every rank draws its own batches of the epoch
+            pairs = min(train.nnz, (settings.steps_per_epoch or train.nnz) * settings.batch_size
+                        * job.runtime.world_size)
+            return model, fit_figures(started, result, pairs)
+        model = Popularity(train, device) if name == "pop" else BASELINES[name](train, getattr(config, name), device)
+        return model, {"fit_seconds": time.perf_counter() - started}
 
 
 @dataclass(frozen=True)
 class Setting:
-    """What every model of a run is fitted, ranked and served on: the splits as matrices (validation and test of
-    a seeded sample of users), what was seen before the test period, the users first seen in the validation period
-    (`untrained_truth`), and the history known at each cut of the log."""
+    """What every model of a run is fitted, ranked and served on, the history known at each cut of the log."""
 
     config: Config
     data: Interactions
@@ -195,15 +168,10 @@ class Setting:
         return full_ranking(scorer, truth, exclude, ks, runtime.device, self.config.evaluation.batch_users,
                             runtime if collective else None)
 
-    def test_ndcg(self, scorer, collective: bool = True) -> float:
-        return self.ranking(scorer, self.test, self.seen_before_test, self.config.evaluation.ks,
-                            collective)["ndcg@10"]
-
 
 @dataclass
 class Evaluated:
-    """A model after its fit and evaluation: its metrics, its served form (the fold-in chosen), its validation
-    NDCG@10, the cut its test ranking read the history at, and its ANN index where it has one."""
+    """A model after its fit and evaluation; `cut` is the history its test ranking read."""
 
     metrics: dict[str, float]
     form: dict
@@ -213,8 +181,7 @@ class Evaluated:
 
 
 def run(config: Config, data: Interactions, job: Job) -> RunResult:
-    """Under DDP every rank fits every model (the learned ones together, the baselines each alone: deterministic,
-    and no rank waits in a collective while another fits) and ranks its share of the users; rank 0 logs."""
+    """Under DDP every rank fits every model and ranks its share of the users; rank 0 logs."""
     setting = Setting.of(config, data, job)
     if data.prepare_seconds is not None:
         job.tracker.log_metrics({"time/preprocess_s": data.prepare_seconds})
@@ -227,14 +194,17 @@ def run(config: Config, data: Interactions, job: Job) -> RunResult:
     if not evaluated or not job.runtime.is_main:
         return RunResult({})
     models = {name: model.metrics for name, model in evaluated.items()}
-    best = served_choice(models, {name: model.validation for name, model in evaluated.items()}, config)
+    if config.serving.select_by == "val_replay":  # the validation period's replay, with its events folded in
+        scores = {name: metrics.get("val_replay_fresh_ndcg@10", -1.0) for name, metrics in models.items()}
+    else:
+        scores = {name: model.validation for name, model in evaluated.items()}
+    best = max(scores, key=scores.get)
     job.tracker.set_tags({"served_model": best})
     return RunResult(models, serve(best, evaluated[best], setting))
 
 
 def evaluate_model(name: str, setting: Setting) -> Evaluated | None:
-    """Fit one model, rank it on validation and test, choose its fold-in, rank its served form, index and replay
-    it (rank 0 alone where only rank 0 serves); None where it cannot run here."""
+    """Fit, rank, choose the fold-in, rank as served, index and replay one model; None where it cannot run."""
     job, config, is_main = setting.job, setting.config, setting.job.runtime.is_main
     try:
         with job.phase(f"fit/{name}", FIT_SCALES.get(name, "device")):
@@ -250,9 +220,18 @@ def evaluate_model(name: str, setting: Setting) -> Evaluated | None:
                                                            setting.cuts["train"], job.runtime.device)
         model.metrics.update(chosen)
     model.form.pop("foldin_choices", None)
-    served = ranked_as_served(name, model, setting)
+    served = {}  # the served form ranked on test with its test ranking's history, and with the test cut's
+    with job.phase(f"evaluate/{name}"):
+        for key, cut in (("served_ndcg@10", model.cut), ("served_fresh_ndcg@10", "test")):
+            served[cut] = served.get(cut) or Recommender(bundle_at(model.form, setting.data, config, setting.cuts[cut]))
+            model.metrics[key] = setting.ranking(served[cut], setting.test, setting.seen_before_test,
+                                                 config.evaluation.ks)["ndcg@10"]
     if model.form["kind"] in KINDS and config.serving.retrieval != "exact" and is_main:
-        indexed(name, model, served[model.cut], setting)
+        with job.phase(f"index/{name}", "cores"):
+            model.index = build_index(served[model.cut], config)
+        job.tracker.set_tags({f"ann_index/{name}": model.index.spec})
+        with job.phase(f"evaluate/{name}"):
+            model.metrics.update(ann_figures(served[model.cut], model.index, setting))
     if setting.untrained is not None and is_main:  # by the fold-in served, which rank 0 alone chooses
         model.metrics["served_untrained_ndcg@10"] = setting.ranking(
             served["test"], setting.untrained, setting.seen_before_test, config.evaluation.ks, False)["ndcg@10"]
@@ -265,8 +244,7 @@ def evaluate_model(name: str, setting: Setting) -> Evaluated | None:
 
 
 def ranked(name: str, scorer, fitted: dict, setting: Setting) -> Evaluated:
-    """The model ranked on validation and on test, a sequence model from each user's sequence known at the test
-    cut, and its served form."""
+    """The model ranked on validation and on test (a sequence model from the history at the test cut)."""
     with setting.job.phase(f"evaluate/{name}"):
         started = time.perf_counter()
         validation = setting.ranking(scorer, setting.val, setting.train, [10])["ndcg@10"]
@@ -280,33 +258,48 @@ def ranked(name: str, scorer, fitted: dict, setting: Setting) -> Evaluated:
         return Evaluated(metrics, served_form(scorer, setting.config, setting.train), validation, cut)
 
 
-def ranked_as_served(name: str, model: Evaluated, setting: Setting) -> dict[str, Recommender]:
-    """The served form ranked on test with the history its test ranking used, and with the history known at the
-    test cut; the served model at each cut."""
-    served = {}
-    with setting.job.phase(f"evaluate/{name}"):
-        for key, cut in (("served_ndcg@10", model.cut), ("served_fresh_ndcg@10", "test")):
-            served[cut] = served.get(cut) or Recommender(bundle_at(model.form, setting.data, setting.config,
-                                                                   setting.cuts[cut]))
-            model.metrics[key] = setting.test_ndcg(served[cut])
-    return served
+RECALL_BATCH = 128  # users ranked exactly at once for the recall: a bounded users x items matrix
 
 
-def indexed(name: str, model: Evaluated, served: Recommender, setting: Setting) -> None:
-    """The model's ANN index over its item vectors, and what two-stage serving by it costs and ranks."""
-    job = setting.job
-    with job.phase(f"index/{name}", "cores"):
-        model.index = build_index(served, setting.config)
-    job.tracker.set_tags({f"ann_index/{name}": model.index.spec})
-    with job.phase(f"evaluate/{name}"):  # rank 0 alone: no collective
-        model.metrics.update(ann_figures(served, model.index, setting.test, setting.config,
-                                         lambda scorer: setting.ranking(scorer, setting.test, setting.seen_before_test,
-                                                                        setting.config.evaluation.ks, False)))
+def build_index(recommender: Recommender, config: Config) -> VectorIndex:
+    """The index over the item vectors, its search effort tuned on a sample of users' query vectors (no labels)."""
+    settings = config.serving.ann
+    users = np.flatnonzero(recommender.form.has_rows)
+    users = users[users != UNKNOWN]
+    sample = np.sort(np.random.default_rng(config.runtime.seed).permutation(users)[:settings.tune_users])
+    queries = recommender.form.query_vectors(sample)
+    excluded = [recommender.excluded(user) for user in sample.tolist()]
+    index, measured = VectorIndex.tuned(recommender.item_vectors(), settings.index, queries, 10, settings.candidates,
+                                        settings.target_recall, excluded * (len(queries) // len(sample)),
+                                        config.runtime.seed)
+    for spec, tuned in measured.items():
+        log.info("ANN index %s over %d items: %s %s for recall@10 %.4f on %d users' vectors (tried %s)", spec,
+                 index.rows, index.effort_name if spec == index.spec else "effort", tuned.effort, tuned.recall,
+                 len(queries), ", ".join(f"{effort}: {recall:.3f}" for effort, recall in tuned.tried.items()) or "-")
+    log.info("ANN index %s served: built in %.1f s, recall@10 %.4f against a target of %g", index.spec,
+             index.build_seconds, index.recall, settings.target_recall)
+    return index
+
+
+def ann_figures(recommender: Recommender, index: VectorIndex, setting: Setting) -> dict[str, float]:
+    """Two stages against exact (recall@10 on a sample of test users), and their test NDCG@10 (rank 0 alone)."""
+    config = setting.config
+    users = np.flatnonzero(np.diff(setting.test.indptr))
+    users = np.sort(np.random.default_rng(config.runtime.seed).permutation(users)[:config.serving.ann.recall_users])
+    exact = np.concatenate([recommender.top_k(users[first:first + RECALL_BATCH], 10)[0]
+                            for first in range(0, len(users), RECALL_BATCH)])
+    recommender.use_retrieval("ann", index)
+    try:
+        recall = overlap(recommender.top_k(users, 10)[0], exact)
+        ndcg = setting.ranking(recommender, setting.test, setting.seen_before_test, config.evaluation.ks, False)
+    finally:
+        recommender.use_retrieval("exact")
+    return {"ann_recall@10": recall, "ann_served_ndcg@10": ndcg["ndcg@10"], "ann_build_seconds": index.build_seconds,
+            "ann_index_mb": len(index.stored()["index"]) / 2**20, "ann_search_effort": float(index.effort or 0)}
 
 
 def replays(name: str, form: dict, val_replay: dict | None, setting: Setting) -> dict[str, float]:
-    """The test period replayed through the form served at its start; with `serving.select_by: val_replay`, the
-    validation period's too (unless the fold-in choice replayed it whole already), as `val_...` figures."""
+    """The test period replayed through the form served at its start, and where needed the validation period's."""
     data, config, device = setting.data, setting.config, setting.job.runtime.device
     figures = replayed(name, served_at(form, data, config, setting.cuts["test"], device), data.test_events, config)
     if config.serving.select_by == "val_replay":  # what was known at the validation cut, its period
@@ -318,23 +311,19 @@ def replays(name: str, form: dict, val_replay: dict | None, setting: Setting) ->
 
 
 def serve(best: str, model: Evaluated, setting: Setting):
-    """Log the chosen model for serving, with everything known (and its index), and add its serving figures."""
+    """Log the chosen model for serving, knowing everything, and add its serving figures."""
     config = setting.config
     bundle = bundle_at(model.form, setting.data, config, setting.cuts["known"])
     if model.index is not None:
         bundle["ann"] = model.index.stored()
     with setting.job.phase("serving_bundle", "serial"):
-        figures, served = log_recommender(bundle, best, setting.job, config.serving.retrieval,
-                                          config.serving.ann.auto_above_ms)
+        figures, served = log_recommender(bundle, best, setting.job, config.serving)
     model.metrics.update(figures)
     return served
 
 
 def untrained_truth(data: Interactions, seen_before_test: sp.csr_matrix, config: Config) -> sp.csr_matrix | None:
-    """The test items of the users with a history at the test cut but no training rows (first seen in the
-    validation period), less what they had consumed by then: what `served_untrained_ndcg@10` ranks (a seeded sample
-    of `evaluation.sample_users`). None without such users, or on the Dask engine (which keeps no frame of the
-    periods)."""
+    """The new test items of the users first seen in the validation period; None without them, or on Dask."""
     if data.test_events is None:
         return None
     without_rows = (np.diff(data.matrix("train").indptr) == 0) & (np.diff(seen_before_test.indptr) > 0)
@@ -342,13 +331,3 @@ def untrained_truth(data: Interactions, seen_before_test: sp.csr_matrix, config:
     truth = (truth - truth.multiply(seen_before_test)).tocsr()
     truth.eliminate_zeros()
     return sample_users(truth, config.evaluation.sample_users, config.runtime.seed) if truth.nnz else None
-
-
-def served_choice(models: dict[str, dict[str, float]], validation: dict[str, float], config: Config) -> str:
-    """The model served: by validation NDCG@10, or by the validation period's replay with events folded in."""
-    if config.serving.select_by == "val_replay":
-        replayed_models = {name: metrics.get("val_replay_fresh_ndcg@10", -1.0) for name, metrics in models.items()}
-        return max(replayed_models, key=replayed_models.get)
-    return max(validation, key=validation.get)
-
-

@@ -1,6 +1,5 @@
 """The bottom layer that training, evaluation and serving all stand on: the unknown id's code, the top k of scores
-with the seen items left out, sparse helpers. It imports no data loading, training or evaluation code, so that a
-server loads only what it serves with."""
+with the seen items left out, sparse helpers; no data loading, training or evaluation code."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ class Scorer(Protocol):
 
     def score(self, users: torch.Tensor) -> torch.Tensor:
         """Scores (B, n_items), higher is better, for a LongTensor of user codes on the model's device."""
-        ...
 
 
 def csr_tensor(matrix: sp.csr_matrix) -> torch.Tensor:
@@ -34,9 +32,8 @@ def csr_tensor(matrix: sp.csr_matrix) -> torch.Tensor:
 
 def top_k(scorer: Scorer, users: torch.Tensor, exclude: sp.csr_matrix, k: int,
           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best items (B, k) and their scores for each user, never item 0 nor the user's items in `exclude`
-    (its rows are user codes). When a user has fewer than k candidates, the tail has score -inf. Scores are computed
-    in fp32 even inside an autocast region (the training loop validates in one): bf16 or fp16 scores tie items."""
+    """The k best items (B, k) and their scores for each user, never item 0 nor their items in `exclude` (-inf past
+    them). In fp32 even inside an autocast region (the loop validates in one): bf16 or fp16 scores tie items."""
     users = users.to(device)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         scores = scorer.score(users).float()
@@ -53,3 +50,10 @@ def top_k(scorer: Scorer, users: torch.Tensor, exclude: sp.csr_matrix, k: int,
 def row_codes(matrix: sp.csr_matrix, index: int) -> np.ndarray:
     """The column codes of one row of a CSR matrix (a user's items), as int64."""
     return matrix.indices[matrix.indptr[index]:matrix.indptr[index + 1]].astype(np.int64)
+
+
+def binary_rows(histories: list[np.ndarray], n_items: int) -> sp.csr_matrix:
+    """One row of ones per history of distinct item codes."""
+    lengths = [len(history) for history in histories]
+    return sp.csr_matrix((np.ones(sum(lengths), np.float32), np.concatenate([np.zeros(0, np.int64), *histories]),
+                          np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)), shape=(len(histories), n_items))

@@ -1,12 +1,5 @@
-"""A scoring request's columns, checked, without pandas: the lean server reads them from JSON, the pyfunc from a
-DataFrame, and both get the same rows and the same one-line refusals, by the rules of `schema.py` (which `/events`
-follows too).
-
-Columns: `user_id` (required: a string or an integer per row), `recent_items` (optional: per row a list of item ids,
-newest last, or null), `recent_timestamps` (optional: per row null or one timestamp per recent item, which orders
-them) and `k` (optional: an integer from 1 to `schema.MAX_K`; the first row that gives one). K is otherwise MLflow's `k`
-param: a column wins over it, because MLflow hands the logged default to every call that gives no params.
-"""
+"""A scoring request's columns (`user_id`, and optional `recent_items`, `recent_timestamps` and `k`), checked by the
+rules of `schema.py` without pandas: the lean server reads them from JSON, the pyfunc from a DataFrame."""
 
 from __future__ import annotations
 
@@ -23,7 +16,7 @@ LIST_TYPES = (list, tuple, np.ndarray)
 
 @dataclass(frozen=True)
 class UserRequest:
-    """One row: the user id and their recent item ids, oldest first (each a string or an int)."""
+    """One row: the user id and their recent item ids, oldest first."""
 
     user_id: str | int
     recent_items: tuple = ()
@@ -43,7 +36,8 @@ def parse_rows(columns: Mapping[str, Sequence], n_rows: int) -> list[UserRequest
         user_id = checked_id(user, f"user_id row {row}")
         items = _item_list(recent[row], row) if recent is not None else ()
         if stamps is not None and not missing(stamps[row]):
-            items = _ordered(items, _timestamps(stamps[row], row, len(items)))
+            times = _timestamps(stamps[row], row, len(items))  # oldest first; equal times keep the given order
+            items = tuple(items[index] for index in sorted(range(len(items)), key=times.__getitem__))
         rows.append(UserRequest(user_id, items))
     if len(rows) != n_rows:
         raise BadField(f"input columns differ in length: user_id has {len(rows)} rows, expected {n_rows}")
@@ -52,8 +46,7 @@ def parse_rows(columns: Mapping[str, Sequence], n_rows: int) -> list[UserRequest
 
 @refused_as(BadInput)
 def requested_k(columns: Mapping[str, Sequence], params: Mapping | None, default: int) -> int:
-    """`k` from the first row of the `k` column that gives one, else MLflow's params, else `default`; every value
-    given is checked."""
+    """`k` from the first row of the `k` column that gives one, else MLflow's params, else `default`."""
     given = [checked_k(value, f"k row {row}") for row, value in enumerate(columns.get("k", ())) if not missing(value)]
     param = params.get("k") if params else None
     if param is not None:
@@ -75,8 +68,3 @@ def _timestamps(value, row: int, count: int) -> list[int]:
                        f"{shown(value)}")
     return [checked_timestamp(stamp, f"recent_timestamps row {row} item {position}")
             for position, stamp in enumerate(value)]
-
-
-def _ordered(items: tuple, stamps: list[int]) -> tuple:
-    """Oldest first; equal timestamps keep the order they were given in."""
-    return tuple(items[index] for index in sorted(range(len(items)), key=stamps.__getitem__))

@@ -1,16 +1,5 @@
-"""What the recsys servers take in, one set of rules for `/invocations` (and the pyfunc under `mlflow models serve`)
-and `/events`: ids, K and timestamps, checked as JSON gives them, never coerced.
-
-- an id (user or item) is a non-empty string or an integer: never a boolean, a number with a fraction, a list or an
-  object (the served model and the event store match ids as text, so `true` would be the user "True");
-- K is an integer from 1 to `MAX_K`;
-- a timestamp is whole seconds since the epoch, from 1995-01-01 (MovieLens's first ratings) to a day after the
-  server's clock; milliseconds (a 13-digit number), microseconds and nanoseconds are told apart.
-
-A value that breaks a rule is a `BadField`, one line naming the field; `refused_as` turns it into the caller's own
-refusal (`BadInput` on `/invocations`, `BadEvent` on `/events`), both HTTP 400. Standard library only: the event
-store checks its events with these rules without the serving stack.
-"""
+"""One set of rules for what `/invocations` (and the pyfunc) and `/events` take in, checked as JSON gives them and
+never coerced; a `BadField` is one line naming the field. Standard library only."""
 
 from __future__ import annotations
 
@@ -33,7 +22,7 @@ class BadField(ValueError):
 
 
 def refused_as(error: type[Exception]):
-    """Decorate a parser so that its `BadField` reaches its caller as `error`, with the same line."""
+    """A parser's `BadField` as `error`, with the same line."""
     def decorate(parse):
         @functools.wraps(parse)
         def parsed(*args, **kwargs):
@@ -79,7 +68,8 @@ def checked_timestamp(value, field: str, now: float | None = None) -> int:
             raise BadField(f"{field} {value} looks like {unit} since the epoch: send whole seconds "
                            f"({value // per_second})")
     where = (f"before 1995-01-01 ({EARLIEST_TIMESTAMP})" if value < EARLIEST_TIMESTAMP
-             else f"more than a day ahead of this server's clock (latest accepted {latest}, {_utc(latest)})")
+             else f"more than a day ahead of this server's clock (latest accepted {latest}, "
+             f"{datetime.fromtimestamp(latest, timezone.utc):%Y-%m-%d %H:%M UTC})")
     raise BadField(f"{field} {value} is {where}: a timestamp is {WINDOW}")
 
 
@@ -87,7 +77,3 @@ def shown(value) -> str:
     """A value as a refusal quotes it: its type and a short repr, on one line (`repr` escapes line breaks)."""
     plain = value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, bytes)) else value
     return f"{type(value).__name__} {reprlib.repr(plain)}"
-
-
-def _utc(seconds: int) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -1,11 +1,5 @@
-"""The SASRec network (Kang & McAuley, ICDM 2018) and the scorer that serving, the replay and the evaluation rank
-with, apart from its training (`sasrec.py`), so that a server loads no training code.
-
-Causal self-attention over the user's last `max_len` items; the output at each position is scored against the item
-embedding table (tied). Sequences are left-padded with 0 (the unknown item code), so the last position is always the
-newest item. Positions count from the oldest item in the window and padded keys are masked, so padding never
-changes a score, and the sequence a served user is scored from may be any length.
-"""
+"""The SASRec network (Kang & McAuley, ICDM 2018) and its scorer, apart from its training (`train.py`) so that a
+server loads no training code; sequences are left-padded with the unknown item 0, which never changes a score."""
 
 from __future__ import annotations
 
@@ -19,18 +13,15 @@ from torch import nn
 
 from .ranking import UNKNOWN
 
-SETTINGS = ("n_items", "dim", "layers", "heads", "dropout", "max_len")  # what rebuilds the network
-
 
 class SASRecNetwork(nn.Module):
-    """Item and position embeddings, pre-norm causal self-attention blocks, a final LayerNorm; `forward` is the
-    training loss, `last_hidden` what ranking and serving score from."""
+    """Causal self-attention over the last `max_len` items; `forward` is the training loss."""
 
     def __init__(self, n_items: int, dim: int, layers: int, heads: int, dropout: float, max_len: int,
                  sampled_negatives: int | None = None):
         super().__init__()
         self.settings = {"n_items": n_items, "dim": dim, "layers": layers, "heads": heads, "dropout": dropout,
-                         "max_len": max_len}
+                         "max_len": max_len}  # what rebuilds the network
         self.heads, self.sampled_negatives = heads, sampled_negatives
         self.items = nn.Embedding(n_items, dim, padding_idx=UNKNOWN)
         self.positions = nn.Embedding(max_len, dim)
@@ -49,36 +40,27 @@ class SASRecNetwork(nn.Module):
         real = sequences != UNKNOWN
         positions = (real.cumsum(1) - 1).clamp(min=0)
         x = self.dropout(self.items(sequences) * math.sqrt(self.items.embedding_dim) + self.positions(positions))
-        return self.norm(self.blocks(x, mask=self._attention_mask(real)))
-
-    def _attention_mask(self, real: torch.Tensor) -> torch.Tensor:
-        """True where a query may not look: later positions, and padding (a padded query sees only itself, so that
-        no row of the softmax is empty and no NaN reaches the real positions)."""
         length = real.shape[1]
         later = torch.ones(length, length, dtype=torch.bool, device=real.device).triu(1)
         itself = torch.eye(length, dtype=torch.bool, device=real.device)
-        blocked = later | (~real[:, None, :] & ~itself)
-        return blocked.repeat_interleave(self.heads, dim=0)
+        blocked = later | (~real[:, None, :] & ~itself)  # a padded query sees itself: no softmax row is empty
+        return self.norm(self.blocks(x, mask=blocked.repeat_interleave(self.heads, dim=0)))
 
     def last_hidden(self, sequences: torch.Tensor) -> torch.Tensor:
         return self.hidden(sequences)[:, -1]
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Every item's score (tied to the input embeddings); the unknown item's is 0."""
         return hidden @ self.items.weight.T
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-item cross-entropy over the real positions (targets 0 are padding and ignored). Every position
-        is scored and the padded ones weigh nothing: the shapes do not depend on the batch's values, so a step never
-        waits for the GPU to count its real positions."""
+        """Mean next-item cross-entropy over the real positions; all are scored, so a step never waits for the GPU."""
         hidden, targets = self.hidden(inputs).flatten(0, 1), targets.flatten()
         if self.sampled_negatives is None:  # every real item; the unknown item 0 is left out of the softmax
             return F.cross_entropy((hidden @ self.items.weight[1:].T).float(), targets - 1, ignore_index=UNKNOWN - 1)
         return self._sampled_softmax(hidden, targets)
 
     def _sampled_softmax(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The target against `sampled_negatives` uniform items shared by the batch; a negative that is the
-        target itself is masked. Uniform sampling needs no logQ correction (a constant)."""
+        """The target against `sampled_negatives` uniform items shared by the batch (no logQ correction needed)."""
         negatives = torch.randint(1, self.items.num_embeddings, (self.sampled_negatives,), device=hidden.device)
         positive = (hidden * self.items(targets)).sum(-1, keepdim=True)
         negative = (hidden @ self.items(negatives).T).masked_fill(negatives[None, :] == targets[:, None], -torch.inf)
@@ -90,8 +72,7 @@ class SASRecNetwork(nn.Module):
 
 
 def left_padded(sequences: Sequence[np.ndarray], length: int) -> torch.Tensor:
-    """(len(sequences), length) int64: each sequence's last `length` known items (unknown codes 0 dropped),
-    right-aligned after zeros."""
+    """Each sequence's last `length` known items, right-aligned after zeros."""
     padded = np.zeros((len(sequences), length), dtype=np.int64)
     for row, sequence in enumerate(sequences):
         known = np.asarray(sequence, dtype=np.int64)
@@ -102,14 +83,7 @@ def left_padded(sequences: Sequence[np.ndarray], length: int) -> torch.Tensor:
 
 
 class SequenceScorer:
-    """A trained network and the sequence each user code is scored from.
-
-    `score(users)` (what `full_ranking` and the pipeline call) ranks from the newest position of each user's
-    sequence: the training sequences after `fit_sasrec`, for validation; for test, the pipeline sets the history known
-    at the test cut with `with_history(sequences_by_user(pd.concat([data.train, data.val]), data.n_users))`.
-    `score_sequences` scores any item-code sequences (a user's history and fresh events, newest last): what serving
-    and the replay evaluation call. Scores are for the network in eval mode, which `fit_sasrec` and `from_form` set.
-    """
+    """A trained network (in eval mode) and the sequence each user code is scored from."""
 
     def __init__(self, network: SASRecNetwork, user_sequences: torch.Tensor):
         self.network = network
@@ -131,7 +105,7 @@ class SequenceScorer:
 
     @torch.no_grad()
     def hidden_states(self, users: torch.Tensor) -> torch.Tensor:
-        """(B, dim) last hidden states of user codes' sequences: the query vectors two-stage serving retrieves by."""
+        """(B, dim) last hidden states of user codes' sequences: two-stage serving's query vectors."""
         return self.network.last_hidden(self.user_sequences[users.to(self.device)]).float()
 
     @torch.no_grad()
@@ -140,13 +114,11 @@ class SequenceScorer:
         return self.network.last_hidden(left_padded(sequences, self.max_len).to(self.device)).float()
 
     def score_sequences(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
-        """(len(sequences), n_items) float32 scores, each from the sequence's last `max_len` known items; a sequence
-        with no known item scores every item 0 (nothing to go on: the caller falls back to popularity)."""
+        """(len(sequences), n_items) float32 scores; a sequence with no known item scores every item 0."""
         return self.score_tensor(sequences).cpu().numpy()
 
     @torch.no_grad()
     def score_tensor(self, sequences: Sequence[np.ndarray]) -> torch.Tensor:
-        """`score_sequences` as a tensor on the network's device."""
         padded = left_padded(sequences, self.max_len).to(self.device)
         scores = self.network.scores(self.network.last_hidden(padded)).float()
         scores[padded[:, -1] == UNKNOWN] = 0.0
@@ -155,15 +127,13 @@ class SequenceScorer:
     @classmethod
     def from_form(cls, form: dict, device: torch.device | str = "cpu") -> SequenceScorer:
         """The scorer `served_sequence_form` describes, on `device`, in eval mode."""
-        settings = form["settings"]
-        network = SASRecNetwork(**{key: settings[key] for key in SETTINGS})
+        network = SASRecNetwork(**form["settings"])
         network.load_state_dict(form["state"])
         return cls(network.to(device).eval(), form["user_sequences"])
 
 
 def served_sequence_form(scorer: SequenceScorer) -> dict:
-    """What the bundle stores, tensors and plain data only: the weights, the settings that rebuild the network, and
-    each user code's sequence as the scorer holds it (set the history to serve with `with_history` first)."""
+    """What the bundle stores: the weights, the settings that rebuild the network, and each user's sequence."""
     state = {name: tensor.detach().float().cpu() for name, tensor in scorer.network.state_dict().items()}
     return {"kind": "sequence", "state": state, "settings": dict(scorer.network.settings),
             "user_sequences": scorer.user_sequences.to(torch.int32).cpu()}

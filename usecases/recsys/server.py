@@ -1,22 +1,17 @@
 """`usecases serve recsys`: the logged recommender behind a lean ASGI app on uvicorn, one worker per core.
 
-It speaks MLflow's scoring protocol (`GET /ping`, `GET /health`, `GET /version`, `POST /invocations` with
-`dataframe_split` or `dataframe_records` and optional `params`, or CSV: `common/serving/protocol.py`), so a client of
-`mlflow models serve` needs no change, and adds `POST /events` (one event or a list of `user_id`, `item_id`,
-`timestamp`): the event store keeps them for every worker, and the user's next request folds them in. The hot path
-has no pandas: JSON in and out with orjson, the request's columns read as lists, the user's seen items and events as
-arrays; one torch thread a worker. A request the model cannot answer gets HTTP 400 with one line, as MLflow's server
-gives; the inputs of both routes follow one set of rules (`schema.py`). The event store is opened, written and read
-once before the port is bound (`serve`): one that cannot be used stops the start in one line, and one that fails
-later is HTTP 503 with its line, never a traceback. On a GPU (`--device`) concurrent requests are micro-batched: the
-first waits at most `--batch-ms` (default 2) for others, and the batch is scored in one product and one top-k
-(`Recommender.recommend_batch`).
-"""
+It speaks MLflow's scoring protocol (`common/serving/protocol.py`), so a client of `mlflow models serve` needs no
+change, and adds `POST /events` (`user_id`, `item_id`, `timestamp`): the store keeps them for every worker, and the
+user's next request folds them in. The hot path has no pandas (orjson, columns as lists, histories as arrays; one
+torch thread a worker). Both routes' inputs follow `schema.py`; a bad request is HTTP 400 in one line, a failing
+event store HTTP 503, and one that cannot be used stops the start (`serve`). On a GPU (`--device`) concurrent
+requests are micro-batched: the first waits at most `--batch-ms` (default 2); the batch is one product and top-k."""
 
 from __future__ import annotations
 
 import json
 import sys
+from contextlib import closing
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common.errors import UserError, one_line
+from common.serving.ann import VectorIndex, faiss_module
 from common.serving.microbatch import MicroBatcher
 from common.server_plugin import ServerSettings
 from common.serving.protocol import JSON, ScoringInput, bad_request, scoring_routes, unavailable
@@ -37,19 +33,20 @@ from .requests import parse_rows, requested_k
 from .serving import RecommenderModel
 
 GPU_BATCH_MS = 2.0  # the queueing a request may spend waiting for others on a GPU
+RETRIEVALS = ("exact", "ann")  # `--retrieval`: rank every item, or score the candidates of the model's ANN index
+FLEET_EVENTS = "redis://redis:6379/0"  # a Redis Service named `redis`, shared by a fleet's pods
 
 
 def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: float = 0.0,
                max_batch: int = 64) -> Starlette:
-    """The app around a loaded model and an event store (None: no `/events`, requests use `recent_items` only);
-    with `batch_ms` above 0, concurrent requests are scored together (`MicroBatcher`): a batch runs once `batch_ms`
-    have passed since its first request or once it holds `max_batch` requests."""
+    """The app around a loaded model and an event store (None: no `/events`); with `batch_ms` above 0, a batch of
+    concurrent requests (`MicroBatcher`) runs `batch_ms` after its first request or once it holds `max_batch`."""
     batcher = MicroBatcher(model.recommend_requests, batch_ms / 1000, max_batch) if batch_ms > 0 else None
 
     async def recommend(scoring: ScoringInput) -> list[dict]:
         k = requested_k(scoring.columns, scoring.params, model.default_k)
         rows = parse_rows(scoring.columns, scoring.rows)
-        stored = [events.recent(row.user_id, model.recommender.max_events) for row in rows] if events else ()
+        stored = [events.recent(row.user_id, model.recommender.form.max_events) for row in rows] if events else ()
         return await batcher.submit((rows, k, stored)) if batcher else model.recommend(rows, k, stored)
 
     async def record_events(request: Request) -> Response:
@@ -99,26 +96,18 @@ def loaded_recommender(model_uri: str) -> RecommenderModel:
 
 
 def with_retrieval(model: RecommenderModel, retrieval: str | None, index: str | None) -> RecommenderModel:
-    """The model serving by `retrieval` (None: as logged), with the FAISS index file `index` where given (two
-    stages)."""
+    """The model serving by `retrieval` (None: as logged), from the FAISS index file `index` where given."""
     if index:
-        from common.serving.ann import VectorIndex, faiss_module
-
-        faiss_module().omp_set_num_threads(1)
-        loaded = VectorIndex.read(index, model.recommender.item_vectors())
-        model.recommender.use_retrieval(retrieval or "ann", loaded)
+        model.recommender.use_retrieval(retrieval or "ann", VectorIndex.read(index, model.recommender.item_vectors()))
     elif retrieval:
         model.recommender.use_retrieval(retrieval)
     if model.recommender.two_stage is not None:
-        from common.serving.ann import faiss_module
-
         faiss_module().omp_set_num_threads(1)  # one worker per core, as torch's threads
     return model
 
 
 def bench_requests(loaded, count: int, seed: int) -> list[dict]:
-    """For `usecases bench serve recsys`: `count` one-user requests of known users, K=10 as a param, every other
-    one with three recent items (a fold-in on every second request)."""
+    """For `usecases bench serve recsys`: `count` one-user requests, K=10 as a param, every other one with 3 items."""
     model = loaded.unwrap_python_model()
     rng = np.random.default_rng(seed)
     users = rng.choice(np.asarray(model.user_ids[1:]), size=count)
@@ -135,8 +124,7 @@ def bench_requests(loaded, count: int, seed: int) -> list[dict]:
 
 
 def default_events(tracking_uri: str) -> str:
-    """The embedded default, one SQLite file that the workers share: beside a SQLite tracking store, else in the
-    project's mlflow/ folder."""
+    """One SQLite file the workers share: beside a SQLite tracking store, else in the project's mlflow/ folder."""
     from common.tracking.stores import local_store
 
     sqlite = tracking_uri.startswith("sqlite:///")
@@ -145,17 +133,13 @@ def default_events(tracking_uri: str) -> str:
 
 
 def serve(settings: ServerSettings) -> int:
-    """Run uvicorn with `settings.workers` processes; the event store, the device and the retrieval are checked
-    first, so that one that cannot be used is one line before the port is bound; returns when it stops."""
+    """Run uvicorn's `settings.workers` processes until they stop; what cannot be used is one line before binding."""
     from common.runtime.devices import select_device
     from common.serving.workers import run_workers
 
     if settings.events:  # a store that cannot be used is one line now, not a 500 per request
-        store = open_event_store(settings.events)
-        try:
+        with closing(open_event_store(settings.events)) as store:
             store.check()
-        finally:
-            store.close()
     select_device(settings.device)  # a device this machine lacks is one line now
     if settings.retrieval or settings.ann_index:  # a mode or an index the model cannot serve: one line now
         _check_retrieval(settings)

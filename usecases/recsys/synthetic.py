@@ -1,9 +1,5 @@
-"""A seeded synthetic interaction log: learnable by construction, with popularity skew and timestamps.
-
-The log is made of blocks of users, each drawn from its own seed (the run's seed and the block's number), so a block
-can be drawn anywhere: the pandas engine draws them one after another in this process, the Dask engine one task per
-block on its workers, each written as a Parquet shard, and both get the same log.
-"""
+"""A seeded synthetic interaction log, learnable by construction, with popularity skew and timestamps, drawn in
+blocks of users each from its own seed, so that the pandas and the Dask engine draw the same log."""
 
 from __future__ import annotations
 
@@ -20,8 +16,6 @@ from .config import Synthetic
 from .logs import RawLog
 
 SYNTHETIC_TEMPERATURE = 0.5  # affinity (unit variance) over this, next to log-popularity: taste dominates
-SYNTHETIC_START = 1_577_836_800  # 2020-01-01 UTC
-SYNTHETIC_SPAN_S = 365 * 86_400
 SYNTHETIC_CHUNK_SCORES = 4_000_000  # user x item scores held at once (float32): bounded memory at any size
 
 
@@ -30,7 +24,6 @@ def synthetic_digest(config: Synthetic) -> str:
 
 
 def synthetic_log(config: Synthetic) -> RawLog:
-    """The whole log in one DataFrame (the pandas engine)."""
     _check(config)
     frame = pd.concat([synthetic_block(config, block) for block in range(block_count(config))], ignore_index=True)
     return RawLog(frame, None, "synthetic", synthetic_digest(config), has_timestamps=True)
@@ -45,26 +38,17 @@ def _check(config: Synthetic) -> None:
                         f"data.synthetic.interactions_per_user={config.interactions_per_user}")
 
 
-def _scored_items(config: Synthetic) -> int:
-    return min(config.candidates or config.items, config.items)
-
-
 def users_per_block(config: Synthetic) -> int:
-    return max(1, SYNTHETIC_CHUNK_SCORES // _scored_items(config))
+    return max(1, SYNTHETIC_CHUNK_SCORES // min(config.candidates or config.items, config.items))
 
 
 def block_count(config: Synthetic) -> int:
     return -(-config.users // users_per_block(config))
 
 
-def _items(config: Synthetic) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Item factors, log-popularity and its cumulative distribution, shared by every block: drawn once a process
-    (a quarter of a second at a million items, a block's draw being about a second)."""
-    return _items_drawn(config.model_dump_json())
-
-
 @functools.lru_cache(maxsize=1)
 def _items_drawn(config_json: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Item factors, log-popularity and its cumulative distribution, shared by every block: drawn once a process."""
     config = Synthetic.model_validate_json(config_json)
     rng = np.random.default_rng(config.seed)
     item_factors = rng.standard_normal((config.items, config.factors), dtype=np.float32)
@@ -79,16 +63,10 @@ def _items_drawn(config_json: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def synthetic_block(config: Synthetic, block: int) -> pd.DataFrame:
-    """One block of users with normal latent factors; each picks `interactions_per_user` distinct items with
-    probability proportional to exp(affinity / temperature) x Zipf popularity, without replacement (Gumbel top-k).
-
-    With `candidates`, each user scores by affinity alone that many items drawn by popularity (with replacement;
-    repeats are left out) instead of the whole catalogue: about the same preferences, at a cost that does not grow
-    with the catalogue.
-    Times are uniform over a year and independent of taste, so every split sees the same preferences; ratings 1..5
-    rise with the affinity (centred near 3.5, as MovieLens's are).
-    """
-    item_factors, log_popularity, popularity_cdf = _items(config)
+    """One block of users; each picks distinct items with probability proportional to exp(affinity / temperature) x
+    Zipf popularity (Gumbel top-k), among `candidates` drawn by popularity where given (a cost that does not grow
+    with the catalogue). Times are uniform over a year; ratings 1..5 rise with the affinity."""
+    item_factors, log_popularity, popularity_cdf = _items_drawn(config.model_dump_json())
     per_block, per_user = users_per_block(config), config.interactions_per_user
     first = block * per_block
     users = min(per_block, config.users - first)
@@ -120,7 +98,7 @@ def synthetic_block(config: Synthetic, block: int) -> pd.DataFrame:
     standardised = (affinity_picked - affinity_picked.mean()) / max(float(affinity_picked.std()), 1e-6)
     noise = rng.standard_normal(affinity_picked.shape, dtype=np.float32)
     ratings = np.clip(np.rint(3.5 + standardised + 0.5 * noise), 1, 5)
-    timestamps = SYNTHETIC_START + rng.integers(0, SYNTHETIC_SPAN_S, size=users * per_user)
+    timestamps = 1_577_836_800 + rng.integers(0, 365 * 86_400, size=users * per_user)  # a year from 2020-01-01 UTC
     frame = pd.DataFrame({"user": np.repeat(np.arange(first + 1, first + users + 1, dtype=np.int64), per_user),
                           "item": picked.ravel().astype(np.int64) + 1, "rating": ratings.ravel().astype(np.float64),
                           "timestamp": timestamps.astype(np.int64)})
@@ -128,15 +106,14 @@ def synthetic_block(config: Synthetic, block: int) -> pd.DataFrame:
 
 
 def write_synthetic_shards(config: Synthetic, folder: Path, client) -> list[Path]:
-    """The log as one Parquet shard per block, drawn on the Dask workers; a folder already complete is kept."""
+    """The log as one Parquet shard per block, drawn on the Dask workers; a complete folder is kept."""
     _check(config)
     done = folder / "_SUCCESS"
     paths = [folder / f"part-{block:05d}.parquet" for block in range(block_count(config))]
     if done.exists():
         return paths
     folder.mkdir(parents=True, exist_ok=True)
-    futures = client.map(_write_block, [config] * len(paths), range(len(paths)), paths, pure=False)
-    client.gather(futures)
+    client.gather(client.map(_write_block, [config] * len(paths), range(len(paths)), paths, pure=False))
     done.write_text(synthetic_digest(config))
     return paths
 

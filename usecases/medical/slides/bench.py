@@ -1,16 +1,6 @@
-"""`usecases bench slides medical`: tiles per second of read + stain normalisation + encoding, the pipeline
-against a plain per-tile loop in the same run, and the peak memory of tiling and encoding a gigapixel slide.
-
-The plain loop is what one writes by hand: one OpenSlide handle, `read_region` per tile, torchstain's Macenko per
-tile (it re-estimates every tile's stains; without torchstain, the slide's fitted normaliser on a batch of one) and
-the encoder on a batch of one. The pipeline reads with DataLoader workers and normalises and encodes in batches on
-the device. Both run the same untrained encoder (its weights do not change its speed) on the same tiles, each after
-a warm-up that is not counted.
-
-The gigapixel slide is written into a temporary folder, then tiled and encoded in a child process: the peak resident
-memory of that process tree (its DataLoader workers included) is the pipeline's own, bounded by the batches in
-flight whatever the slide's size.
-"""
+"""`usecases bench slides medical`: tiles per second of read + stain normalisation + encoding, the pipeline against
+a plain per-tile loop (one OpenSlide handle, torchstain's Macenko and the encoder per tile) on the same tiles with the
+same untrained encoder, and the peak memory of a child process tiling and encoding a gigapixel slide."""
 
 from __future__ import annotations
 
@@ -33,8 +23,9 @@ from PIL import Image
 from common.errors import UserError
 from common.runtime.interrupt import stop_point
 from ..models import ImageClassifier, architecture, build_classifier, use_cifar_stem
-from .features import PooledFeatures, SlideTiles, encode_slides, fit_normaliser, read_tiles
+from .features import PooledFeatures, SlideTiles, encode_slides, read_tiles
 from .reader import CUCIM_SUFFIXES, cucim_installed, open_slide
+from .stain import NORMALISERS
 from .synthetic import write_slide
 from .tiles import TileGrid, tile_grid
 
@@ -74,9 +65,10 @@ def slides_benchmark(config: Config, data: SlideSet, job: Job) -> dict[str, dict
     plain, plain_features, plain_normaliser = plain_loop(network, slides, normalisers, settings.stain, device,
                                                          bench.plain_tiles)
     ours = rates[settings.readers]
+    per_setting = {**{f"tiles_per_s/readers_{count}": rate for count, rate in rates.items()},
+                   **{f"tiles_per_s/{reader}": rate for reader, rate in by_reader.items()}}
     pipeline = {"tiles_per_s": ours, "tiles": float(tiles), "readers": float(settings.readers),
-                "speedup": ours / plain, **{f"tiles_per_s/readers_{count}": rate for count, rate in rates.items()},
-                **{f"tiles_per_s/{reader}": rate for reader, rate in by_reader.items()}}
+                "speedup": ours / plain, **per_setting}
     results = {"pipeline": pipeline,
                "plain_loop": {"tiles_per_s": plain, "tiles": float(len(plain_features)), "speedup": 1.0}}
     if bench.gigapixel:
@@ -84,25 +76,26 @@ def slides_benchmark(config: Config, data: SlideSet, job: Job) -> dict[str, dict
             results["gigapixel"] = gigapixel(config, device, Path(folder))
     job.tracker.set_tags({"slides_bench_plain_normaliser": plain_normaliser,
                           "slides_bench_reader": " and ".join(sorted({slide.reader for slide in slides}))})
-    job.tracker.log_metrics({"tiles_per_s": ours, "plain_tiles_per_s": plain, "speedup": ours / plain,
-                             **{f"tiles_per_s/readers_{count}": rate for count, rate in rates.items()},
-                             **{f"tiles_per_s/{reader}": rate for reader, rate in by_reader.items()},
+    job.tracker.log_metrics({"tiles_per_s": ours, "plain_tiles_per_s": plain, "speedup": ours / plain, **per_setting,
                              **{f"gigapixel_{key}": value for key, value in results.get("gigapixel", {}).items()}})
     print(report(results, rates, plain_normaliser, device), flush=True)
     return results
 
 
-def encoder(config: Config) -> ImageClassifier:
-    """The network the slide pipeline trains (3 channels, 2 classes, the stem for its tile size), untrained."""
+def encoder_architecture(config: Config) -> dict:
+    """The network the slide pipeline trains: 3 channels, 2 classes, the stem for its tile size."""
     model = config.model
-    torch.manual_seed(config.runtime.seed)
     stem = use_cifar_stem(model.cifar_stem, model.name, config.data.slides.tile_px)
-    return build_classifier(architecture(model.name, 3, 2, stem, model.channels_last))
+    return architecture(model.name, 3, 2, stem, model.channels_last)
+
+
+def encoder(config: Config) -> ImageClassifier:
+    torch.manual_seed(config.runtime.seed)
+    return build_classifier(encoder_architecture(config))
 
 
 def plain_read(handle: openslide.OpenSlide, grid: TileGrid, index: int) -> torch.Tensor:
-    """One tile as a plain loop reads it: OpenSlide's region at the grid's level as RGB, resized with PIL where no
-    level has the magnification; uint8 (3, H, W)."""
+    """One tile as a plain loop reads it: OpenSlide's region as RGB, resized with PIL; uint8 (3, H, W)."""
     x, y = grid.coords[index]
     region = handle.read_region((int(x), int(y)), grid.level, (grid.read_px, grid.read_px)).convert("RGB")
     if grid.read_px != grid.tile_px:
@@ -111,8 +104,7 @@ def plain_read(handle: openslide.OpenSlide, grid: TileGrid, index: int) -> torch
 
 
 def per_tile_normaliser(method: str):
-    """(normalise(tile, the slide's fitted normaliser), its name): torchstain's Macenko where installed, else ours
-    on a batch of one; (None, "none") when the config normalises nothing."""
+    """(normalise(tile, the slide's normaliser), its name): torchstain's Macenko where installed, else ours."""
     if method == "none":
         return None, "none"
     if method == "macenko":
@@ -130,8 +122,7 @@ def per_tile_normaliser(method: str):
 @torch.no_grad()
 def plain_loop(network: ImageClassifier, slides: list[SlideTiles], normalisers: list, method: str,
                device: torch.device, count: int) -> tuple[float, np.ndarray, str]:
-    """Tiles per second of the first `count` tiles of `slides`, in the pipeline's order, read, normalised and
-    encoded one at a time; their features; the per-tile normaliser's name."""
+    """Tiles per second of `count` tiles encoded one at a time, their features and the normaliser's name."""
     network = network.to(device).eval()
     pooled = PooledFeatures(network)
     normalise, name = per_tile_normaliser(method)
@@ -181,20 +172,17 @@ def _openslide(path: Path) -> openslide.OpenSlide:
 
 
 def gigapixel(config: Config, device: torch.device, folder: Path) -> dict[str, float]:
-    """Write a slide of `benchmark.gigapixel_size` into `folder`, then tile it and encode all its tissue tiles in a
-    child process; the peak resident memory of the child's process tree, sampled while it runs."""
+    """Write a gigapixel slide, then tile and encode it in a child process, its tree's peak memory sampled."""
     width, height = config.benchmark.gigapixel_size
     settings, path = config.data.slides, folder / "gigapixel.tif"
     log.info("benchmark: writing a %d x %d slide (%.2f gigapixels)", width, height, width * height / 1e9)
     started = time.perf_counter()
     write_slide(path, width, height, positive=True, seed=config.runtime.seed, mpp=config.data.synthetic_slides.mpp)
     write_s = time.perf_counter() - started
-    model = config.model
     spec = {"path": str(path), "mpp": settings.mpp, "tile_px": settings.tile_px, "min_tissue": settings.min_tissue,
             "stain": settings.stain, "stain_fit_tiles": settings.stain_fit_tiles, "seed": config.runtime.seed,
-            "arch": architecture(model.name, 3, 2, use_cifar_stem(model.cifar_stem, model.name, settings.tile_px),
-                                 model.channels_last),
-            "device": str(device), "batch_size": settings.batch_size, "readers": settings.readers}
+            "arch": encoder_architecture(config), "device": str(device), "batch_size": settings.batch_size,
+            "readers": settings.readers}
     (folder / "spec.json").write_text(json.dumps(spec))
     log.info("benchmark: tiling and encoding it in a child process, %d readers", settings.readers)
     with open(folder / "child.log", "w") as output:
@@ -219,9 +207,7 @@ def gigapixel(config: Config, device: torch.device, folder: Path) -> dict[str, f
 
 
 def tree_memory(pid: int) -> tuple[int, int]:
-    """Resident bytes of a process and its descendants, summed two ways: RSS counts the pages a forked reader shares
-    with its parent once per process (an upper bound); PSS splits each shared page among its sharers (the tree's
-    true total). Processes gone meanwhile count as 0."""
+    """Resident bytes of a process tree: RSS (an upper bound) and PSS (shared pages split, the true total)."""
     rss = pss = 0
     try:
         root = psutil.Process(pid)
@@ -246,7 +232,9 @@ def encode_one_slide(spec: dict) -> dict[str, float]:
     tiles = SlideTiles(Path(spec["path"]), grid, np.arange(len(grid)))
     fit_on = np.random.default_rng(spec["seed"]).choice(len(grid), min(spec["stain_fit_tiles"], len(grid)), False)
     sample = read_tiles(SlideTiles(tiles.path, grid, np.sort(fit_on)))
-    normaliser = fit_normaliser(spec["stain"], sample, sample if spec["stain"] == "reinhard" else None)
+    normaliser = None if spec["stain"] == "none" else NORMALISERS[spec["stain"]]().fit(sample)
+    if spec["stain"] == "reinhard":
+        normaliser.fit_reference(sample)
     device = torch.device(spec["device"])
     _, tiles_per_s = encode_slides(build_classifier(spec["arch"]), [tiles], [normaliser], device, spec["batch_size"],
                                    spec["readers"])

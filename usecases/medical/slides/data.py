@@ -1,12 +1,6 @@
-"""A folder of whole-slide images and their labels, checked and split by patient before any run starts.
-
-`--data FOLDER` holds the slides and `labels.csv` (columns `slide`, `label`, optional `patient` and `split`), read
-by the medical manifest reader, so the same one-line errors name the file, column and row. Without `--data`, the
-synthetic slide set is written once into the cache (real pyramidal TIFFs) and read back the same way. Every slide is
-opened and tiled here (the tile coordinates cached by the slide's digest), so a broken slide, one without a
-resolution or without tissue is refused in one line before the run; the split holds out whole patients (a patient's
-slides look alike).
-"""
+"""A folder of whole-slide images and `labels.csv` (`slide`, `label`, optional `patient` and `split`, read by the
+medical manifest reader), or the synthetic set written once into the cache; every slide opened and tiled, so a broken
+one is refused in one line before the run, and the split made by patient."""
 
 from __future__ import annotations
 
@@ -41,7 +35,6 @@ class SlideSet:
     split: np.ndarray
     source: str
     sha256: str
-    mpp: list[float | None]
     grids: list[TileGrid]  # each slide's tissue tiles at the configured magnification
     stored_size: int  # bytes of the slides and the labels file, for data_bytes
     notices: list[str] = field(default_factory=list)
@@ -51,8 +44,7 @@ class SlideSet:
 
 
 def load_slides(config: Config, path: Path | None, client=None) -> SlideSet:
-    """The user's folder, or the synthetic set; every slide opened and tiled once (on the cluster of a Dask
-    `client`), the split by patient."""
+    """The user's folder, or the synthetic set; every slide tiled once (on a Dask `client`'s cluster when given)."""
     settings = config.data.slides
     notices = []
     if path is None:
@@ -71,11 +63,10 @@ def load_slides(config: Config, path: Path | None, client=None) -> SlideSet:
     notices += unlabelled_slides(folder, listing.files, labels_file, settings.unlabelled)
     tiling = (settings.mpp, settings.tile_px, settings.min_tissue, cache_dir("slides", settings.cache_dir) / "tiles")
     if client is not None:  # many slides: each one's mask and grid on a worker of the cluster
-        tiled = client.gather(client.map(tiles_of, listing.files, *[[value] * len(listing.files) for value in tiling],
+        grids = client.gather(client.map(tiles_of, listing.files, *[[value] * len(listing.files) for value in tiling],
                                          pure=False))
     else:
-        tiled = [tiles_of(slide_path, *tiling) for slide_path in listing.files]
-    grids, mpp = [grid for grid, _ in tiled], [slide_mpp for _, slide_mpp in tiled]
+        grids = [tiles_of(slide_path, *tiling) for slide_path in listing.files]
     classes = class_names(listing.labels, listing.where)
     if len(classes) != 2:
         raise UserError(f"{listing.where}: column 'label' has {len(classes)} classes ({', '.join(classes)}); slide-"
@@ -96,13 +87,12 @@ def load_slides(config: Config, path: Path | None, client=None) -> SlideSet:
     for slide_path in listing.files:
         digest.update(slide_digest(slide_path).encode())
     source = "synthetic:slides" if path is None else f"slides:{folder.name}"
-    return SlideSet(list(listing.files), labels, classes, patients, split, source, digest.hexdigest(), mpp, grids,
+    return SlideSet(list(listing.files), labels, classes, patients, split, source, digest.hexdigest(), grids,
                     stored_bytes(labels_file, *listing.files), notices + listing.notices)
 
 
 def unlabelled_slides(folder: Path, listed: list[Path], labels_file: Path, setting: str) -> list[str]:
-    """Slides in `folder` that `labels_file` does not list: refused in one line naming them, or (`skip`) a notice of
-    how many were left out. A slide nobody labelled is most often a forgotten row, not a slide to ignore."""
+    """Slides that `labels_file` does not list (most often a forgotten row): refused, or (`skip`) a notice."""
     known = {Path(path).resolve() for path in listed}
     left_out = sorted(path.name for path in folder.iterdir()
                       if path.is_file() and path.suffix.lower() in SLIDE_SUFFIXES and path.resolve() not in known)
@@ -116,12 +106,10 @@ def unlabelled_slides(folder: Path, listed: list[Path], labels_file: Path, setti
             f"data.slides.unlabelled=skip)"]
 
 
-def tiles_of(slide_path: Path, mpp: float | None, tile_px: int, min_tissue: float,
-             cache: Path) -> tuple[TileGrid, float | None]:
-    """One slide's tile grid (its tissue mask on a thumbnail, cached by its digest) and its microns per pixel: the
-    work a Dask worker does per slide. A broken slide, one without a resolution or without tissue: one line."""
+def tiles_of(slide_path: Path, mpp: float | None, tile_px: int, min_tissue: float, cache: Path) -> TileGrid:
+    """One slide's tile grid: a Dask worker's task per slide."""
     with open_slide(slide_path) as slide:
-        return tile_grid(slide, mpp, tile_px, min_tissue, cache), slide.mpp
+        return tile_grid(slide, mpp, tile_px, min_tissue, cache)
 
 
 def synthetic_folder(config: Config) -> Path:

@@ -1,10 +1,5 @@
-"""Tiles to features, streamed: DataLoader workers read tiles region by region (each with its own slide handles),
-the device normalises their stain per slide in batches and the encoder turns them into one feature row per tile.
-
-Memory stays bounded by the batches in flight, whatever the slide's size: only coordinates and features are kept.
-On the Dask engine each slide is one task on the cluster's workers (one per GPU with dask-cuda), which read and encode
-it in their own process and send back only its features.
-"""
+"""Tiles to features, streamed: DataLoader workers read tiles, the device normalises their stain per slide and the
+encoder makes a feature row per tile; memory is bounded by the batches in flight. On Dask, a task per slide."""
 
 from __future__ import annotations
 
@@ -19,7 +14,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .reader import SlideHandles
-from .stain import MacenkoNormaliser, ReinhardNormaliser
 from .tiles import TileGrid, read_tile
 
 PREFETCH_BATCHES = 4  # per reader: tiles decoded ahead while the device works
@@ -72,18 +66,6 @@ def read_tiles(slide: SlideTiles) -> torch.Tensor:
         dataset.handles.close()
 
 
-def fit_normaliser(method: str, sample: torch.Tensor, reference: torch.Tensor | None
-                   ) -> MacenkoNormaliser | ReinhardNormaliser | None:
-    """A slide's normaliser fitted on a sample of its tiles, mapping onto `reference` tiles (Macenko without one:
-    its published H&E reference); None for `method` none."""
-    if method == "none":
-        return None
-    normaliser = MacenkoNormaliser() if method == "macenko" else ReinhardNormaliser()
-    if reference is not None:
-        normaliser.fit_reference(reference)
-    return normaliser.fit(sample)
-
-
 class PooledFeatures:
     """The input of a network's last linear layer (the pooled features of a torchvision classifier), as a hook."""
 
@@ -134,9 +116,7 @@ def encode_slides(network: nn.Module, slides: Sequence[SlideTiles], normalisers:
 def encode_on_cluster(client, build_network: Callable[[], nn.Module], weights: dict[str, torch.Tensor],
                       slides: Sequence[SlideTiles], normalisers: Sequence, device: torch.device,
                       batch_size: int) -> tuple[list[np.ndarray], float]:
-    """`encode_slides` for many slides: one task per slide on the workers of a Dask `client`, each worker building
-    the network and loading `weights` (sent to each worker once, as tensors) on its own device of `device`'s type;
-    the same features, in slide order."""
+    """`encode_slides` as a task per slide on a Dask `client`'s workers, `weights` sent once."""
     (shipped,) = client.scatter([weights], broadcast=True)
     started = time.perf_counter()
     futures = client.map(encode_slide, slides, normalisers, build_network=build_network, weights=shipped,

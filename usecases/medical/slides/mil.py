@@ -1,12 +1,6 @@
-"""Slide-level learning from tile features: gated attention MIL, a mean-pooled baseline, attention heatmaps.
-
-A slide's label often rests on a few tiles (a small metastasis among thousands of normal tiles). Mean pooling
-dilutes such a signal as slides grow; attention MIL (Ilse, Tomczak & Welling 2018, as CLAM's single-branch
-attention) learns which tiles to look at, and its attention weights show a pathologist where it looked. The
-baseline is kept beside it because when the signal is spread over the whole slide it is as good and far cheaper.
-
-A bag is one slide's tile features, (N_tiles, d_in), N_tiles varying between slides; labels are 0/1 per slide.
-"""
+"""Slide-level learning from tile features (a bag: one slide's (N_tiles, d_in)): gated attention MIL (Ilse, Tomczak
+& Welling 2018), which finds the few tiles a label rests on and shows where it looked, and a mean-pooled baseline, as
+good and far cheaper when the signal spreads over the whole slide; attention heatmaps."""
 
 from __future__ import annotations
 
@@ -82,7 +76,7 @@ def _as_tensors(bags: Sequence[Bag]) -> list[torch.Tensor]:
 
 
 def binary_auc(labels: np.ndarray, probabilities: np.ndarray) -> float:
-    """The medical use case's AUC of slide probabilities: softmax of (log(1-p), log p) gives back (1-p, p)."""
+    """The medical use case's AUC of slide probabilities (softmax of (log(1-p), log p) gives back (1-p, p))."""
     with np.errstate(divide="ignore"):
         logits = np.log(np.stack([1 - probabilities, probabilities], axis=1))
     return auc(np.asarray(labels), logits, "binary")
@@ -114,8 +108,7 @@ def predict_bags(model: GatedAttentionMIL, bags: Sequence[Bag],
 
 
 class BagBatches:
-    """What the shared Trainer iterates: one slide a step, `(bag (1, N, d_in), label (1,))`, in a seeded order each
-    epoch; a slide of more than `max_tiles` tiles is trained on a seeded sample of them, kept in their order."""
+    """One slide a step in a seeded order each epoch; a seeded sample of `max_tiles` tiles of a larger slide."""
 
     def __init__(self, bags: list[torch.Tensor], labels: torch.Tensor, max_tiles: int, seed: int):
         self.bags, self.labels, self.max_tiles, self.seed, self.epoch = bags, labels, max_tiles, seed, 0
@@ -147,10 +140,8 @@ bag_loss.predict = lambda model, batch: model(batch[0][0])[0]  # what serving ru
 def fit_attention_mil(train_bags: Sequence[Bag], train_labels: Sequence[int], val_bags: Sequence[Bag],
                       val_labels: Sequence[int], settings: MILSettings, device: torch.device | str,
                       seed: int) -> tuple[GatedAttentionMIL, MILHistory]:
-    """One slide per step for `settings.epochs` epochs, through the shared Trainer in fp32 on one process (the
-    slides are few); the weights of the epoch with the best validation AUC are returned (the first if tied: test
-    slides never choose), with checkpoints by time where `settings.checkpoint_dir` is given. The same seed gives the
-    same model on the same device; the global random state is left as it was."""
+    """One slide per step through the shared Trainer in fp32 on one process; the weights of the epoch with the best
+    validation AUC (the first if tied). The same seed gives the same model; the global random state is kept."""
     from common.runtime.devices import Runtime
     from common.training.loop import Trainer
     from common.training.spec import TrainSpec
@@ -185,8 +176,7 @@ def mean_pooled(bags: Sequence[Bag]) -> np.ndarray:
 
 def fit_pooled_baseline(train_bags: Sequence[Bag], train_labels: Sequence[int], val_bags: Sequence[Bag],
                         val_labels: Sequence[int], c_values: Sequence[float] = BASELINE_C_VALUES) -> Pipeline:
-    """Standardised logistic regression on mean-pooled tiles, its C the one of `c_values` with the best validation
-    AUC (the first if tied, the strongest regularisation by default): few slides overfit a weakly regularised fit."""
+    """Standardised logistic regression on mean-pooled tiles, its C of `c_values` chosen on validation AUC."""
     train_features, train_labels = mean_pooled(train_bags), _check_labels(train_labels, "training")
     val_features, val_labels = mean_pooled(val_bags), _check_labels(val_labels, "validation")
     best_model, best_auc = None, -math.inf
@@ -207,8 +197,7 @@ def pooled_probabilities(model: Pipeline, bags: Sequence[Bag]) -> np.ndarray:
 def slide_metrics(val_labels: np.ndarray, val_probabilities: np.ndarray, test_labels: np.ndarray,
                   test_probabilities: np.ndarray, target_sensitivity: float = 0.95, bootstrap: int = 1000,
                   seed: int = 0) -> dict[str, float]:
-    """Test AUC with its bootstrap interval, and the rates at the threshold chosen on validation for the target
-    sensitivity, named as the medical use case's image metrics are."""
+    """Test AUC with its bootstrap interval, and the rates at the threshold chosen on validation."""
     val_labels, val_probabilities = np.asarray(val_labels), np.asarray(val_probabilities, dtype=np.float64)
     test_labels, test_probabilities = np.asarray(test_labels), np.asarray(test_probabilities, dtype=np.float64)
     threshold = threshold_for_sensitivity(val_labels == 1, val_probabilities, target_sensitivity)
@@ -225,10 +214,7 @@ def slide_metrics(val_labels: np.ndarray, val_probabilities: np.ndarray, test_la
 
 def attention_heatmap(coords: np.ndarray, attention: np.ndarray, tile_size_level0: int,
                       thumbnail_shape: tuple[int, ...], downsample: float) -> np.ndarray:
-    """A float grid of `thumbnail_shape[:2]`, each tile's area painted with its attention over the slide's highest
-    (0 where no tile is). `coords` are the tiles' level-0 (x, y) top-left corners, as OpenSlide reads regions;
-    `downsample` is level-0 pixels per thumbnail pixel. Edges are rounded, so that adjacent tiles neither overlap
-    nor leave gaps; where overlapping tiles meet, the higher attention shows."""
+    """A grid of `thumbnail_shape[:2]`, each tile's area painted with its attention over the slide's highest."""
     coords, attention = np.asarray(coords, dtype=np.float64), np.asarray(attention, dtype=np.float64)
     height, width = thumbnail_shape[:2]
     heatmap = np.zeros((height, width))
@@ -251,7 +237,7 @@ def save_heatmap_png(thumbnail_rgb: np.ndarray, heatmap: np.ndarray, path: str |
 
 
 def heatmap_figure(thumbnail_rgb: np.ndarray, heatmap: np.ndarray) -> Figure:
-    """The heatmap over the slide's thumbnail, untiled areas left clear (a Figure without pyplot's global state)."""
+    """The heatmap over the slide's thumbnail, untiled areas left clear."""
     height, width = heatmap.shape
     figure = Figure(figsize=(8, 8 * height / width + 0.6), layout="constrained")
     axes = figure.subplots()

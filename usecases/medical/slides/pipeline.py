@@ -1,11 +1,6 @@
-"""The slide-level job: tissue tiles of every slide, stain-normalised per slide, encoded by the medical network
-trained on tiles that carry their slide's label; then attention MIL per slide against mean-pooled features with
-logistic regression, both evaluated as the medical use case evaluates images (test AUC with its bootstrap
-interval, the rates at the threshold chosen on validation), and an attention heatmap per test slide.
-
-Only the training and validation slides teach the encoder and select its epoch, the MIL epoch and the baseline's
-C; the test slides are read once, to be scored.
-"""
+"""The slide-level job: every slide's tissue tiles, stain-normalised per slide, encoded by the medical network trained
+on tiles labelled with their slide's label; then attention MIL against a mean-pooled logistic regression, evaluated as
+images are, with an attention heatmap per test slide. The test slides choose nothing: they are only scored."""
 
 from __future__ import annotations
 
@@ -16,7 +11,6 @@ from functools import partial
 
 import numpy as np
 import pandas as pd
-import torch
 
 from common.job import Job
 from common.usecase import RunResult
@@ -29,8 +23,7 @@ from .features import SlideTiles, encode_on_cluster, encode_slides, read_tiles
 from .mil import (MILSettings, fit_attention_mil, fit_pooled_baseline, heatmap_figure, attention_heatmap,
                   pooled_probabilities, predict_bags, slide_metrics)
 from .reader import open_slide, pixel_reader
-from .serving import (SlideModel, chosen_tiles, log_slide_classifier, sampled, slide_generator,
-                      slide_normaliser)
+from .serving import SlideModel, chosen_tiles, log_slide_classifier, sampled, slide_generator, slide_normaliser
 from .stain import ReinhardNormaliser
 
 log = logging.getLogger(__name__)
@@ -66,18 +59,21 @@ def run_slides(config: Config, data: SlideSet, job: Job) -> RunResult:
                              "slides/test_probabilities.csv")
     with job.phase("serving_bundle", "serial"):
         threshold = models["attention_mil"]["threshold"]
-        served = log_slide_classifier(
-            SlideModel(network, arch, mil, served_slide_settings(config), reference, threshold),
-            data.paths[bags.test[0]],
-            {"positive_class": data.classes[1], "operating_threshold": threshold,
-             "target_sensitivity": config.evaluation.target_sensitivity}, job)
+        # the served model tiles and normalises a slide as the run did
+        as_run = {"mpp": settings.mpp, "tile_px": settings.tile_px, "min_tissue": settings.min_tissue,
+                  "max_tiles": settings.max_tiles, "stain": settings.stain, "stain_fit_tiles": settings.stain_fit_tiles,
+                  "batch_size": settings.batch_size, "seed": config.runtime.seed,
+                  "cache_dir": str(settings.cache_dir) if settings.cache_dir else None}
+        served = log_slide_classifier(SlideModel(network, arch, mil, as_run, reference, threshold),
+                                      data.paths[bags.test[0]],
+                                      {"positive_class": data.classes[1], "operating_threshold": threshold,
+                                       "target_sensitivity": config.evaluation.target_sensitivity}, job)
     return RunResult(models, served)
 
 
 def encoded(network, arch: dict, slides: list[SlideTiles], normalisers: list, config: Config,
             job: Job) -> tuple[list[np.ndarray], float]:
-    """Each slide's tile features (a bag), read, normalised and encoded on the Dask cluster or here, and the
-    tiles per second."""
+    """Each slide's tile features (a bag), encoded on the Dask cluster or here, and the tiles per second."""
     settings, device = config.data.slides, job.runtime.device
     with job.phase("encode", "cores" if job.dask is not None else "device"):
         if job.dask is not None:
@@ -106,19 +102,13 @@ class Bags:
 
 
 def attention_mil(bags: Bags, config: Config, job: Job, common: dict):
-    """Attention MIL trained on the training slides, its epoch chosen on validation; its metrics, and the test
-    slides' probabilities and attention."""
+    """Attention MIL, its epoch chosen on validation; its metrics, and the test slides' probabilities and attention."""
     settings, evaluation, device, seed = config.mil, config.evaluation, job.runtime.device, config.runtime.seed
     with job.phase("fit/attention_mil", "device"):
+        fit = MILSettings(**settings.model_dump(), attention_hidden=settings.hidden,
+                          checkpoint_dir=job.checkpoint_dir / "attention_mil", resume=job.resume)
         mil, history = fit_attention_mil(bags.of(bags.train), bags.labels[bags.train], bags.of(bags.val),
-                                         bags.labels[bags.val],
-                                         MILSettings(hidden=settings.hidden, attention_hidden=settings.hidden,
-                                                     dropout=settings.dropout, lr=settings.lr,
-                                                     weight_decay=settings.weight_decay, epochs=settings.epochs,
-                                                     max_tiles=settings.max_tiles,
-                                                     checkpoint_dir=job.checkpoint_dir / "attention_mil",
-                                                     resume=job.resume),
-                                         device, seed)
+                                         bags.labels[bags.val], fit, device, seed)
     for epoch, value in enumerate(history.val_auc):
         job.tracker.log_metrics({"attention_mil/val_auc": value}, step=epoch)
     with job.phase("evaluate", "serial"):
@@ -147,19 +137,9 @@ def mean_pool_baseline(bags: Bags, config: Config, job: Job, common: dict) -> di
     return metrics
 
 
-def served_slide_settings(config: Config) -> dict:
-    """How the served model tiles and normalises a slide: as the run did."""
-    settings = config.data.slides
-    return {"mpp": settings.mpp, "tile_px": settings.tile_px, "min_tissue": settings.min_tissue,
-            "max_tiles": settings.max_tiles, "stain": settings.stain, "stain_fit_tiles": settings.stain_fit_tiles,
-            "batch_size": settings.batch_size, "seed": config.runtime.seed,
-            "cache_dir": str(settings.cache_dir) if settings.cache_dir else None}
-
-
 def prepared_slides(config: Config, data: SlideSet, device_type: str, rng: np.random.Generator,
                     phase=lambda name, scales: nullcontext()) -> tuple[list[SlideTiles], list, dict | None]:
-    """Each slide's tiles (a seeded sample where it has more than `max_tiles`) and stain normaliser, drawn from the
-    slide's own generator as the served model draws them, and Reinhard's reference (from `rng`)."""
+    """Each slide's tiles and stain normaliser, drawn as the served model draws them, and Reinhard's reference."""
     settings, seed = config.data.slides, config.runtime.seed
     with phase("tiles", "serial"):
         generators = [slide_generator(seed, path) for path in data.paths]
@@ -167,25 +147,17 @@ def prepared_slides(config: Config, data: SlideSet, device_type: str, rng: np.ra
                                                                                        path))
                   for path, grid, generator in zip(data.paths, data.grids, generators)]
     with phase("stain_fit", "serial"):
-        reference = stain_reference(slides, data, settings.stain, settings.stain_fit_tiles, rng)
+        reference = None
+        if settings.stain == "reinhard":  # the first training slide's sample, as a normaliser's state
+            sample = read_tiles(sampled(slides[data.members("train")[0]], settings.stain_fit_tiles, rng))
+            reference = ReinhardNormaliser().fit_reference(sample).state_dict()
         normalisers = [slide_normaliser(slide, settings.stain, settings.stain_fit_tiles, generator, reference)
                        for slide, generator in zip(slides, generators)]
     return slides, normalisers, reference
 
 
-def stain_reference(slides: list[SlideTiles], data: SlideSet, method: str, count: int,
-                    rng: np.random.Generator) -> dict[str, torch.Tensor] | None:
-    """Reinhard's reference, the first training slide's sample, as a normaliser's state (the served model carries
-    it); None for Macenko, whose reference is the published one, and for no normalisation."""
-    if method != "reinhard":
-        return None
-    return ReinhardNormaliser().fit_reference(read_tiles(sampled(slides[data.members("train")[0]], count,
-                                                                 rng))).state_dict()
-
-
 def _trained_encoder(config: Config, data: SlideSet, slides: list[SlideTiles], normalisers, rng, job: Job):
-    """The medical network trained on `encoder.tiles_per_slide` normalised tiles of each training and validation
-    slide, each labelled with its slide's label; its best epoch by the validation tiles' AUC."""
+    """The medical network trained on normalised tiles of the training and validation slides, weakly labelled."""
     encoder = config.encoder
     images, labels = {}, {}
     for split in ("train", "val"):

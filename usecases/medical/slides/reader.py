@@ -1,11 +1,6 @@
-"""Whole-slide images read region by region: OpenSlide for the scanners' formats, tifffile for a plain TIFF that
-OpenSlide refuses, and RAPIDS cuCIM where it is installed (the cuda13 extra) and chosen. A slide is gigapixels, so
-nothing here ever decodes a whole level: regions and thumbnails are read in bounded blocks.
-
-Handles are per process. An OpenSlide or tifffile handle inherited by a forked DataLoader worker shares the
-parent's file position and caches, so each worker must open its own: `SlideHandles` does that, keyed by path and
-process id.
-"""
+"""Whole-slide images read region by region (never a whole gigapixel level): OpenSlide for the scanners' formats,
+tifffile for a plain TIFF OpenSlide refuses, RAPIDS cuCIM where installed and chosen. Handles are per process
+(`SlideHandles`): a forked DataLoader worker must not read through its parent's."""
 
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ from common.errors import UserError, one_line
 SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs")
 CUCIM_SUFFIXES = (".svs", ".tif", ".tiff")  # cuCIM reads Aperio SVS and (generic, Philips) tiled TIFF only
 PLAIN_TIFF_SUFFIXES = (".tif", ".tiff")
-# Level-0 microns per pixel outside this range are a writer's default (72 dpi is 353 µm), not a scanner's.
 PLAUSIBLE_MPP = (0.05, 50.0)
 # A matching level is one within 1% of the asked downsample: scanners store 2.0005 for a halving.
 LEVEL_TOLERANCE = 1.01
@@ -34,8 +28,7 @@ MAX_MAGNIFICATION = 4  # tiles finer than a quarter of the scan's pixel are refu
 
 
 def open_slide(path: str | Path, mpp: float | None = None, reader: str = "openslide") -> Slide:
-    """Open a slide; `mpp` overrides (or supplies) the microns per pixel at level 0 that the file states. `reader`
-    cucim reads the pixels with cuCIM (its levels and resolution still come from OpenSlide or tifffile)."""
+    """Open a slide; `mpp` overrides the file's; `reader` cucim reads the pixels with cuCIM."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such slide file")
@@ -72,8 +65,7 @@ def plausible(mpp: float) -> bool:
 
 
 def stated_mpp(values: list[str], source: str) -> tuple[float | None, str | None]:
-    """The level-0 microns per pixel a file states (several values: their mean), or None and why it is not taken:
-    a value that is not a number, not finite, 0 or outside PLAUSIBLE_MPP (a writer's default, not a scanner's)."""
+    """The level-0 microns per pixel a file states, or None and why not (72 dpi is 353 µm: a writer's default)."""
     if not values:
         return None, None
     try:
@@ -88,8 +80,7 @@ def stated_mpp(values: list[str], source: str) -> tuple[float | None, str | None
 
 
 def mpp_from_resolution(resolution: tuple[float, float] | None, unit: str | None) -> tuple[float | None, str | None]:
-    """`stated_mpp` of a TIFF XResolution (numerator, denominator: pixels per unit) and ResolutionUnit; none stated
-    where either is absent, the unit is none or the fraction is 0/0."""
+    """`stated_mpp` of a TIFF XResolution (pixels per unit, as a fraction) and ResolutionUnit, where both are set."""
     if not resolution or str(unit).lower() not in MICRONS_PER_UNIT or not any(resolution):
         return None, None
     numerator, denominator = (float(part) for part in resolution)
@@ -111,12 +102,11 @@ def on_white(pixels: np.ndarray) -> np.ndarray:
 
 
 class Slide:
-    """A pyramid of levels, each read by region. Coordinates are level-0 pixels and sizes are level pixels, as in
-    OpenSlide, so one tile grid serves every level."""
+    """A pyramid of levels read by region: coordinates in level-0 pixels, sizes in level pixels, as in OpenSlide.
+    Subclasses define `read_level` (those arguments as ints, any of grey, RGB or RGBA back) and `close`."""
 
     def __init__(self, path: Path, level_dimensions: list[tuple[int, int]], stated: tuple[float | None, str | None],
                  mpp: float | None = None):
-        """`stated`: the file's microns per pixel and why it was not taken (`stated_mpp`); `mpp` overrides it."""
         if mpp is not None and not plausible(mpp):
             raise UserError(f"{path}: mpp={mpp!r} is not a scanner's resolution (expected {PLAUSIBLE_MPP[0]:g} to "
                             f"{PLAUSIBLE_MPP[1]:g} µm/px at level 0)")
@@ -127,12 +117,6 @@ class Slide:
             raise UserError(f"{path}: a level of {level_dimensions} pixels is empty; expected a non-empty image")
         self.level_downsamples = [(width / w + height / h) / 2 for w, h in level_dimensions]
         self.mpp, self.mpp_problem = (mpp, None) if mpp is not None else stated
-
-    def read_level(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
 
     def read_region(self, level: int, x: int, y: int, width: int, height: int) -> np.ndarray:
         """RGB uint8 (height, width, 3) of `level` at level-0 (x, y); outside the slide is white."""
@@ -148,32 +132,23 @@ class Slide:
         return max(fitting, default=0)
 
     def downsample_for_mpp(self, target_mpp: float) -> float:
-        """Level-0 pixels per output pixel at `target_mpp`: needs the slide's own mpp, and tiles that magnify its scan
-        at most MAX_MAGNIFICATION times (finer tiles hold no more detail, only more of them)."""
+        """Level-0 pixels per output pixel at `target_mpp`, magnifying the scan at most MAX_MAGNIFICATION times."""
         if self.mpp is None:
             said = self.mpp_problem or "states no microns per pixel"
-            raise UserError(
-                f"{self.path}: the file {said}, so tiles at {target_mpp:g} µm/px cannot be sized; cut tiles in "
-                "level-0 pixels instead (--set data.slides.mpp=null; in code open_slide(path, mpp=...) supplies it)"
-            )
+            raise UserError(f"{self.path}: the file {said}, so tiles at {target_mpp:g} µm/px cannot be sized; cut "
+                            "tiles in level-0 pixels instead (--set data.slides.mpp=null; in code open_slide(path, "
+                            "mpp=...) supplies it)")
         downsample = target_mpp / self.mpp
         if not downsample * MAX_MAGNIFICATION >= 1:
-            raise UserError(
-                f"{self.path}: tiles at {target_mpp:g} µm/px would magnify its {self.mpp:g} µm/px scan "
-                f"{1 / downsample:.0f} times; set --set data.slides.mpp= to {self.mpp / MAX_MAGNIFICATION:g} or "
-                "more (or null for level-0 pixels)"
-            )
+            raise UserError(f"{self.path}: tiles at {target_mpp:g} µm/px would magnify its {self.mpp:g} µm/px scan "
+                            f"{1 / downsample:.0f} times; set --set data.slides.mpp= to "
+                            f"{self.mpp / MAX_MAGNIFICATION:g} or more (or null for level-0 pixels)")
         return downsample
 
     def thumbnail_plan(self, max_size: int) -> tuple[int, int]:
         """(level, block): a thumbnail is `level` averaged over block x block pixels, at most `max_size` a side."""
         level = self.best_level_for_downsample(max(self.level_dimensions[0]) / max_size)
         return level, max(1, math.ceil(max(self.level_dimensions[level]) / max_size))
-
-    def thumbnail_downsample(self, max_size: int) -> float:
-        """Level-0 pixels per thumbnail pixel of `thumbnail(max_size)`."""
-        level, block = self.thumbnail_plan(max_size)
-        return self.level_downsamples[level] * block
 
     def thumbnail(self, max_size: int = 1024) -> np.ndarray:
         """RGB uint8 overview, read in blocks so a slide whose only level is gigapixels still fits in memory."""
@@ -184,10 +159,8 @@ class Slide:
         out = np.empty((math.ceil(height / block), math.ceil(width / block), 3), np.uint8)
         for top in range(0, height, step):
             for left in range(0, width, step):
-                region = self.read_region(
-                    level, round(left * downsample), round(top * downsample),
-                    min(step, width - left), min(step, height - top),
-                )
+                region = self.read_region(level, round(left * downsample), round(top * downsample),
+                                          min(step, width - left), min(step, height - top))
                 reduced = block_mean(region, block)
                 row, col = top // block, left // block
                 out[row : row + reduced.shape[0], col : col + reduced.shape[1]] = reduced
@@ -223,7 +196,7 @@ def _fraction(resolution: str | None) -> tuple[float, float] | None:
 
 
 class OpenSlideSlide(Slide):
-    """The scanners' formats (Aperio, Hamamatsu, Mirax, generic tiled TIFF), JPEG 2000 included."""
+    """The scanners' formats (Aperio, Hamamatsu, Mirax, generic tiled TIFF)."""
 
     def __init__(self, path: Path, mpp: float | None = None):
         self.handle = openslide.OpenSlide(path)
@@ -245,8 +218,7 @@ class OpenSlideSlide(Slide):
 
 
 class TiffSlide(Slide):
-    """A plain TIFF (strips or tiles, one level or a pyramid), read through tifffile's zarr store so a region
-    decodes only the strips or tiles it covers."""
+    """A plain TIFF, through tifffile's zarr store so a region decodes only the strips or tiles it covers."""
 
     def __init__(self, path: Path, mpp: float | None = None):
         try:
@@ -262,8 +234,7 @@ class TiffSlide(Slide):
         page = series.pages[0]
         resolution = page.tags.get("XResolution")
         unit = page.tags.get("ResolutionUnit")
-        stated = mpp_from_resolution(tuple(resolution.value) if resolution else None,
-                                     unit.value.name if unit else None)
+        stated = mpp_from_resolution(tuple(resolution.value) if resolution else None, unit.value.name if unit else None)
         dimensions = [(level.shape[1], level.shape[0]) for level in self.levels]
         super().__init__(path, dimensions, stated, mpp)
 
@@ -289,9 +260,7 @@ class TiffSlide(Slide):
 
 
 class CuCIMSlide(Slide):
-    """RAPIDS cuCIM's `CuImage`: Aperio SVS and tiled TIFF decoded by its own multithreaded decoders (nvImageCodec
-    on a GPU machine). The levels and microns per pixel are OpenSlide's (or tifffile's), so a slide tiles alike with
-    either reader; the pixels are the same (checked on the shared slides)."""
+    """RAPIDS cuCIM decoding SVS and tiled TIFF, with OpenSlide's levels and mpp, so slides tile alike."""
 
     def __init__(self, path: Path, mpp: float | None = None):
         if path.suffix.lower() not in CUCIM_SUFFIXES:
@@ -341,15 +310,10 @@ class CuCIMSlide(Slide):
 
 
 class SlideHandles:
-    """Open slides of this process, keyed by path and process id, the least recently used closed past `max_open`.
-
-    A Dataset holds one of these instead of open slides: a forked DataLoader worker then opens its own handles on
-    first use and never reads through the parent's (it only forgets its copies of them).
-    """
+    """Open slides keyed by process and path (a forked DataLoader worker opens its own), LRU past `max_open`."""
 
     def __init__(self, max_open: int = 16, mpp: float | None = None):
-        self.max_open = max_open
-        self.mpp = mpp
+        self.max_open, self.mpp = max_open, mpp
         self.open: OrderedDict[tuple[int, Path, str], Slide] = OrderedDict()
 
     def get(self, path: str | Path, reader: str = "openslide") -> Slide:

@@ -1,14 +1,8 @@
-"""The slide-level model as an MLflow pyfunc: a slide's path in, its probability and where the model looked out.
-
-It is what the run evaluated, applied to one slide at a time: the slide's tissue tiles at the run's magnification (the
-same seeded sample where it has more than `max_tiles`), its own stain fit (on the same seeded sample of its tiles), the
-tile encoder's pooled features and attention MIL's probability. Each slide's random draws come from the run's seed and
-the slide file's digest (`slide_generator`), so a test slide served gets the probability its evaluation logged.
-
-Input: a column `slide` of paths the server can read, each a slide file or a folder of them. Output: a row per slide
-with `slide`, `probability` (of the positive class), `positive` (at the threshold chosen on validation for the target
-sensitivity) and `top_tiles` (JSON: the level-0 x, y and side of the tiles with the most attention, and theirs).
-"""
+"""The slide-level model as an MLflow pyfunc: what the run evaluated, one slide at a time (its tiles, stain fit,
+features and attention MIL), each slide's draws seeded by the run's seed and its digest, so a test slide served gets the
+probability its evaluation logged. Input: a column `slide` of paths the server can read (slide files or folders of
+them). Output per slide: `slide`, `probability`, `positive` (at the validation threshold) and `top_tiles` (JSON: the
+most attended tiles' x, y, side)."""
 
 from __future__ import annotations
 
@@ -28,26 +22,22 @@ from ..models import build_classifier
 from .features import SlideTiles, encode_slides, read_tiles
 from .mil import GatedAttentionMIL, predict_bags
 from .reader import SLIDE_SUFFIXES, open_slide
-from .stain import MacenkoNormaliser, ReinhardNormaliser
+from .stain import NORMALISERS
 from .tiles import TileGrid, slide_digest, tile_grid
 
 TOP_TILES = 5
-NORMALISERS = {"macenko": MacenkoNormaliser, "reinhard": ReinhardNormaliser}
 
 
 def slide_generator(seed: int, path: Path) -> np.random.Generator:
-    """The random draws of one slide (its tile sample, its stain-fit sample): from the run's seed and the file's
-    digest, so that they do not depend on the other slides, their order or the file's name."""
+    """One slide's random draws, from the run's seed and the file's digest: independent of the other slides."""
     return np.random.default_rng([seed, int(slide_digest(path)[:16], 16)])
 
 
 def chosen_tiles(path: Path, grid: TileGrid, max_tiles: int | None, rng: np.random.Generator,
                  reader: str = "openslide") -> SlideTiles:
     """The slide's tissue tiles, a seeded sample of `max_tiles` of them where it has more."""
-    indices = np.arange(len(grid))
-    if max_tiles is not None and len(indices) > max_tiles:
-        indices = np.sort(rng.choice(indices, size=max_tiles, replace=False))
-    return SlideTiles(path, grid, indices, reader)
+    every = SlideTiles(path, grid, np.arange(len(grid)), reader)
+    return every if max_tiles is None else sampled(every, max_tiles, rng)
 
 
 def sampled(slide: SlideTiles, count: int, rng: np.random.Generator) -> SlideTiles:
@@ -57,8 +47,7 @@ def sampled(slide: SlideTiles, count: int, rng: np.random.Generator) -> SlideTil
 
 def slide_normaliser(slide: SlideTiles, method: str, count: int, rng: np.random.Generator,
                      reference: dict[str, torch.Tensor] | None = None):
-    """The slide's stain normaliser, fitted on a sample of `count` of its tiles (None for `method` none); Reinhard's
-    reference is the run's (`reference`, a normaliser's state), Macenko's the published one."""
+    """The slide's stain normaliser fitted on `count` of its tiles, onto the run's `reference` where given."""
     if method == "none":
         return None
     normaliser = NORMALISERS[method]() if reference is None else NORMALISERS[method].from_state_dict(reference)
@@ -70,8 +59,6 @@ def slide_normaliser(slide: SlideTiles, method: str, count: int, rng: np.random.
 
 
 class SlideClassifierModel(ServedModel):
-    """See the module docstring."""
-
     def load(self, bundle: dict) -> None:
         self.encoder = build_classifier(bundle["encoder_architecture"]).eval()
         self.encoder.load_state_dict(bundle["encoder_state"])
@@ -139,9 +126,7 @@ SLIDE_REQUIREMENTS = ("torch", "torchvision", "numpy", "pandas", "scipy", "mlflo
 
 @dataclass(frozen=True)
 class SlideModel:
-    """What the served slide model is made of: the trained tile encoder and its architecture, attention MIL, how
-    slides were tiled and normalised (`slides`, and Reinhard's reference where that is the stain method), and the
-    operating threshold chosen on validation."""
+    """The served slide model: tile encoder, attention MIL, tiling and stain settings, validation threshold."""
 
     encoder: torch.nn.Module
     encoder_architecture: dict

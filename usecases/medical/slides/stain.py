@@ -1,15 +1,7 @@
-"""Stain normalisation of H&E tiles in torch, batched on whatever device the tiles are on.
-
-Scanners and labs stain differently; a model trained on one lab's pink should not learn the pink. Both normalisers
-map a slide's colours onto a reference: `fit_reference(tiles)` sets the reference (Macenko defaults to torchstain's
-H&E matrix), `fit(tiles)` estimates the slide once from a sample of its tissue tiles (their pixels pooled), and
-`normalize(batch)` applies that one mapping to every tile, so all tiles of a slide move alike. torchstain instead
-re-estimates each image in `normalize`; fitted on the same tile, the two agree (tests/medical/test_stain.py).
-
-Batches are (B, 3, H, W), uint8 or float in [0, 255], and come back in the same shape and dtype. A fit on too
-little tissue raises a one-line ValueError (the caller makes it a user error); `state_dict` holds plain CPU tensors
-that `torch.load(weights_only=True)` reads back, so a fitted normaliser can be logged with its run.
-"""
+"""Stain normalisation of H&E tiles in torch, batched on the tiles' device, so a model does not learn one lab's pink.
+`fit_reference(tiles)` sets the reference (Macenko's default: torchstain's H&E matrix), `fit(tiles)` estimates a
+slide once from a sample of its tiles, and `normalize(batch)` moves all its tiles alike (torchstain re-estimates each
+image; on one tile the two agree). Batches are (B, 3, H, W), uint8 or float in [0, 255], returned alike."""
 
 from __future__ import annotations
 
@@ -35,7 +27,7 @@ WHITE_XYZ = torch.tensor([0.95047, 1.0, 1.08883])
 
 
 class _Normaliser:
-    """Shared input handling: subclasses map (B, 3, N) float pixels in [0, 255] to the same."""
+    """Shared input handling: subclasses map (B, 3, N) float pixels in [0, 255] to the same (`_normalize_pixels`)."""
 
     _state_keys: tuple[str, ...]
 
@@ -52,11 +44,8 @@ class _Normaliser:
         normalised = self._normalize_pixels(pixels).clamp(0, 255).reshape(batch.shape)
         return normalised.round().to(batch.dtype) if not batch.is_floating_point() else normalised.to(batch.dtype)
 
-    def _normalize_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU tensors only, so the fit logs with its run and reloads under torch.load(weights_only=True)."""
+        """CPU tensors only, so the fit reloads under torch.load(weights_only=True)."""
         return {key: getattr(self, key).cpu() for key in self._state_keys if getattr(self, key) is not None}
 
     @classmethod
@@ -71,8 +60,7 @@ class _Normaliser:
 
 
 class MacenkoNormaliser(_Normaliser):
-    """Macenko et al. 2009: unmix optical density into hematoxylin and eosin with the slide's stain vectors, rescale
-    their concentrations to the reference's, remix with the reference's vectors."""
+    """Macenko et al. 2009: unmix optical density into H and E, rescale to the reference's, remix with its vectors."""
 
     _state_keys = ("reference_stain_matrix", "reference_max_concentrations", "stain_matrix", "max_concentrations")
 
@@ -147,6 +135,9 @@ class ReinhardNormaliser(_Normaliser):
         return lab_to_rgb(rgb_to_lab(pixels / 255) * scale + shift) * 255
 
 
+NORMALISERS = {"macenko": MacenkoNormaliser, "reinhard": ReinhardNormaliser}
+
+
 def lab_statistics(images: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel CIELAB mean and (unbiased) standard deviation over every pixel, as torchstain's Reinhard."""
     pixels = _pooled_pixels(images)
@@ -184,8 +175,7 @@ def lab_to_rgb(lab: torch.Tensor) -> torch.Tensor:
 
 
 def normalise_throughput(normaliser: _Normaliser, batch: torch.Tensor, repeats: int) -> float:
-    """Tiles per second of `normalize` where `batch` lies, after a warm-up call (kernels, allocator) and waiting for
-    the device, so a bench compares devices and batch sizes on equal terms."""
+    """Tiles per second of `normalize` where `batch` lies, after a warm-up, waiting for the device."""
     normaliser.normalize(batch)
     _wait_for(batch.device)
     start = time.perf_counter()
@@ -220,7 +210,6 @@ def _require_tissue(density: torch.Tensor) -> torch.Tensor:
 
 
 def _percentile(values: torch.Tensor, q: float) -> torch.Tensor:
-    """The nearest-rank percentile torchstain uses; torch.quantile refuses more than 2**24 values, a slide's sample
-    can hold more."""
+    """The nearest-rank percentile torchstain uses (torch.quantile refuses a slide's sample of over 2**24 values)."""
     rank = 1 + round(0.01 * q * (values.numel() - 1))
     return values.flatten().kthvalue(rank).values

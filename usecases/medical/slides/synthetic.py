@@ -1,14 +1,6 @@
-"""Synthetic whole-slide images: real pyramidal tiled TIFFs, so the pipeline is tested on the same reader, tissue
-mask and tiling as a scanner's slides, at any size, without patient data.
-
-A slide is H&E-like tissue (eosin pink, scattered haematoxylin nuclei) on white glass. A positive slide also has
-a few tumour-like regions of dense, large, dark nuclei covering a small fraction of its tissue tiles: the
-slide-level label is learnable only by finding them, as in weakly supervised pathology. Colours follow the
-Beer-Lambert law with Ruifrok and Johnston's stain vectors, so stain normalisation sees realistic stains.
-
-Writing streams tiles: level 0 is rendered tile by tile and each reduced level is averaged from the one above
-through a scratch file on disk, so a 50,000 x 40,000 slide is written in bounded memory.
-"""
+"""Synthetic whole-slide images: real pyramidal tiled TIFFs of H&E-like tissue on glass (Beer-Lambert colours with
+Ruifrok and Johnston's stain vectors), a positive slide with a few small regions of dense dark nuclei that only
+attention finds. Written tile by tile, each reduced level averaged via a scratch file: bounded memory at any size."""
 
 from __future__ import annotations
 
@@ -39,20 +31,16 @@ NUCLEUS_STAIN = {"normal": 0.8, "tumour": 1.3}
 
 
 def write_slide(path: str | Path, width: int, height: int, positive: bool, seed: int, mpp: float = 0.5,
-                tile: int = 256, compression: str = "jpeg") -> Path:
-    """Write a pyramidal tiled TIFF: level 0 of width x height at `mpp` microns per pixel (in its resolution
-    tags, which OpenSlide reports as openslide.mpp-x), then levels reduced 4, 16 and 64 times while they are at
-    least a tile a side."""
+                tile: int = 256) -> Path:
+    """A pyramidal tiled TIFF at `mpp`, with levels reduced 4, 16 and 64 times while at least a tile a side."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     scene = Scene(width, height, positive, seed, mpp)
     shapes = [(height, width)]
     while len(shapes) <= MAX_REDUCED_LEVELS and min(shapes[-1]) // LEVEL_FACTOR >= tile:
         shapes.append((shapes[-1][0] // LEVEL_FACTOR, shapes[-1][1] // LEVEL_FACTOR))
-    options = dict(dtype=np.uint8, tile=(tile, tile), photometric="rgb", compression=compression, metadata=None,
-                   resolutionunit="CENTIMETER")
-    if compression == "jpeg":
-        options["compressionargs"] = {"level": 90}
+    options = dict(dtype=np.uint8, tile=(tile, tile), photometric="rgb", compression="jpeg", metadata=None,
+                   resolutionunit="CENTIMETER", compressionargs={"level": 90})
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch, \
             tifffile.TiffWriter(path, bigtiff=width * height * 3 > 2**31) as tiff:
         tiles = scene.tiles(tile)
@@ -94,8 +82,7 @@ def tiles_of(image: np.ndarray, rows: int, cols: int, tile: int) -> Iterator[np.
 
 
 class ValueNoise:
-    """A smooth random field: random values on a grid `spacing` pixels apart, blended with smoothstep weights.
-    Separable, so any rectangle is two small matrix products, whatever the slide's size."""
+    """A smooth random field: a grid of random values blended by smoothstep, separable for any rectangle."""
 
     def __init__(self, rng: np.random.Generator, spacing: float, width: int, height: int):
         self.spacing = spacing
@@ -161,8 +148,7 @@ class Scene:
         return inside
 
     def nuclei(self, kind: str, left: int, top: int, tile: int) -> np.ndarray:
-        """Stain of one kind of nuclei over a tile. Each tile's nuclei come from its own seed and its
-        neighbours' are drawn too, so nuclei cross tile edges without seams."""
+        """Stain of one kind of nuclei over a tile, its neighbours' drawn too, so nuclei cross tile edges."""
         margin = math.ceil(self.radius_px[kind]) + 1
         centres = np.ones((tile + 2 * margin, tile + 2 * margin), bool)
         for row in (-1, 0, 1):
@@ -205,9 +191,7 @@ class Scene:
 
 def write_slide_set(folder: str | Path, n_slides: int, size: tuple[int, int] = (4096, 4096), seed: int = 0,
                     mpp: float = 0.5) -> Path:
-    """Write `n_slides` slides (width, height = `size`) and labels.csv (slide, label, patient), half positive,
-    one slide per core at a time. Some patients have two slides, both with the patient's label, so splits must be
-    made by patient."""
+    """`n_slides` slides and labels.csv, half positive; some patients have two slides (split by patient)."""
     folder = Path(folder)
     rng = np.random.default_rng(seed)
     patients: list[int] = []
@@ -229,7 +213,6 @@ def write_slide_set(folder: str | Path, n_slides: int, size: tuple[int, int] = (
 
 
 def _write_one(folder: Path, size: tuple[int, int], mpp: float, row: dict, seed: int) -> Path:
-    """One slide in a writer process, its BLAS on one thread: a process per core already fills the cores, and
-    OpenBLAS threads on top of that made two writers slower than one (33 s against 20 s for the smoke set)."""
+    """One slide in a writer process, its BLAS on one thread (OpenBLAS threads made two writers slower than one)."""
     with threadpool_limits(1):
         return write_slide(folder / row["slide"], *size, positive=bool(row["label"]), seed=seed, mpp=mpp)

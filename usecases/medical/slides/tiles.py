@@ -1,9 +1,5 @@
-"""Tiles of a slide at a chosen magnification, kept where the tissue mask says tissue.
-
-As CLAM does, only coordinates are stored per slide, not pixels: a tile is read again from the slide when it is
-needed. The coordinates are cached in a folder named by the slide file's SHA-256 digest, so a renamed or copied
-slide reuses them and an edited one does not.
-"""
+"""Tiles of a slide at a chosen magnification where the tissue mask (`tissue.py`) says tissue. As in CLAM only
+coordinates are kept, cached by the slide file's digest (a renamed copy reuses them, an edited slide does not)."""
 
 from __future__ import annotations
 
@@ -18,16 +14,15 @@ from PIL import Image
 
 from common.errors import UserError
 from common.paths import file_sha256
-from . import tissue
 from .reader import Slide
+from . import tissue
 
 CACHE_VERSION = 2  # bump when the mask or the grid changes, so old caches are not read
 
 
 @dataclass(frozen=True)
 class TileGrid:
-    """Where the tiles of one slide are: read `read_px` square at `level` from each level-0 (x, y) in `coords`,
-    then resize to `tile_px`. One tile covers `tile_l0` level-0 pixels a side."""
+    """Read `read_px` square at `level` from each level-0 (x, y) in `coords` and resize to `tile_px`."""
 
     level: int
     read_px: int
@@ -40,25 +35,24 @@ class TileGrid:
         return len(self.coords)
 
 
-def tile_grid(
-    slide: Slide,
-    mpp: float | None,
-    tile_px: int = 256,
-    min_tissue: float = 0.5,
-    cache_dir: Path | None = None,
-    mask_size: int = 1024,
-) -> TileGrid:
-    """The tissue tiles of `slide`, `tile_px` square at `mpp` microns per pixel (None: level-0 pixels, for a slide
-    that states no mpp), each at least `min_tissue` tissue. Read from `cache_dir` when computed there before."""
+def tile_grid(slide: Slide, mpp: float | None, tile_px: int = 256, min_tissue: float = 0.5,
+              cache_dir: Path | None = None, mask_size: int = 1024) -> TileGrid:
+    """The tissue tiles of `slide` at `mpp` (None: level-0 pixels), from `cache_dir` when computed there before."""
     cache = None
     if cache_dir is not None:
         settings = f"mpp{'level0' if mpp is None else f'{mpp:g}'}-px{tile_px}-min{min_tissue:g}-mask{mask_size}"
         cache = Path(cache_dir) / slide_digest(slide.path) / f"tiles-v{CACHE_VERSION}-{settings}.npz"
         if cache.is_file():
-            return load_grid(cache)
+            with np.load(cache, allow_pickle=False) as saved:
+                return TileGrid(int(saved["level"]), int(saved["read_px"]), int(saved["tile_px"]),
+                                int(saved["tile_l0"]), saved["coords"], float(saved["mask_downsample"]))
     grid = compute_grid(slide, mpp, tile_px, min_tissue, mask_size)
-    if cache is not None:
-        save_grid(grid, cache)
+    if cache is not None:  # written beside the target, then renamed: a reader never sees half a file
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache.parent, suffix=".tmp", delete=False) as handle:
+            np.savez(handle, coords=grid.coords, level=grid.level, read_px=grid.read_px, tile_px=grid.tile_px,
+                     tile_l0=grid.tile_l0, mask_downsample=grid.mask_downsample)
+        os.replace(handle.name, cache)
     return grid
 
 
@@ -101,8 +95,7 @@ def read_tile(slide: Slide, grid: TileGrid, index: int) -> np.ndarray:
 
 
 def slide_digest(path: Path) -> str:
-    """SHA-256 of the slide's bytes (a Mirax slide's data folder included), remembered while the file is
-    unchanged: hashing gigabytes once per process is enough."""
+    """SHA-256 of the slide's bytes (a Mirax slide's data folder too), hashed once per process while unchanged."""
     stat = Path(path).stat()
     return cached_digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
 
@@ -113,19 +106,3 @@ def cached_digest(path: str, size: int, mtime_ns: int) -> str:
     data_folder = slide.with_suffix("")
     parts = sorted(data_folder.iterdir()) if slide.suffix.lower() == ".mrxs" and data_folder.is_dir() else []
     return file_sha256(slide, *[part for part in parts if part.is_file()])
-
-
-def save_grid(grid: TileGrid, path: Path) -> None:
-    """Write beside the target, then rename: a concurrent reader never sees half a file. No pickles."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
-        np.savez(handle, coords=grid.coords, level=grid.level, read_px=grid.read_px, tile_px=grid.tile_px,
-                 tile_l0=grid.tile_l0, mask_downsample=grid.mask_downsample)
-    os.replace(handle.name, path)
-
-
-def load_grid(path: Path) -> TileGrid:
-    with np.load(path, allow_pickle=False) as saved:
-        return TileGrid(int(saved["level"]), int(saved["read_px"]), int(saved["tile_px"]), int(saved["tile_l0"]),
-                        saved["coords"], float(saved["mask_downsample"]))
-

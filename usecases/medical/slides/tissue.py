@@ -1,10 +1,6 @@
 """Where the tissue is: a mask on a thumbnail, so tiling never reads glass, pen marks or dust at full resolution.
-
-CLAM's approach: Otsu's threshold on the median-filtered HSV saturation (stained tissue is saturated, glass is
-grey-white), then, as histolab and tiatoolbox do, near-white background and red, green and blue marker ink taken
-out by colour (red ink by its saturation and its long strokes, which red-leaning eosin and red blood cells
-lack), and a small morphological clean-up.
-"""
+CLAM's Otsu threshold of the median-filtered saturation, near-white and marker ink taken out by colour (as histolab
+and tiatoolbox do), and a small morphological clean-up."""
 
 from __future__ import annotations
 
@@ -44,7 +40,8 @@ class TissueMask:
 
 def tissue_mask(slide: Slide, max_size: int = 1024) -> TissueMask:
     """The tissue of `slide`, found on a thumbnail at most `max_size` pixels a side."""
-    return TissueMask(detect_tissue(slide.thumbnail(max_size)), slide.thumbnail_downsample(max_size))
+    level, block = slide.thumbnail_plan(max_size)  # a thumbnail pixel: block x block pixels of `level`
+    return TissueMask(detect_tissue(slide.thumbnail(max_size)), slide.level_downsamples[level] * block)
 
 
 def detect_tissue(rgb: np.ndarray) -> np.ndarray:
@@ -81,12 +78,8 @@ def otsu_threshold(values: np.ndarray) -> float:
 
 
 def pen_ink(hue: np.ndarray, saturation: np.ndarray, value: np.ndarray) -> np.ndarray:
-    """Marker ink by colour, saturation and shape. Eosin and haematoxylin lie between violet and pink (hue about 250
-    to 340 degrees), but eosin that leans red reaches 340 to 360, pale in stroma (saturation 0.15 to 0.45) and deep in
-    red blood cells (0.6 to 0.75, in clusters): so red ink is red more saturated than pale stain (above
-    RED_INK_SATURATION) that forms a stroke, a connected run at least STROKE_SPAN of the image long, which no cluster of
-    cells is. Green and blue ink are far from both stains. Specks of any of those colours inside tissue are scanner
-    noise or colour fringes at full resolution, so only strokes (opened, then long runs) count, grown by their rim."""
+    """Marker ink by colour, saturation and shape: red more saturated than pale eosin forming a stroke (a run at
+    least STROKE_SPAN long, unlike red blood cells), green or blue; specks inside tissue are noise."""
     red = (hue >= 340) | (hue < 20) | ((hue >= 320) & (value < 0.4))
     red_strokes = long_runs(ndimage.binary_opening(red & (saturation > RED_INK_SATURATION), SQUARE))
     rim = round(INK_RIM * max(hue.shape))  # the stroke's paler edge, as far as it stays red
@@ -111,8 +104,7 @@ def long_runs(mask: np.ndarray) -> np.ndarray:
 
 
 def clean(mask: np.ndarray) -> np.ndarray:
-    """Close small gaps, then drop specks; the image border counts as tissue while eroding, so tissue that runs
-    off the edge keeps its last pixels."""
+    """Close small gaps, then drop specks; the border counts as tissue while eroding, keeping tissue at the edge."""
     closed = ndimage.binary_erosion(ndimage.binary_dilation(mask, SQUARE, CLEAN_PX), SQUARE, CLEAN_PX, border_value=1)
     opened = ndimage.binary_erosion(closed, SQUARE, CLEAN_PX, border_value=1)
     return ndimage.binary_dilation(opened, SQUARE, CLEAN_PX) & closed
