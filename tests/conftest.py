@@ -53,6 +53,24 @@ def _start_rank(item) -> float:
     return float("inf") if marker is None else (marker.args[0] if marker.args else 0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def contained_temporary_files(tmp_path_factory):
+    """What the libraries leave in the temporary folder (MLflow copies a model there on every load and never removes
+    it: 450 MB for the million preset's) and what the servers a test starts write there go under pytest's own folder,
+    which keeps only the last three runs': suite runs never fill the disk."""
+    import tempfile
+
+    folder = str(tmp_path_factory.mktemp("tmp", numbered=False))
+    before = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = folder, folder
+    yield
+    if before[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[0]
+    tempfile.tempdir = before[1]
+
+
 @pytest.fixture(scope="session")
 def empty_store():
     """An MLflow store whose tables exist, made once a process (tests/cli_helpers.py): each test copies it."""

@@ -245,11 +245,14 @@ def test_make_test_passes_in_a_fresh_venv_of_an_export(tmp_path):
     assert subprocess.run([sys.executable, "-m", "usecases", "export", "recsys", str(export)], cwd=ROOT,
                           timeout=120).returncode == 0
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    result = subprocess.run(["make", "test", f"PYTHON={shutil.which('python3') or 'python3'}"], cwd=export,
-                            capture_output=True, text=True, timeout=3600, env=env)
-    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    assert result.returncode == 0, "\n".join([*failed, result.stdout[-3000:]])  # which test, then its output
-    assert_the_export_runs_its_own_code(export, "recsys", str(export / ".venv" / "bin" / "python"))
+    try:
+        result = subprocess.run(["make", "test", f"PYTHON={shutil.which('python3') or 'python3'}"], cwd=export,
+                                capture_output=True, text=True, timeout=3600, env=env)
+        failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        assert result.returncode == 0, "\n".join([*failed, result.stdout[-3000:]])  # which test, then its output
+        assert_the_export_runs_its_own_code(export, "recsys", str(export / ".venv" / "bin" / "python"))
+    finally:
+        shutil.rmtree(export / ".venv", ignore_errors=True)  # 7 GB: pytest keeps three runs' folders
 
 
 def test_the_clone_installs_what_every_use_case_declares():

@@ -61,31 +61,31 @@ class ServedModel(mlflow.pyfunc.PythonModel):
 
 
 def load_served(model_uri: str):
-    """MLflow's pyfunc of `model_uri`. From a remote artifact store MLflow downloads it into a temporary folder it
-    never removes (restarted servers filled /tmp with 700 MB copies): here that folder lies in one removed when this
-    process exits (the model's code is imported from it)."""
-    folder = tempfile.mkdtemp(prefix="usecases-model-")
+    """MLflow's pyfunc of `model_uri`. MLflow downloads it into a temporary folder it never removes (restarted servers
+    filled /tmp with 450 MB copies): here that folder lies in this process's scratch, removed when it exits (the
+    model's code is imported from it) or, where it was killed, by the next process that loads a model."""
+    folder = process_scratch(MODEL_SCRATCH)
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    default, tempfile.tempdir = tempfile.tempdir, folder  # where MLflow's `create_tmp_dir` makes its download folder
+    default, tempfile.tempdir = tempfile.tempdir, str(folder)  # where MLflow's `create_tmp_dir` makes its download
     try:
         return mlflow.pyfunc.load_model(model_uri)
     finally:
         tempfile.tempdir = default
 
 
-SERVER_SCRATCH = "usecases-serve-"
+MODEL_SCRATCH, SERVER_SCRATCH = "usecases-model-", "usecases-serve-"
 
 
-def server_scratch() -> Path:
-    """A temporary folder for MLflow's scoring server, which replaces this process (and keeps its id, the folder's
-    name): nothing runs after it to remove its own, so those of servers no longer running are removed here first."""
+def process_scratch(prefix: str) -> Path:
+    """A temporary folder named for this process: those of processes no longer running (killed, or replaced by
+    MLflow's scoring server, which keeps the id and runs nothing after) are removed here first."""
     import psutil
     root = Path(tempfile.gettempdir())
-    for folder in root.glob(f"{SERVER_SCRATCH}*"):
-        pid = folder.name.removeprefix(SERVER_SCRATCH)
+    for folder in root.glob(f"{prefix}*"):
+        pid = folder.name.removeprefix(prefix)
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-    scratch = root / f"{SERVER_SCRATCH}{os.getpid()}"
+    scratch = root / f"{prefix}{os.getpid()}"
     scratch.mkdir(exist_ok=True)
     return scratch
 

@@ -22,7 +22,8 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, ErrorCode
 
 from common.config import ConfigModel
 from common.serving.bundle import decode, encode, load_bundle, save_bundle
-from common.serving.pyfunc import BadInput, Publication, ServedModel, log_served, server_scratch
+from common.serving.pyfunc import (MODEL_SCRATCH, SERVER_SCRATCH, BadInput, Publication, ServedModel, log_served,
+                                   process_scratch)
 from common.tracking.runs import Tracker, tracked_run
 from tests.cli_helpers import mlflow_server
 
@@ -212,19 +213,23 @@ def test_a_model_loaded_from_a_team_server_leaves_no_download_behind_once_its_pr
     assert len(left["mlflow"]) == 1 and left["ours"] == [], left
 
 
-def test_a_scoring_server_s_scratch_outlives_it_only_until_the_next_server_starts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("prefix", [SERVER_SCRATCH, MODEL_SCRATCH])
+def test_a_process_scratch_outlives_it_only_until_the_next_one_starts(prefix, tmp_path, monkeypatch):
+    """A scoring server (replaced by MLflow's, which runs nothing after) or a server killed with its model's 450 MB
+    download leaves its scratch behind: the next process to make one removes those of processes no longer running."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / f"usecases-serve-{dead.stdout.strip()}" / "model").mkdir(parents=True)
+    (tmp_path / f"{prefix}{dead.stdout.strip()}" / "model").mkdir(parents=True)
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        (tmp_path / f"usecases-serve-{alive.pid}").mkdir()
-        scratch = server_scratch()
-        assert scratch == tmp_path / f"usecases-serve-{os.getpid()}" and scratch.is_dir()
+        (tmp_path / f"{prefix}{alive.pid}").mkdir()
+        (tmp_path / "someone-elses").mkdir()
+        scratch = process_scratch(prefix)
+        assert scratch == tmp_path / f"{prefix}{os.getpid()}" and scratch.is_dir()
         assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
-            [f"usecases-serve-{alive.pid}", f"usecases-serve-{os.getpid()}"])
+            [f"{prefix}{alive.pid}", f"{prefix}{os.getpid()}", "someone-elses"])
     finally:
         alive.kill()

@@ -49,15 +49,16 @@ def test_a_million_items_are_trained_indexed_and_served_by_two_stages_within_the
     assert peak < MEMORY_BYTES, f"{peak / 2**30:.1f} GB"
 
 
-def test_ann_serves_three_times_the_requests_of_exact_ranking_over_http(million):
+def test_ann_serves_twice_the_requests_of_exact_ranking_over_http(million):
     """The ratio of one bench run (both servers on the same cores, the load generator beside them). With the machine
     to itself it was 8.2x (the README's table); beside the slow suite's second worker CI measured 4.9x (495 against
-    100 requests/s), so the bound is 3x: a two-stage path that fell back to a full scan serves about 1x. Its tail
-    is shorter too, by less: 1.73x (209 against 362 ms at p99) on a 2-core Intel Xeon without the AMD's headroom, beside
-    the second worker (2026-12-07), so the bound there is 1.25x, where a full scan's tail would be about 1x."""
+    100 requests/s), and 2.7x (128 against 48) while that worker installed a fresh venv (2026-12-07), so the bound is
+    2x: a two-stage path that fell back to a full scan serves about 1x. Its tail is shorter too, by less: 1.73x (209
+    against 362 ms at p99) on a 2-core Intel Xeon without the AMD's headroom, beside the second worker (2026-12-07), so
+    the bound there is 1.25x, where a full scan's tail would be about 1x."""
     metrics = served(million[3])
     exact, ann = (metrics[f"serve/{mode}/c{CONCURRENCY}/requests_per_s"] for mode in ("exact", "ann"))
-    assert ann >= 3 * exact, (ann, exact)
+    assert ann >= 2 * exact, (ann, exact)
     assert metrics[f"serve/ann/c{CONCURRENCY}/p99_ms"] < metrics[f"serve/exact/c{CONCURRENCY}/p99_ms"] / 1.25
     assert metrics[f"serve/ann/c{CONCURRENCY}/errors"] == metrics[f"serve/exact/c{CONCURRENCY}/errors"] == 0
 

@@ -65,12 +65,12 @@ def serve_command(args: argparse.Namespace) -> int:
     uri = tracking_uri()
     if own is not None:
         return _own_server(own, args, model_uri, what, uri)
-    from common.serving.pyfunc import server_scratch
+    from common.serving.pyfunc import SERVER_SCRATCH, process_scratch
 
     print(f"Serving {what} on http://{args.host}:{args.port}/invocations; Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "--host", args.host, "--port", str(args.port)],
-              {**os.environ, "MLFLOW_TRACKING_URI": uri, "TMPDIR": str(server_scratch()),
+              {**os.environ, "MLFLOW_TRACKING_URI": uri, "TMPDIR": str(process_scratch(SERVER_SCRATCH)),
                # MLflow starts `uvicorn` by name: this venv's first
                "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
 
