@@ -2,6 +2,8 @@
 
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ pytest_plugins = ["tests.services"]  # which service-backed tests ran and which 
 # A slow test's real-data run takes 10 minutes alone on 2 cores and twice that beside another on the second xdist
 # worker: the 600 s of pyproject.toml are for the default suite.
 SLOW_TEST_TIMEOUT_S = 3600
+SYSTEM_TEMP = tempfile.gettempdir()  # before `contained_temporary_files` moves it into pytest's folder
 
 
 def pytest_configure(config):
@@ -58,8 +61,6 @@ def contained_temporary_files(tmp_path_factory):
     """What the libraries leave in the temporary folder (MLflow copies a model there on every load and never removes
     it: 450 MB for the million preset's) and what the servers a test starts write there go under pytest's own folder,
     which keeps only the last three runs': suite runs never fill the disk."""
-    import tempfile
-
     folder = str(tmp_path_factory.mktemp("tmp", numbered=False))
     before = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = folder, folder
@@ -69,6 +70,15 @@ def contained_temporary_files(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = before[0]
     tempfile.tempdir = before[1]
+
+
+@pytest.fixture
+def open_folder():
+    """A folder any user can reach (pytest's own are root's only), removed afterwards."""
+    folder = Path(tempfile.mkdtemp(dir=SYSTEM_TEMP))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
 
 
 @pytest.fixture(scope="session")

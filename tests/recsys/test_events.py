@@ -8,11 +8,9 @@ the server binary. Writers are forked children (`os.fork`): the store must open 
 """
 
 import os
-import shutil
 import signal
 import sqlite3
 import sys
-import tempfile
 import time
 import traceback
 from contextlib import contextmanager, nullcontext
@@ -270,15 +268,6 @@ def unprivileged():
         yield
     finally:
         os.seteuid(0)
-
-
-@pytest.fixture
-def open_folder():
-    """A folder any user can reach (pytest's own are root's only), removed afterwards."""
-    folder = Path(tempfile.mkdtemp())
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder)
 
 
 def sqlite_file(path: Path, statements: str = "", events: int = 0) -> Path:
