@@ -142,9 +142,8 @@ def _experiment(usecase: UseCase, bench: bool) -> tuple[str, str]:
 def _machine_tags(runtime, deterministic: bool, client) -> dict:
     from common.runtime.engine import client_tags
     from common.runtime.process import hardware_info
-    return {"device": runtime.device.type, "precision": runtime.precision,
-            "deterministic": str(deterministic).lower(), "cudnn_benchmark": str(not deterministic).lower(),
-            "world_size": runtime.world_size, **hardware_info(),
+    return {"device": runtime.device.type, "precision": runtime.precision, "deterministic": str(deterministic).lower(),
+            "cudnn_benchmark": str(not deterministic).lower(), "world_size": runtime.world_size, **hardware_info(),
             **(client_tags(client) if client is not None else {"engine": "pandas"})}
 
 
@@ -220,8 +219,7 @@ def write_summary(tracker, usecase: str, preset: str, device: str, models: dict[
     return summary
 
 
-def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float, peak_bytes: int,
-                            phases) -> None:
+def log_total_time_and_cost(tracker, price_per_hour: float | None, seconds: float, peak_bytes: int, phases) -> None:
     """The run's wall time, phases, cost at the machine's price, and its process tree's peak resident memory."""
     metrics = {"time/total_s": seconds, "memory/peak_rss_gb": peak_bytes / 2**30, **phases.metrics()}
     tracker.set_tags(phases.tags())

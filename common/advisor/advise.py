@@ -92,9 +92,8 @@ class SpotRun:
         return 1 - self.cost.expected / on_demand.expected if on_demand.expected > 0 else math.nan
 
     def as_dict(self, on_demand: Range | None = None) -> dict:
-        return {"seconds": self.seconds, "cost_usd": self.cost,
-                "interruptions": self.interruptions, "lost_per_interruption_s": self.lost_s,
-                "between_checkpoints_s": self.between_s,
+        return {"seconds": self.seconds, "cost_usd": self.cost, "interruptions": self.interruptions,
+                "lost_per_interruption_s": self.lost_s, "between_checkpoints_s": self.between_s,
                 **({"saving": self.saving(on_demand)} if on_demand is not None else {})}
 
 
@@ -205,8 +204,7 @@ def _run(row: Row, facts: RunFacts, gpus: dict[str, GPU], link: Link | None, opt
         fastest = max(model.samples_per_s.expected for model in whole.models.values())
         row.placement = place(facts.data_bytes / 1e9, fastest, facts.bytes_per_sample, instance)
         if row.placement.bounds:
-            whole = whole_run(facts, instance, gpus, link,
-                              row.placement.read_gbs.scaled(1e9 / facts.bytes_per_sample))
+            whole = whole_run(facts, instance, gpus, link, row.placement.read_gbs.scaled(1e9 / facts.bytes_per_sample))
     copy = row.placement.copy_s if row.placement is not None and row.placement.where in ("memory", "local NVMe") \
         else Range(0, 0, 0)
     copy = Range(0, 0, 0) if math.isnan(copy.expected) else copy
@@ -229,15 +227,12 @@ def _between_checkpoints(facts: RunFacts, longest: ModelRun | None) -> Range | N
     every = facts.checkpoint_every_s.get(longest.name) if longest is not None else None
     if every is None:
         return None
-    if every == 0:
-        return longest.epoch_s
-    return Range(every, every, every).capped_by(longest.fit_s)
+    return longest.epoch_s if every == 0 else Range(every, every, every).capped_by(longest.fit_s)
 
 
 def _serve(row: Row, facts: RunFacts, gpus: dict[str, GPU], options: Options) -> None:
     """Serving on the row's instance: one replica per GPU of the torch model with the most inference FLOPs."""
-    served = [model for model in facts.models.values() if not math.isnan(model.get("infer_flops_per_sample",
-                                                                                   math.nan))]
+    served = [model for model in facts.models.values() if not math.isnan(model.get("infer_flops_per_sample", math.nan))]
     if not served:
         return
     model = max(served, key=lambda model: model["infer_flops_per_sample"])

@@ -109,15 +109,12 @@ def load_gpus() -> dict[str, GPU]:
     table = _read(path, GPU_COLUMNS, "GPU catalogue")
     numbers = {column: _number(table, column, path, column in ("memory_gb", "bandwidth_gbs"))
                for column in GPU_COLUMNS if column.endswith(("_gb", "_gbs", "_tflops", "_w", "_capability"))}
-    gpus = {}
-    for row in range(len(table)):
-        gpus[table["gpu"].iloc[row]] = GPU(
-            table["gpu"].iloc[row], float(numbers["memory_gb"].iloc[row]), float(numbers["bandwidth_gbs"].iloc[row]),
-            {precision: float(numbers[f"{precision}_tflops"].iloc[row]) for precision in PRECISIONS},
-            float(numbers["tdp_w"].iloc[row]), table["source"].iloc[row],
-            tuple(alias.strip() for alias in table["aliases"].iloc[row].split("|") if alias.strip()),
-            float(numbers["compute_capability"].iloc[row]))
-    return gpus
+    return {table["gpu"].iloc[row]: GPU(
+        table["gpu"].iloc[row], float(numbers["memory_gb"].iloc[row]), float(numbers["bandwidth_gbs"].iloc[row]),
+        {precision: float(numbers[f"{precision}_tflops"].iloc[row]) for precision in PRECISIONS},
+        float(numbers["tdp_w"].iloc[row]), table["source"].iloc[row],
+        tuple(alias.strip() for alias in table["aliases"].iloc[row].split("|") if alias.strip()),
+        float(numbers["compute_capability"].iloc[row])) for row in range(len(table))}
 
 
 def load_instances(gpus: dict[str, GPU], path: Path | None = None) -> list[Instance]:

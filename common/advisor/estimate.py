@@ -136,9 +136,7 @@ def gpu_precision(precision: str, gpu: GPU, tf32: bool = False) -> str:
         return "bf16" if gpu.has("bf16") else "fp16"
     if precision == "fp16":
         return "fp16"
-    if precision == "tf32" or tf32:
-        return "tf32" if gpu.has("tf32") else "fp32"
-    return "fp32"
+    return "tf32" if (precision == "tf32" or tf32) and gpu.has("tf32") else "fp32"
 
 
 def kind_of(precision: str) -> str:
@@ -198,10 +196,8 @@ def estimate(workload: Workload, gpu: GPU, gpus: dict[str, GPU] | None = None, v
     bound = seconds[1][1]
     if workload.measured_gpu and workload.measured_samples_per_s and gpus is not None:
         measured = gpus[workload.measured_gpu]
-        there = _batch_seconds(workload, measured, gpu_precision(workload.precision, measured, tf32), 1,
-                               calibration)[0]
-        rate = Range(*(workload.measured_samples_per_s * there / seconds[1][0] * spread
-                       for spread in MEASURED_SPREAD))
+        there = _batch_seconds(workload, measured, gpu_precision(workload.precision, measured, tf32), 1, calibration)[0]
+        rate = Range(*(workload.measured_samples_per_s * there / seconds[1][0] * spread for spread in MEASURED_SPREAD))
     else:
         # The device's levels widened to at least its expected time over EFFICIENCY_SPREAD, never faster than the
         # datasheet's peak; then the host's levels.

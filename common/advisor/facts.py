@@ -118,10 +118,9 @@ def facts_from_run(run, usecase: str, gpus: dict[str, GPU]) -> RunFacts:
                                                                             key)]
     return RunFacts(run.info.run_id, models, _phases(metrics, tags), cores=int(tags.get("cpu_cores", "1") or 1),
                     gpu=gpu, gpu_count=world if gpu else 0, precision=params.get("runtime.precision", "auto"),
-                    tf32=params.get("runtime.tf32", "False") == "True",
-                    total_seconds=metrics.get("time/total_s", math.nan),
-                    gpu_utilisation=sum(utilisation) / len(utilisation) if utilisation else math.nan, usecase=usecase,
-                    preset=tags.get("preset"), data_bytes=number_of(tags.get("data_bytes")),
+                    tf32=params.get("runtime.tf32", "False") == "True", usecase=usecase, preset=tags.get("preset"),
+                    total_seconds=metrics.get("time/total_s", math.nan), data_bytes=number_of(tags.get("data_bytes")),
+                    gpu_utilisation=sum(utilisation) / len(utilisation) if utilisation else math.nan,
                     data_samples=number_of(tags.get("data_samples")),
                     checkpoint_every_s={name: _checkpoint_every_s(params, name) for name in models})
 

@@ -55,8 +55,7 @@ class Capacity:
 
     def as_dict(self) -> dict:
         return {"capacity_rps_per_core": None if self.met is None else self.per_core,
-                "at_concurrency": None if self.met is None else self.met.concurrency,
-                "levels": self.levels}
+                "at_concurrency": None if self.met is None else self.met.concurrency, "levels": self.levels}
 
 
 @dataclass(frozen=True)
@@ -86,9 +85,8 @@ class FleetRow:
         return {"provider": instance.provider, "instance": instance.name, "region": instance.region,
                 "gpu": f"{instance.gpu_count} x {instance.gpu.name}", "vcpus": instance.vcpus,
                 "ram_gb": instance.ram_gb, "workers": self.workers, "price_per_hour_usd": instance.price_per_hour,
-                "spot_price_per_hour_usd": instance.spot_price_per_hour,
-                "requests_per_s_each": self.per_instance, "instances": self.instances, "month_usd": self.month,
-                "spot_month_usd": self.spot_month}
+                "spot_price_per_hour_usd": instance.spot_price_per_hour, "requests_per_s_each": self.per_instance,
+                "instances": self.instances, "month_usd": self.month, "spot_month_usd": self.spot_month}
 
 
 def capacity(server: str, levels: list[Level], p99_ms: float, workers: int) -> Capacity:
@@ -165,8 +163,7 @@ def sized_server(bench: Bench, p99_ms: float) -> Capacity:
                         "is nothing to size")
     meeting = [found for found in own if found.met is not None]
     if not meeting:
-        best = min(((found.server, level) for found in own for level in found.levels),
-                   key=lambda pair: pair[1].p99_ms)
+        best = min(((found.server, level) for found in own for level in found.levels), key=lambda pair: pair[1].p99_ms)
         raise UserError(f"no server of bench run {bench.run_id} met p99 <= {p99_ms:g} ms without errors at any "
                         f"concurrency (the lowest p99: {best[1].p99_ms:.3g} ms, {best[0]} at concurrency "
                         f"{best[1].concurrency}): ask a larger --p99-ms, or rerun the bench at lower --concurrency")
@@ -188,13 +185,10 @@ def fleet_command(usecase, run_id: str | None, catalog: Path | None, output: str
               "bench": {"run_id": bench.run_id, "workers": bench.workers, "cpu_model": bench.cpu_model,
                         "model_uri": bench.model_uri, "p99_ms": bench.p99_ms,
                         "logged_capacity_rps_per_core": bench.logged},
-              "servers": bench.capacities,
-              "sized_server": sized.server,
-              "assumptions": {"workers_per_instance": f"vCPUs - {OS_CORES}, at least 1",
-                              "core_speed": CORE_SPEED, "headroom": HEADROOM,
-                              "hours_per_month": HOURS_PER_MONTH},
-              "lines": bench.notes + _server_lines(bench, sized, p99_ms),
-              "rows": rows,
+              "servers": bench.capacities, "sized_server": sized.server,
+              "assumptions": {"workers_per_instance": f"vCPUs - {OS_CORES}, at least 1", "core_speed": CORE_SPEED,
+                              "headroom": HEADROOM, "hours_per_month": HOURS_PER_MONTH},
+              "lines": bench.notes + _server_lines(bench, sized, p99_ms), "rows": rows,
               "cheapest": None if cheapest is None else cheapest.instance.name}
     if launch is not None:
         if cheapest is None:

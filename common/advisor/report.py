@@ -86,8 +86,7 @@ def advice(facts: RunFacts, source: str, instances, gpus, request: AdviseRequest
     picks = recommend(rows, options)
     todo = actions(facts, rows, picks, options)
     report = {"source": source, "task": task, "estimated": True, "rows": [_as_dict(row, task) for row in rows],
-              "recommendations": {key: (choice.row.instance.name if choice else None) for key, choice in
-                                  picks.items()},
+              "recommendations": {key: (choice.row.instance.name if choice else None) for key, choice in picks.items()},
               "pricing": {key: choice.pricing for key, choice in picks.items() if choice is not None},
               "stated": {"budget_usd": options.budget_usd, "deadline_h": options.deadline_h,
                          "requests_per_s": options.requests_per_s,

@@ -126,11 +126,10 @@ class ModelRun:
         return self.steps_s + self.rest_s
 
     def as_dict(self) -> dict:
-        return {"train_samples_per_s": self.samples_per_s, "epoch_seconds": self.epoch_s,
-                "steps_seconds": self.steps_s, "rest_of_fit_seconds": self.rest_s, "fit_seconds": self.fit_s,
-                "bound": self.bound, "memory_share": self.memory_share, "fits": self.fits,
-                "device_speedup": self.speedup, "serve_samples_per_s": self.serve_per_s,
-                "latency_ms": self.latency_ms, "scaling": self.scaling}
+        return {"train_samples_per_s": self.samples_per_s, "epoch_seconds": self.epoch_s, "steps_seconds": self.steps_s,
+                "rest_of_fit_seconds": self.rest_s, "fit_seconds": self.fit_s, "bound": self.bound,
+                "memory_share": self.memory_share, "fits": self.fits, "device_speedup": self.speedup,
+                "serve_samples_per_s": self.serve_per_s, "latency_ms": self.latency_ms, "scaling": self.scaling}
 
 
 @dataclass(frozen=True)

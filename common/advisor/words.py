@@ -51,9 +51,7 @@ def duration(seconds: float) -> str:
 
 def span(value: Range | None, show) -> str:
     """Expected (low-high), each bound shown by `show`; "-" where there is no figure."""
-    if value is None:
-        return "-"
-    return f"{show(value.expected)} ({show(value.low)}-{show(value.high)})"
+    return "-" if value is None else f"{show(value.expected)} ({show(value.low)}-{show(value.high)})"
 
 
 def speedup(value: Range) -> str:
@@ -172,10 +170,9 @@ def _spot_lines(pick: Row, options: Options) -> list[str]:
                    if spot.between_s < pick.run_seconds.expected else "no checkpoint interval known: half the run")
     saving = spot.saving(pick.run_cost)
     return [f"spot on {name}: {span(spot.cost, money)} a run against {money(pick.run_cost.expected)} on demand "
-            f"({100 * abs(saving):.0f} % {'less' if saving >= 0 else 'more'}), with {spot.interruptions:.2g} "
-            f"expected interruptions at {options.interruptions_per_hour:g} an hour, each losing "
-            f"{duration(spot.lost_s)} of work ({checkpoints}) and a {RESTART_S[0] / 60:.0f}-{RESTART_S[2] / 60:.0f} "
-            "min restart (estimated)"]
+            f"({100 * abs(saving):.0f} % {'less' if saving >= 0 else 'more'}), with {spot.interruptions:.2g} expected "
+            f"interruptions at {options.interruptions_per_hour:g} an hour, each losing {duration(spot.lost_s)} of work "
+            f"({checkpoints}) and a {RESTART_S[0] / 60:.0f}-{RESTART_S[2] / 60:.0f} min restart (estimated)"]
 
 
 def _milliseconds(seconds: float) -> str:
@@ -250,9 +247,8 @@ def _budget_lines(rows: list[Row], picks: dict[str, Choice | None], options: Opt
     cheap = min(every, key=lambda choice: choice.cost.expected)
     fast = min(every, key=lambda choice: choice.seconds.expected)
     return [f"no instance trains within {limits}: the cheapest run is {cheap.row.instance.name} on {cheap.pricing} "
-            f"({money(cheap.cost.expected)}, {duration(cheap.seconds.expected)}), the fastest "
-            f"{fast.row.instance.name} on {fast.pricing} ({duration(fast.seconds.expected)}, "
-            f"{money(fast.cost.expected)}) (estimated)"]
+            f"({money(cheap.cost.expected)}, {duration(cheap.seconds.expected)}), the fastest {fast.row.instance.name} "
+            f"on {fast.pricing} ({duration(fast.seconds.expected)}, {money(fast.cost.expected)}) (estimated)"]
 
 
 def _optional_columns(rows: list[Row]) -> dict[str, Callable[[Row], str]]:

@@ -83,10 +83,9 @@ def write_launch_files(folder: Path, facts, choice, tracking: str | None) -> dic
 
 def _command(facts, gpus: int) -> list[str]:
     """The run as `usecases run` takes it: continue an interrupted run of the preset, else start one."""
-    run = ["run", facts.usecase, "--preset", facts.preset or "default", "--resume-if-interrupted"]
-    if gpus > 1:
-        return ["torchrun", "--standalone", "--nproc_per_node", str(gpus), "-m", "usecases", *run]
-    return ["usecases", *run]
+    launcher = ["torchrun", "--standalone", "--nproc_per_node", str(gpus), "-m"] if gpus > 1 else []
+    return [*launcher, "usecases", "run", facts.usecase, "--preset", facts.preset or "default",
+            "--resume-if-interrupted"]
 
 
 def _setup(extra: str, venv: str, torch_index: str | None) -> str:

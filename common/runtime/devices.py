@@ -50,9 +50,7 @@ def select_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     has_cuda = torch.cuda.is_available()
     if requested == "cuda" and not has_cuda:
         raise UserError("--device cuda: no CUDA GPU is visible to torch on this machine (use --device cpu or auto)")
-    if requested == "cpu" or not has_cuda:
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank)
+    return torch.device("cpu") if requested == "cpu" or not has_cuda else torch.device("cuda", local_rank)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -69,9 +67,7 @@ def select_amp_dtype(device: torch.device, precision: str = "auto") -> torch.dty
     if device.type == "cpu":
         if precision == "fp16":
             raise UserError("precision fp16: only on CUDA; on CPU use bf16 or fp32")
-        if precision == "auto-gpu" or not cpu_has_native_bf16():
-            return None
-        return torch.bfloat16
+        return None if precision == "auto-gpu" or not cpu_has_native_bf16() else torch.bfloat16
     if precision == "fp16" or (precision in ("auto", "auto-gpu") and not torch.cuda.is_bf16_supported()):
         return torch.float16
     return torch.bfloat16

@@ -94,7 +94,6 @@ def isolated_process_state(loggers: tuple[str, ...] = ()) -> Iterator[None]:
 
 
 def deterministic_on(setting: bool | str, device: torch.device) -> bool:
-    """`auto` is deterministic on a CPU only."""
     return device.type != "cuda" if setting == "auto" else bool(setting)
 
 
@@ -161,8 +160,7 @@ class PeakMemory:
     (Dask and DataLoader workers included): what decides whether a run fits a machine."""
 
     def __init__(self):
-        self.bytes = 0
-        self._stop = threading.Event()
+        self.bytes, self._stop = 0, threading.Event()
         self._thread = threading.Thread(target=self._sample, name="peak-memory", daemon=True)
 
     def _sample(self) -> None:

@@ -5,6 +5,7 @@ index of other vectors is refused in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass
@@ -223,10 +224,8 @@ class VectorIndex:
         quantises its vectors reconstructs them only approximately)."""
         faiss = faiss_module()
         rows = np.sort(np.random.default_rng(0).permutation(len(vectors))[:32])
-        try:
+        with contextlib.suppress(RuntimeError):  # not an inverted file: its storage reconstructs by row
             faiss.extract_index_ivf(self.index).make_direct_map()
-        except RuntimeError:  # not an inverted file: its storage reconstructs by row
-            pass
         try:
             rebuilt = np.stack([self.index.reconstruct(int(row)) for row in rows])
         except RuntimeError:  # an index that cannot say what it holds: its answers must then be the model's

@@ -50,6 +50,4 @@ def decode(value: Any) -> Any:
         return np.array(value[NDARRAY], dtype=value["dtype"])
     if isinstance(value, dict):
         return {key: decode(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(decode(item) for item in value)
-    return value
+    return type(value)(decode(item) for item in value) if isinstance(value, (list, tuple)) else value

@@ -53,8 +53,7 @@ def scoring_routes(predict: Predict, version: str | None = None,
             return bad_request(str(refused))
         except unavailable_errors as failed:
             return unavailable(str(failed))
-        return Response(orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY),
-                        media_type=JSON)
+        return Response(orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY), media_type=JSON)
 
     return [Route("/ping", ping), Route("/health", ping), Route("/version", answer_version),
             Route("/invocations", invocations, methods=["POST"])]

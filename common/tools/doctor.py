@@ -48,8 +48,7 @@ def check_driver(torch, nvml) -> Check:
         return Check("driver", SKIP, "no NVML (nvidia-ml-py not installed, or no NVIDIA driver)")
     try:
         nvml.nvmlInit()
-        driver = nvml.nvmlSystemGetDriverVersion()
-        cuda = nvml.nvmlSystemGetCudaDriverVersion()
+        driver, cuda = nvml.nvmlSystemGetDriverVersion(), nvml.nvmlSystemGetCudaDriverVersion()
     except Exception as exc:
         return Check("driver", SKIP, f"NVML found no driver ({type(exc).__name__})")
     supported = f"{cuda // 1000}.{cuda % 1000 // 10}"
@@ -93,8 +92,7 @@ def check_cupy(torch, has_gpu: bool, find=importlib.util.find_spec, load=importl
         return Check("cupy", WARN, "not installed: array code runs on NumPy", f"pip install -e '.[{extra}]'")
     cupy = load("cupy")
     try:
-        available = cupy.is_available()
-        runtime = cupy.cuda.runtime.runtimeGetVersion()
+        available, runtime = cupy.is_available(), cupy.cuda.runtime.runtimeGetVersion()
     except Exception as exc:
         return Check("cupy", FAIL, f"installed but cannot reach the GPU ({type(exc).__name__})",
                      f"install the CuPy of torch's CUDA major: pip install -e '.[{extra}]'")
@@ -125,8 +123,7 @@ def check_nvml_package(has_gpu: bool, find=importlib.util.find_spec) -> Check:
     if not has_gpu:
         return Check("nvidia-ml-py", SKIP, "no GPU")
     if find("pynvml") is None:
-        return Check("nvidia-ml-py", WARN, "not installed: runs log no GPU system metrics",
-                     "pip install nvidia-ml-py")
+        return Check("nvidia-ml-py", WARN, "not installed: runs log no GPU system metrics", "pip install nvidia-ml-py")
     return Check("nvidia-ml-py", OK, "GPU utilisation and memory go to each run's system metrics")
 
 

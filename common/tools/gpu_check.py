@@ -64,8 +64,7 @@ def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
     steps += [Step(f"serve {case.name}", [*cli, "bench", "serve", case.name, "--batch-ms", "2"], "serve")
               # the champion the run registered, scored on the GPU one request at a time and micro-batched
               for case in usecases if case.server() is not None]
-    steps.append(Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"],
-                      "gpu tests"))
+    steps.append(Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], "gpu tests"))
     steps += [Step(f"bench slides {case.name}", [*cli, "bench", "slides", case.name, "--preset", SLIDES_PRESET,
                                                   "--device", "cuda", "--set", "benchmark.gigapixel=false"], "slides")
               # tiles/s on the GPU; writing the gigapixel slide (minutes on one core) would spend the step's share

@@ -83,9 +83,8 @@ def _report(name: str, table: pd.DataFrame, settings: ServeBench, servers: dict[
     over, under = tuple(retrievals[::-1]) if retrievals and len(retrievals) == 2 else ("ours", "mlflow")
     ratios, batch_ratios = _ratios(table, over, under), _ratios(table, BATCHED, "ours")
     capacity = capacity_per_core(table, settings.p99_ms, settings.workers)
-    tags = {"preset": "serve", "model_uri": settings.model_uri, "workers": str(settings.workers),
-            "cpu_model": cpu, "concurrency": ",".join(map(str, settings.concurrency)),
-            "serve_options": json.dumps(servers)}
+    tags = {"preset": "serve", "model_uri": settings.model_uri, "workers": str(settings.workers), "cpu_model": cpu,
+            "concurrency": ",".join(map(str, settings.concurrency)), "serve_options": json.dumps(servers)}
     with tracked_run(f"{name}-serve", settings, tags, run_name=f"{name}-serve",
                      description=f"{name}: its own server against MLflow's scoring server.") as tracker:
         for row in table.to_dict("records"):

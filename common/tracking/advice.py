@@ -106,8 +106,7 @@ def _plot(on_demand: list[tuple], spot: list[tuple], path: Path) -> None:
                  label="instance, on demand")
     axis.scatter([point[0] for point in spot], [point[1] for point in spot], color="tab:blue", marker="v",
                  label="instance, spot (with interruptions)")
-    axis.plot([point[0] for point in front], [point[1] for point in front], "o-", color="tab:red",
-              label="Pareto front")
+    axis.plot([point[0] for point in front], [point[1] for point in front], "o-", color="tab:red", label="Pareto front")
     for minutes, cost, label in front:
         axis.annotate(label, (minutes, cost), fontsize=7, xytext=(4, 4), textcoords="offset points")
     if on_demand:

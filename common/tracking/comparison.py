@@ -24,13 +24,11 @@ def compare_runs(usecase: str, metric: str, mode: str):
     gpu = column("tags.gpu_name")
     frame = pd.DataFrame({
         "hardware": gpu.where(gpu.notna() & (gpu != "none"), column("tags.cpu_model")).fillna("unknown"),
-        "instance_type": column("tags.instance_type").fillna("-"),
-        "precision": column("tags.precision").fillna("-"),
+        "instance_type": column("tags.instance_type").fillna("-"), "precision": column("tags.precision").fillna("-"),
         "primary": pd.to_numeric(column(f"metrics.{metric_name('primary/' + metric)}"), errors="coerce"),
         "throughput": pd.to_numeric(column("metrics.throughput/samples_per_s"), errors="coerce"),
         "wall_s": pd.to_numeric(column("metrics.time/total_s"), errors="coerce"),
-        "cost": pd.to_numeric(column("metrics.cost"), errors="coerce"),
-    })
+        "cost": pd.to_numeric(column("metrics.cost"), errors="coerce")})
     best = "min" if mode == "min" else "max"
     table = frame.groupby(["hardware", "instance_type", "precision"], dropna=False).agg(
         runs=("primary", "size"), **{metric: ("primary", best)}, samples_per_s=("throughput", "mean"),

@@ -75,10 +75,8 @@ def _row(run, kind: str, metric: str) -> dict:
         "cpu_cores": tags.get("cpu_cores", "?"), "gpu": gpu, "torch": tags.get("torch_version", "?"),
         "commit": tags.get("git_commit", "?")[:7] + ("+" if tags.get("git_dirty") == "true" else ""),
         "date": datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).strftime("%Y-%m-%d"),
-        "started_ms": run.info.start_time, "run_id": run.info.run_id,
-        "served": tags.get("primary_model"), "time_s": _rounded(metrics.get("time/total_s")),
-        "results": _results(metrics, kind, metric),
-    }
+        "started_ms": run.info.start_time, "run_id": run.info.run_id, "served": tags.get("primary_model"),
+        "time_s": _rounded(metrics.get("time/total_s")), "results": _results(metrics, kind, metric)}
 
 
 def _results(metrics: dict[str, float], kind: str, metric: str) -> dict[str, float]:

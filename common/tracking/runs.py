@@ -44,9 +44,8 @@ def ensure_experiment(usecase: str, description: str | None = None) -> str:
     tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, **({"mlflow.note.content": description} if description else {})}
     experiment = mlflow.get_experiment_by_name(name)
     if experiment is None:
-        artifact_location = None
-        if uri.startswith("sqlite:///"):
-            artifact_location = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts" / name).as_uri()
+        artifact_location = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts" / name).as_uri() \
+            if uri.startswith("sqlite:///") else None
         try:
             return mlflow.create_experiment(name, artifact_location=artifact_location, tags=tags)
         except mlflow.exceptions.MlflowException:  # another run created it in the meantime
@@ -102,8 +101,7 @@ class Tracker:
             client = mlflow.MlflowClient()
             for first in range(0, len(self.pending), MAX_BATCH):
                 client.log_batch(self.run_id, metrics=self.pending[first:first + MAX_BATCH])
-        self.pending = []
-        self.last_flush = time.monotonic()
+        self.pending, self.last_flush = [], time.monotonic()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if self.active:

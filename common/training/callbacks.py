@@ -226,8 +226,7 @@ class Progress(Callback):
     def __init__(self, monitor: str, best: EarlyStopping):
         self.monitor, self.best = monitor, best
         self.bar: tqdm | None = None
-        self.on_terminal = False
-        self.last_line = 0.0
+        self.on_terminal, self.last_line = False, 0.0
 
     def on_fit_start(self, trainer: FitState) -> None:
         self.on_terminal = sys.stderr.isatty()

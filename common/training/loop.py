@@ -21,8 +21,7 @@ from common.errors import UserError
 from common.runtime.interrupt import Terminated, stop_point, stop_requested
 from common.runtime.devices import Runtime
 from common.runtime.sharding import all_reduce_max, all_reduce_sum
-from common.training.callbacks import (CHECKPOINT_NAME, Callback, Checkpoint, EarlyStopping, Progress,
-                                       RankRandomStreams)
+from common.training.callbacks import CHECKPOINT_NAME, Callback, Checkpoint, EarlyStopping, Progress, RankRandomStreams
 from common.training.spec import Step, TrainSpec
 from common.training.workload import WorkloadProbe
 
@@ -161,10 +160,7 @@ class Trainer:
                                                  if runtime.device.type == "cuda" else None)
         if runtime.compile:
             self.model = torch.compile(self.model)  # trains compiled; validation and checkpoints use `module`
-        self.optimizer = optimizer
-        self.step = step
-        self.spec = spec
-        self.scheduler = scheduler
+        self.optimizer, self.step, self.spec, self.scheduler = optimizer, step, spec, scheduler
         self.log_metrics = spec.log_metrics or (lambda metrics, step: None)
         self.predict = spec.predict or getattr(step, "predict", None)
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.amp_dtype == torch.float16)
@@ -179,8 +175,7 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.epoch = -1
         self.resumed_from: int | None = None
-        self.should_stop = False
-        self.samples_per_epoch = 0
+        self.should_stop, self.samples_per_epoch = False, 0
 
     def state_dict(self, finished: bool) -> dict:
         state = {"epoch": self.epoch, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -130,8 +130,7 @@ def measure_model(module: nn.Module, step: Callable, predict: Predict | None, ba
 
 
 def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: tuple[torch.Tensor, ...],
-             optimizer: torch.optim.Optimizer, device: torch.device, amp_dtype: torch.dtype | None
-             ) -> dict[str, float]:
+             optimizer: torch.optim.Optimizer, device: torch.device, amp_dtype: torch.dtype | None) -> dict[str, float]:
     size = len(batch[0])
     parameters = list(module.parameters())
     weights = _bytes(parameters)
@@ -166,20 +165,14 @@ def _measure(module: nn.Module, step: Callable, predict: Predict | None, batch: 
     inputs = _bytes(batch)
     activations = saved[0]
     estimated_peak = 2 * weights + state + activations + inputs
-    return {
-        "params": float(sum(parameter.numel() for parameter in parameters)),
-        "weight_bytes": float(weights),
-        "batch_size": float(size),
-        "train_ops_per_step": float(train_ops.ops),
-        "host_syncs_per_step": float(syncs.count),
-        "infer_ops_per_batch": float(infer_ops),
-        "train_flops_per_sample": train_flops / size,
-        "infer_flops_per_sample": infer_flops / size,
-        "train_bytes_per_sample": (5 * weights + 2 * state + 2 * activations + inputs) / size,
-        "infer_bytes_per_sample": (weights + activations + inputs + output_bytes) / size,
-        "peak_memory_gb": (peak if peak is not None else estimated_peak) / 2**30,
-        "peak_memory_measured": float(peak is not None),
-    }
+    return {"params": float(sum(parameter.numel() for parameter in parameters)), "weight_bytes": float(weights),
+            "batch_size": float(size), "train_ops_per_step": float(train_ops.ops),
+            "host_syncs_per_step": float(syncs.count), "infer_ops_per_batch": float(infer_ops),
+            "train_flops_per_sample": train_flops / size, "infer_flops_per_sample": infer_flops / size,
+            "train_bytes_per_sample": (5 * weights + 2 * state + 2 * activations + inputs) / size,
+            "infer_bytes_per_sample": (weights + activations + inputs + output_bytes) / size,
+            "peak_memory_gb": (peak if peak is not None else estimated_peak) / 2**30,
+            "peak_memory_measured": float(peak is not None)}
 
 
 def _inference(module: nn.Module, predict: Predict | None, batch: tuple[torch.Tensor, ...],

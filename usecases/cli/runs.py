@@ -33,10 +33,9 @@ def run_command(args: argparse.Namespace, bench: bool = False) -> int:
     from common.usecase import RunRequest
 
     use_gpu_frames(args.frames, args.device)  # before the use case's package is imported: cudf.pandas takes over
-    run_usecase(RunRequest(options.usecase(args.name), args.preset,
-                           (*args.overrides, *options.engine_overrides(args)), args.device, args.frames, args.data,
-                           args.summary, getattr(args, "resume", False), getattr(args, "resume_if_interrupted", False),
-                           bench=bench))
+    run_usecase(RunRequest(options.usecase(args.name), args.preset, (*args.overrides, *options.engine_overrides(args)),
+                           args.device, args.frames, args.data, args.summary, getattr(args, "resume", False),
+                           getattr(args, "resume_if_interrupted", False), bench=bench))
     return EXIT_OK
 
 

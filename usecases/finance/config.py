@@ -54,9 +54,8 @@ class Evaluation(ConfigModel):
     test_start: date | None = date(2011, 1, 3)
     test_end: date | None = date(2018, 12, 31)
     test_fraction: float = Field(0.3, gt=0, lt=1, description="used when test_start is null")
-    val_days: int = Field(504, ge=1, description="trading days just before the test window on which the neural "
-                          "model's tail rule is chosen and its val_qlike_sq measured (at most half of the days "
-                          "before it)")
+    val_days: int = Field(504, ge=1, description="trading days just before the test window on which the neural model's "
+                          "tail rule is chosen and its val_qlike_sq measured (at most half of the days before it)")
     refit_every: int = Field(21, ge=1, description="trading days between baseline refits")
     tail_models: list[Literal["training", "out_of_sample", "out_of_sample_evt", "fz", "gas"]] = Field(
         ["training", "out_of_sample", "out_of_sample_evt", "fz", "gas"], min_length=1,

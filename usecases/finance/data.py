@@ -110,8 +110,7 @@ def synthetic_panel(config: Synthetic) -> Panel:
         raise UserError(f"data.synthetic: alpha + gamma/2 + beta must be below 1 for a stationary panel, "
                         f"got {persistence:.3f}")
     variance = np.full(tickers, config.omega / (1 - persistence))
-    returns = np.empty((days, tickers))
-    variances = np.empty((days, tickers))
+    returns, variances = np.empty((days, tickers)), np.empty((days, tickers))
     for day in range(days):
         variances[day] = variance
         returns[day] = np.sqrt(variance) * shocks[day]
@@ -123,20 +122,16 @@ def synthetic_panel(config: Synthetic) -> Panel:
     walk *= np.sqrt((1 - gap) * variances / steps)[..., None]
     fraction = np.arange(1, steps + 1) / steps
     bridge = walk - fraction * walk[..., -1:] + fraction * intraday[..., None]
-    high_move = np.maximum(bridge.max(axis=2), 0)
-    low_move = np.minimum(bridge.min(axis=2), 0)
+    high_move, low_move = np.maximum(bridge.max(axis=2), 0), np.minimum(bridge.min(axis=2), 0)
     log_close = np.log(100.0) + np.cumsum(returns, axis=0) / 100
     log_open = np.vstack([np.full((1, tickers), np.log(100.0)), log_close[:-1]]) + overnight / 100
     dates = pd.bdate_range("2000-01-03", periods=days)
     frame = pd.DataFrame({
         "date": np.repeat(dates.to_numpy()[None, :], tickers, axis=0).ravel(),
-        "ticker": np.repeat([f"SYN{i:03d}" for i in range(tickers)], days),
-        "open": np.exp(log_open).T.ravel(),
+        "ticker": np.repeat([f"SYN{i:03d}" for i in range(tickers)], days), "open": np.exp(log_open).T.ravel(),
         "high": np.exp(np.maximum(log_open + high_move / 100, log_close)).T.ravel(),
         "low": np.exp(np.minimum(log_open + low_move / 100, log_close)).T.ravel(),
-        "close": np.exp(log_close).T.ravel(),
-        "volume": 1e6,
-    })
+        "close": np.exp(log_close).T.ravel(), "volume": 1e6})
     digest = hashlib.sha256(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes()).hexdigest()
     frame["true_variance"] = variances.T.ravel()
     return Panel(frame, f"synthetic:seed={config.seed},tickers={tickers},days={days},overnight={gap:g}", digest,

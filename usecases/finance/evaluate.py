@@ -131,22 +131,16 @@ def fz0_losses(forecasts: pd.DataFrame, level: float) -> np.ndarray:
 def series_metrics(forecasts: pd.DataFrame, horizon: int, variance_metrics: bool = True) -> dict[str, float]:
     """Metrics of one model on one ticker in date order, against the realised `parkinson` and `ret` (and a
     synthetic panel's `true_variance`); without `variance_metrics` (a tails-only model) the backtests only."""
-    variance = forecasts["variance"].to_numpy()
-    parkinson = forecasts["parkinson"].to_numpy()
-    returns = forecasts["ret"].to_numpy()
+    variance, parkinson, returns = (forecasts[column].to_numpy() for column in ("variance", "parkinson", "ret"))
     squared = (returns - returns.mean()) ** 2
     variance_h = forecasts["variance_h"].to_numpy()
     parkinson_h, squared_h = _forward_sum(parkinson, horizon), _forward_sum(squared, horizon)
-    metrics = {
-        "qlike_sq": qlike(squared, variance),
-        "qlike_parkinson": qlike(parkinson, variance),
-        "mse_sq": mse(squared, variance),
-        "mse_parkinson": mse(parkinson, variance),
-        "scale_sq": float(squared.mean() / variance.mean()),
-        f"qlike_sq_h{horizon}": qlike(squared_h, variance_h),
-        f"qlike_parkinson_h{horizon}": qlike(parkinson_h, variance_h),
-        f"mse_parkinson_h{horizon}": mse(parkinson_h, variance_h),
-    }
+    metrics = {"qlike_sq": qlike(squared, variance), "qlike_parkinson": qlike(parkinson, variance),
+               "mse_sq": mse(squared, variance), "mse_parkinson": mse(parkinson, variance),
+               "scale_sq": float(squared.mean() / variance.mean()),
+               f"qlike_sq_h{horizon}": qlike(squared_h, variance_h),
+               f"qlike_parkinson_h{horizon}": qlike(parkinson_h, variance_h),
+               f"mse_parkinson_h{horizon}": mse(parkinson_h, variance_h)}
     if "true_variance" in forecasts:
         truth = forecasts["true_variance"].to_numpy()
         metrics.update({"qlike_true": qlike(truth, variance), "qlike_sq_oracle": qlike(squared, truth)})

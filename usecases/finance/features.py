@@ -9,10 +9,8 @@ import pandas as pd
 HAR_WINDOWS = {"rv_d": 1, "rv_w": 5, "rv_m": 22}
 LONG_WINDOW = 66
 HISTORY_DAYS = LONG_WINDOW + 1
-NEURAL_FEATURES = [
-    "log_rv_m", "rel_rv_d", "rel_rv_w", "rel_rv_q", "rel_sq_ret", "rel_sq_m", "rel_sq_q", "rel_ewma_sq",
-    "rel_ewma_neg", "ret_std", "neg_ret_std",
-]
+NEURAL_FEATURES = ["log_rv_m", "rel_rv_d", "rel_rv_w", "rel_rv_q", "rel_sq_ret", "rel_sq_m", "rel_sq_q", "rel_ewma_sq",
+                   "rel_ewma_neg", "ret_std", "neg_ret_std"]
 EWMA_DECAY = 0.9  # of the GARCH-like inputs: the exponentially weighted squared returns, all and negative ones
 EXOGENOUS_FEATURES = {"vix": "rel_vix", "wti": "log_wti_rv"}
 VARIANCE_FLOOR = 1e-3  # relative to the monthly average: keeps logs finite on days with High == Low

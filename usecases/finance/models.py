@@ -22,8 +22,7 @@ class VolatilityMLP(nn.Module):
         for _ in range(layers):
             blocks += [nn.Linear(width, hidden), nn.GELU(), nn.Dropout(dropout)]
             width = hidden
-        self.body = nn.Sequential(*blocks)
-        self.head = nn.Linear(width, 2)
+        self.body, self.head = nn.Sequential(*blocks), nn.Linear(width, 2)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
@@ -115,8 +114,7 @@ class VolatilityEnsemble(nn.Module):
         for _ in range(layers):
             blocks += [EnsembleLinear(fits, width, hidden), nn.GELU(), FitDropout(fits, dropout)]
             width = hidden
-        self.body = nn.ModuleList(blocks)
-        self.head = EnsembleLinear(fits, width, 2)
+        self.body, self.head = nn.ModuleList(blocks), EnsembleLinear(fits, width, 2)
 
     @classmethod
     def stack(cls, members: list[VolatilityMLP], **architecture) -> VolatilityEnsemble:

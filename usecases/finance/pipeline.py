@@ -174,8 +174,7 @@ def baseline_runs(frame: pd.DataFrame, mask: pd.Series, config: Config, runtime:
     rows_forecast = mask if validation is None else validation | mask
     starts = (block_starts(frame, mask, config.evaluation.refit_every) if validation is None
               else walk_starts(frame, validation, mask, config.evaluation.refit_every))
-    tasks = [BaselineTask(ticker, model, rows, blocks)
-             for ticker, rows in frame.groupby("ticker", sort=False)
+    tasks = [BaselineTask(ticker, model, rows, blocks) for ticker, rows in frame.groupby("ticker", sort=False)
              for blocks in [ticker_blocks(rows, rows_forecast[rows.index], starts)]
              for model in config.baselines.models]
     return BaselineRuns(tasks, config.evaluation.horizon, config.baselines, runtime, client, workers)

@@ -88,8 +88,7 @@ class VolatilityForecaster(ServedModel):
         return pd.DataFrame({
             "ticker": latest["ticker"].to_numpy(), "origin_date": latest["date"].dt.strftime("%Y-%m-%d").to_numpy(),
             "variance": variance.astype(float), f"variance_{self.horizon}d": forecast[:, 1].astype(float),
-            "volatility": volatility.astype(float), **risk,
-        })
+            "volatility": volatility.astype(float), **risk})
 
     def gas_scales(self, history: pd.DataFrame, tickers: pd.Series) -> dict[int, float]:
         """GAS's scale exp(κ) after each ticker's last row, filtered on from the run's last test origin (or κ = 0)."""
@@ -140,8 +139,7 @@ def forecaster_bundle(latest: dict) -> dict:
                   "gas": latest["tails"].get("gas", {})},
         "training_tails": _floats(latest["training_tails"]),
         "head": {key: value.cpu() for key, value in latest["head"].items()},
-        "overnight_factors": {str(ticker): float(value) for ticker, value in latest["overnight_factors"].items()},
-    }
+        "overnight_factors": {str(ticker): float(value) for ticker, value in latest["overnight_factors"].items()}}
 
 
 def log_forecaster(latest: dict, panel: pd.DataFrame, job) -> Served | None:

@@ -29,7 +29,6 @@ def fz0_loss(returns, var, shortfall, level: float):
 
 
 def quantile_column(level: float) -> str:
-    """q01, q05."""
     return f"q{round(level * 100):02d}"
 
 

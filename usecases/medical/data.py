@@ -250,8 +250,7 @@ def class_labels(path: Path, key: str, labels: np.ndarray, task: Task, classes: 
                             f"label present or absent)")
         return labels
     if labels.ndim > 2 or (labels.ndim == 2 and labels.shape[1] != 1):
-        raise UserError(f"{path}: {key} must be of shape (N,) or (N, 1), one class index per image, "
-                        f"got {labels.shape}")
+        raise UserError(f"{path}: {key} must be of shape (N,) or (N, 1), one class index per image, got {labels.shape}")
     labels = labels.reshape(-1)
     beyond = labels >= len(classes)
     if beyond.any():

@@ -162,8 +162,7 @@ def bootstrap_auc_ci(labels: np.ndarray, probs: np.ndarray, task: Task, resample
     per_chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // count)
     aucs = np.concatenate([np.empty(0)] + [
         resampled_auc(labels, probs, task, rng.integers(0, count, size=(min(per_chunk, resamples - start), count)))
-        for start in range(0, resamples, per_chunk)
-    ])
+        for start in range(0, resamples, per_chunk)])
     aucs = aucs[~np.isnan(aucs)]
     if not len(aucs):
         return math.nan, math.nan
@@ -249,10 +248,7 @@ def evaluate_model(val_logits: np.ndarray, val_labels: np.ndarray, test_logits: 
         "ece": expected_calibration_error(test_labels, test_probs, task, config.calibration_bins),
         "brier": brier(test_labels, test_probs, task),
         "ece_calibrated": expected_calibration_error(test_labels, calibrated, task, config.calibration_bins),
-        "brier_calibrated": brier(test_labels, calibrated, task),
-        "temperature": temperature,
-        "threshold": threshold,
-    }
+        "brier_calibrated": brier(test_labels, calibrated, task), "temperature": temperature, "threshold": threshold}
     if config.bootstrap:
         metrics["auc_ci_low"], metrics["auc_ci_high"] = bootstrap_auc_ci(test_labels, test_probs, task,
                                                                           config.bootstrap, seed)

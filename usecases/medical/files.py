@@ -152,9 +152,7 @@ def class_names(labels: list[str], where: str) -> list[str]:
     unique = set(labels)
     if len(unique) < 2:
         raise UserError(f"{where}: needs at least 2 classes, found {len(unique)} ({', '.join(sorted(unique))})")
-    if all(re.fullmatch(r"-?\d+", label) for label in unique):
-        return sorted(unique, key=int)
-    return sorted(unique)
+    return sorted(unique, key=int if all(re.fullmatch(r"-?\d+", label) for label in unique) else None)
 
 
 def split_by_patient(labels: np.ndarray, patients: np.ndarray, config: Files, seed: int, where: str) -> np.ndarray:

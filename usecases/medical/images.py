@@ -39,9 +39,7 @@ class ImageSet:
     def counts(self, split: str) -> np.ndarray:
         """Images per class (per label for multi-label tasks)."""
         labels = self.labels[split]
-        if self.task == "multi-label":
-            return labels.sum(axis=0)
-        return np.bincount(labels, minlength=len(self.classes))
+        return labels.sum(axis=0) if self.task == "multi-label" else np.bincount(labels, minlength=len(self.classes))
 
 
 def check_classes(data: ImageSet, where: str) -> None:

@@ -166,9 +166,8 @@ def pixel_features(images: np.ndarray, size: int, batch: int = 4096) -> np.ndarr
 def logreg_logits(data: ImageSet, config: Baselines, seed: int) -> dict[str, np.ndarray]:
     """Validation and test logits: log-probabilities, or log-odds per label for a multi-label task."""
     classifier = LogisticRegression(C=config.logreg_c, max_iter=2000, random_state=seed)
-    if data.task == "multi-label":
-        classifier = MultiOutputClassifier(classifier)
-    model = make_pipeline(StandardScaler(), classifier)
+    model = make_pipeline(StandardScaler(),
+                          MultiOutputClassifier(classifier) if data.task == "multi-label" else classifier)
     model.fit(pixel_features(data.images["train"], config.logreg_size), data.labels["train"])
     logits = {}
     for split in ("val", "test"):

@@ -121,9 +121,7 @@ def first_number(dataset: pydicom.Dataset, keyword: str) -> float:
 def unit_range(values: np.ndarray) -> np.ndarray:
     """Min-max to [0, 1]: the fallback when nothing says which values matter."""
     low, high = float(values.min()), float(values.max())
-    if high == low:
-        return np.zeros(values.shape)
-    return (values - low) / (high - low)
+    return np.zeros(values.shape) if high == low else (values - low) / (high - low)
 
 
 def to_uint8(scaled: np.ndarray) -> np.ndarray:

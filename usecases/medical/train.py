@@ -143,9 +143,8 @@ def fit_network(config: Config, data: ImageSet, job: Job) -> tuple[ImageClassifi
                                     len(val_labels), runtime)  # each rank scores its share of the images
         return {"val/auc": auc(val_labels, logits, data.task), "val/loss": nll(logits, val_labels, data.task)}
 
-    spec = TrainSpec(settings, monitor="val/auc", mode="max", tie_break="val/loss",
-                     checkpoint_dir=job.checkpoint_dir / arch["name"], log_metrics=job.tracker.log_metrics,
-                     name=arch["name"])
+    spec = TrainSpec(settings, monitor="val/auc", mode="max", tie_break="val/loss", name=arch["name"],
+                     checkpoint_dir=job.checkpoint_dir / arch["name"], log_metrics=job.tracker.log_metrics)
     trainer = Trainer(model, optimizer, supervised(loss_function(data, settings.imbalance, runtime.device)), runtime,
                       spec, scheduler=scheduler)
     result = trainer.fit(batches, validate, resume=job.resume)

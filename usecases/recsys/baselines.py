@@ -43,8 +43,7 @@ class ItemKNN:
         if n_items > ITEMKNN_MAX_ITEMS:
             raise ModelUnavailable(f"itemknn: {n_items:,} items is too many for its item x item similarities (at most "
                                    f"{ITEMKNN_MAX_ITEMS:,})")
-        self.train = train.tocsr()
-        self.device = device
+        self.train, self.device = train.tocsr(), device
         item_users = self.train.T.tocsr()
         norms = torch.from_numpy(np.sqrt(np.diff(item_users.indptr)).astype(np.float32)).to(device)
         keep = min(config.neighbours, n_items)
@@ -91,8 +90,7 @@ class EASE:
             raise ModelUnavailable(f"ease: {n_items:,} items need {needed / 2**30:.1f} GB for its items x items "
                                    f"matrices on {device.type} ({free / 2**30:.1f} GB free); raise "
                                    "data.min_item_interactions to keep fewer items")
-        self.train = train.tocsr()
-        self.device = device
+        self.train, self.device = train.tocsr(), device
         gram = torch.from_numpy((self.train.T @ self.train).toarray()).to(device, torch.float32)
         gram.diagonal().add_(config.l2)
         # G = L Lᵀ, then P = G⁻¹ from L (LAPACK's potri): n³ in all, where solving against the identity costs 2n³

@@ -102,9 +102,8 @@ def load_interactions(config: Config, path: Path | None = None, client=None) -> 
                         prepare_seconds=time.perf_counter() - started, val_events=held_out_val,
                         test_events=held_out_test)
     density = len(frame) / max((data.n_users - 1) * (data.n_items - 1), 1)
-    log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), density %.4f%%",
-             raw.source, data.n_users - 1, data.n_items - 1, len(train), len(val), len(test), config.split,
-             100 * density)
+    log.info("data %s: %d users, %d items, %d/%d/%d train/val/test interactions (%s split), density %.4f%%", raw.source,
+             data.n_users - 1, data.n_items - 1, len(train), len(val), len(test), config.split, 100 * density)
     return data
 
 

@@ -195,8 +195,7 @@ class GraphFoldIn(_Solver):
         self.factors = _table(layer_sum, "layer_sum").astype(np.float64)
         degree = np.asarray(degree)
         if degree.shape != (len(self.factors),):
-            raise ValueError(f"degree must hold one count per item, shape ({len(self.factors)},), got "
-                             f"{degree.shape}")
+            raise ValueError(f"degree must hold one count per item, shape ({len(self.factors)},), got {degree.shape}")
         if layers < 1:
             raise ValueError(f"layers must be at least 1, got {layers}")
         self.inverse_sqrt_degree = 1 / np.sqrt(np.maximum(degree.astype(np.float64), 1))

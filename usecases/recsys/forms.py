@@ -42,8 +42,7 @@ class ServedForm:
         return self.history.shape[1]
 
     def to(self, device: torch.device) -> ServedForm:
-        self.device = device
-        self._on_device = {}
+        self.device, self._on_device = device, {}
         return self
 
     def table(self, name: str, make):
@@ -200,7 +199,6 @@ class SequenceForm(ServedForm):
 
 
 def as_numpy(value):
-    """A tensor as a NumPy array sharing its memory; anything else as it is."""
     return value.numpy() if isinstance(value, torch.Tensor) else value
 
 
@@ -241,8 +239,7 @@ class ItemItemForm(ServedForm):
         differences = (rows - sp.diags(continues.astype(np.float32)) @ before).tocsr()
         differences.eliminate_zeros()
         similarity = self.table("similarity", lambda: _torch_matrix(self.similarity))
-        product = torch.sparse.mm(csr_tensor(sp.csr_matrix(differences, dtype=np.float32)).to(self.device),
-                                  similarity)
+        product = torch.sparse.mm(csr_tensor(sp.csr_matrix(differences, dtype=np.float32)).to(self.device), similarity)
         scores = product.to_dense() if product.layout != torch.strided else product
         starts = np.flatnonzero(~continues)
         for first, end in zip(starts, [*starts[1:], len(users)]):
@@ -261,6 +258,4 @@ class ItemItemForm(ServedForm):
 
 
 def _torch_matrix(matrix: sp.csr_matrix | torch.Tensor) -> torch.Tensor:
-    if isinstance(matrix, torch.Tensor):
-        return matrix.float()
-    return csr_tensor(sp.csr_matrix(matrix, dtype=np.float32))
+    return matrix.float() if isinstance(matrix, torch.Tensor) else csr_tensor(sp.csr_matrix(matrix, dtype=np.float32))

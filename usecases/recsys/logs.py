@@ -114,8 +114,7 @@ def read_ids(values: pd.Series, rows: Rows, column: str, text: bool = True) -> p
     return numbers.astype("int64")
 
 
-def read_ratings(values: pd.Series, rows: Rows, column: str, stars: tuple[float, float] | None = None
-                 ) -> pd.Series:
+def read_ratings(values: pd.Series, rows: Rows, column: str, stars: tuple[float, float] | None = None) -> pd.Series:
     """Numbers, NaN where empty; with `stars` (MovieLens) every row has a rating in that range."""
     numbers = read_numbers(values, rows, column, expected="numeric ratings")
     if stars is not None:

@@ -52,8 +52,7 @@ class PairwiseRanker(nn.Module, ABC):
 
     def __init__(self, sampler: NegativeSampler, weight_decay: float):
         super().__init__()
-        self.sampler = sampler
-        self.weight_decay = weight_decay
+        self.sampler, self.weight_decay = sampler, weight_decay
 
     @abstractmethod
     def embeddings(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +89,7 @@ class BPR(PairwiseRanker):
 
     def __init__(self, n_users: int, n_items: int, dim: int, sampler: NegativeSampler, weight_decay: float = 0.0):
         super().__init__(sampler, weight_decay)
-        self.users = nn.Embedding(n_users, dim)
-        self.items = nn.Embedding(n_items, dim)
+        self.users, self.items = nn.Embedding(n_users, dim), nn.Embedding(n_items, dim)
         nn.init.normal_(self.users.weight, std=INIT_STD)
         nn.init.normal_(self.items.weight, std=INIT_STD)
 

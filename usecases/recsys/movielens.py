@@ -31,11 +31,8 @@ DOWNLOAD_TIMEOUT_S = 30
 GROUPLENS_URL = "https://files.grouplens.org/datasets/movielens"
 # GroupLens's published checksums of the frozen archives. ml-latest-small is republished under the same name, so
 # its checksum is read from the `.md5` file GroupLens puts beside every zip instead.
-PUBLISHED_MD5 = {
-    "ml-100k": "0e33842e24a9c977be4e0107933c0723",
-    "ml-1m": "c4d9eecfca2ab87c1945afe126590906",
-    "ml-25m": "6b51fb2759a8657d3bfcbfc42b592ada",
-}
+PUBLISHED_MD5 = {"ml-100k": "0e33842e24a9c977be4e0107933c0723", "ml-1m": "c4d9eecfca2ab87c1945afe126590906",
+                 "ml-25m": "6b51fb2759a8657d3bfcbfc42b592ada"}
 STARS = (0.5, 5.0)  # the rating scale of every release (half stars since ml-latest; whole ones before)
 
 

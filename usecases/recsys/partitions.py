@@ -121,9 +121,8 @@ def read_parts(log: LogFile, client, folder: Path) -> tuple[list[Path], pd.Serie
             reads[index] = read
     if not sum(read.rows for read in reads):
         raise no_rows(log.path, log.columns)
-    titles = None
-    if "title" in log.names:
-        titles = pd.concat([read.titles for read in reads]).groupby(level=0).first().fillna("").astype(str)
+    titles = pd.concat([read.titles for read in reads]).groupby(level=0).first().fillna("").astype(str) \
+        if "title" in log.names else None
     return [_shard(folder, part) for part in parts], titles
 
 

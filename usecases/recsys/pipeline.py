@@ -96,9 +96,7 @@ def log_bytes(config: Config, path: Path | None, samples: int) -> int:
     if path is None and config.data.source == "synthetic":
         return samples * INTERACTION_BYTES
     where = movielens_folder(config.data.movielens) if path is None else path
-    if where.is_dir():
-        return stored_bytes(*movielens_files(where, movielens_format(where)))
-    return stored_bytes(where)
+    return stored_bytes(*movielens_files(where, movielens_format(where))) if where.is_dir() else stored_bytes(where)
 
 
 AUTO_DASK_INTERACTIONS = 20_000_000  # runtime.engine=auto prepares logs of more than this on Dask

@@ -119,8 +119,7 @@ def split_temporal(frame: pd.DataFrame, ratios: list[float]) -> tuple[pd.DataFra
     """One global cut in time, so that no model trains on the future of what it is tested on."""
     ordered = frame["timestamp"].sort_values(ignore_index=True).to_numpy()
     count = len(ordered)
-    cuts = [ordered[position] if position < count else ordered[-1] + 1
-            for position in cut_positions(count, ratios)]
+    cuts = [ordered[position] if position < count else ordered[-1] + 1 for position in cut_positions(count, ratios)]
     return split_at(frame, cuts)
 
 
@@ -211,8 +210,7 @@ def check_evaluable(frame: pd.DataFrame, method: str, parts: tuple[pd.DataFrame,
                     "per user")
 
 
-def drop_unrankable(train: pd.DataFrame, val: pd.DataFrame, test: pd.DataFrame
-                    ) -> tuple[pd.DataFrame, pd.DataFrame]:
+def drop_unrankable(train: pd.DataFrame, val: pd.DataFrame, test: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Val and test keep users with training interactions only, and pairs not in the user's training set."""
     width = int(max(frame["item"].max() if len(frame) else 0 for frame in (train, val, test))) + 1
     known_users = train["user"].unique()

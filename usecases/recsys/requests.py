@@ -27,8 +27,7 @@ def parse_rows(columns: Mapping[str, Sequence], n_rows: int) -> list[UserRequest
     """The request's rows, or `BadInput` naming the column and row that cannot be read."""
     if "user_id" not in columns:
         raise BadField(f"input is missing column 'user_id' (got {', '.join(map(str, columns)) or 'no columns'})")
-    recent = columns.get("recent_items")
-    stamps = columns.get("recent_timestamps")
+    recent, stamps = columns.get("recent_items"), columns.get("recent_timestamps")
     if stamps is not None and recent is None:
         raise BadField("recent_timestamps needs the column recent_items (one timestamp per recent item)")
     rows = []

@@ -86,8 +86,7 @@ class SequenceScorer:
     """A trained network (in eval mode) and the sequence each user code is scored from."""
 
     def __init__(self, network: SASRecNetwork, user_sequences: torch.Tensor):
-        self.network = network
-        self.device = network.items.weight.device
+        self.network, self.device = network, network.items.weight.device
         self.user_sequences = user_sequences.to(self.device)
 
     @property

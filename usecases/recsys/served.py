@@ -202,8 +202,7 @@ def latency(model: RecommenderModel, users: np.ndarray, single: int) -> dict[str
     model.predict(None, pd.DataFrame({"user_id": batch}))
     batch_seconds = time.perf_counter() - started
     return {"latency_p50_ms": float(np.percentile(timings, 50) * 1000),
-            "latency_p95_ms": float(np.percentile(timings, 95) * 1000),
-            "batch_users_per_s": len(batch) / batch_seconds}
+            "latency_p95_ms": float(np.percentile(timings, 95) * 1000), "batch_users_per_s": len(batch) / batch_seconds}
 
 
 def served_retrieval(served: RecommenderModel, known: np.ndarray, single: int,
@@ -234,8 +233,7 @@ def request_example(bundle: dict, users: np.ndarray) -> pd.DataFrame:
     """The logged input example, which the signature is inferred from."""
     popular = np.argsort(-np.asarray(bundle["popularity"]), kind="stable")[:2]
     recent = [python_value(bundle["item_ids"][code]) for code in popular if code != UNKNOWN][:2]
-    return pd.DataFrame({"user_id": users, "k": [bundle["k"]] * len(users),
-                         "recent_items": [recent[:1], recent],
+    return pd.DataFrame({"user_id": users, "k": [bundle["k"]] * len(users), "recent_items": [recent[:1], recent],
                          "recent_timestamps": [[EXAMPLE_TIME], [EXAMPLE_TIME, EXAMPLE_TIME + 60]][:len(users)]})
 
 

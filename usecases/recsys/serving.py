@@ -157,8 +157,7 @@ class RecommenderModel(ServedModel):
         stored = [events for request_rows, _, request_stored in requests
                   for events in (request_stored or [()] * len(request_rows))]
         answers = iter(self._answers(rows, max(k for _, k, _ in requests), stored))
-        return [[record for row in request_rows
-                 for record in self._records(row.user_id, *next(answers), k)]
+        return [[record for row in request_rows for record in self._records(row.user_id, *next(answers), k)]
                 for request_rows, k, _ in requests]
 
     def _answers(self, rows: Sequence[UserRequest], k: int, stored: Sequence[Sequence]) -> list[tuple]:

@@ -190,7 +190,6 @@ def fit_pooled_baseline(train_bags: Sequence[Bag], train_labels: Sequence[int], 
 
 
 def pooled_probabilities(model: Pipeline, bags: Sequence[Bag]) -> np.ndarray:
-    """The baseline's probability of label 1 per slide."""
     return model.predict_proba(mean_pooled(bags))[:, 1]
 
 

@@ -131,8 +131,7 @@ def mean_pool_baseline(bags: Bags, config: Config, job: Job, common: dict) -> di
     with job.phase("evaluate", "serial"):
         metrics = {**slide_metrics(bags.labels[bags.val], pooled_probabilities(pooled, bags.of(bags.val)),
                                    bags.labels[bags.test], pooled_probabilities(pooled, bags.of(bags.test)),
-                                   evaluation.target_sensitivity, evaluation.bootstrap, config.runtime.seed),
-                   **common}
+                                   evaluation.target_sensitivity, evaluation.bootstrap, config.runtime.seed), **common}
     job.model_done("mean_pool_logreg", metrics)
     return metrics
 
@@ -181,8 +180,7 @@ def _trained_encoder(config: Config, data: SlideSet, slides: list[SlideTiles], n
     return network, arch
 
 
-def _log_heatmaps(slides: list[SlideTiles], attentions: list[np.ndarray], probabilities: np.ndarray,
-                  job: Job) -> None:
+def _log_heatmaps(slides: list[SlideTiles], attentions: list[np.ndarray], probabilities: np.ndarray, job: Job) -> None:
     """Where attention MIL looked on each test slide, over its thumbnail."""
     if not job.tracker.active:
         return

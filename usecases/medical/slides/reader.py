@@ -110,8 +110,7 @@ class Slide:
         if mpp is not None and not plausible(mpp):
             raise UserError(f"{path}: mpp={mpp!r} is not a scanner's resolution (expected {PLAUSIBLE_MPP[0]:g} to "
                             f"{PLAUSIBLE_MPP[1]:g} µm/px at level 0)")
-        self.path = path
-        self.level_dimensions = level_dimensions
+        self.path, self.level_dimensions = path, level_dimensions
         width, height = level_dimensions[0]
         if min(width, height) <= 0 or any(min(dims) <= 0 for dims in level_dimensions):
             raise UserError(f"{path}: a level of {level_dimensions} pixels is empty; expected a non-empty image")
@@ -232,8 +231,7 @@ class TiffSlide(Slide):
             self.tiff.close()
             raise UserError(f"{path}: expected an 8-bit grey, RGB or RGBA image, not {series.axes} of {series.dtype}")
         page = series.pages[0]
-        resolution = page.tags.get("XResolution")
-        unit = page.tags.get("ResolutionUnit")
+        resolution, unit = page.tags.get("XResolution"), page.tags.get("ResolutionUnit")
         stated = mpp_from_resolution(tuple(resolution.value) if resolution else None, unit.value.name if unit else None)
         dimensions = [(level.shape[1], level.shape[0]) for level in self.levels]
         super().__init__(path, dimensions, stated, mpp)

@@ -118,8 +118,7 @@ class Scene:
         self.stain_noise = ValueNoise(rng, 20 / mpp, width, height)
         self.radius_px = {kind: um / mpp for kind, um in NUCLEUS_UM.items()}
         self.density_px = {kind: per_um2 * mpp * mpp for kind, per_um2 in NUCLEI_PER_UM2.items()}
-        preview_x = np.linspace(0, width, 256)
-        preview_y = np.linspace(0, height, 256)
+        preview_x, preview_y = np.linspace(0, width, 256), np.linspace(0, height, 256)
         preview = self.tissue_field(preview_x, preview_y)
         self.threshold = float(np.quantile(preview, 1 - TISSUE_SHARE))
         self.tumours = np.zeros((0, 3))
