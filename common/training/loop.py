@@ -160,7 +160,10 @@ class Trainer:
                                                  if runtime.device.type == "cuda" else None)
         if runtime.compile:
             self.model = torch.compile(self.model)  # trains compiled; validation and checkpoints use `module`
-        self.optimizer, self.step, self.spec, self.scheduler = optimizer, step, spec, scheduler
+        self.optimizer = optimizer
+        self.step = step
+        self.spec = spec
+        self.scheduler = scheduler
         self.log_metrics = spec.log_metrics or (lambda metrics, step: None)
         self.predict = spec.predict or getattr(step, "predict", None)
         self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=runtime.amp_dtype == torch.float16)
