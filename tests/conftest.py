@@ -14,7 +14,6 @@ pytest_plugins = ["tests.services"]  # which service-backed tests ran and which 
 # A slow test's real-data run takes 10 minutes alone on 2 cores and twice that beside another on the second xdist
 # worker: the 600 s of pyproject.toml are for the default suite.
 SLOW_TEST_TIMEOUT_S = 3600
-SYSTEM_TEMP = tempfile.gettempdir()  # before `contained_temporary_files` moves it into pytest's folder
 
 
 def pytest_configure(config):
@@ -57,25 +56,30 @@ def _start_rank(item) -> float:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def contained_temporary_files(tmp_path_factory):
+def contained_temporary_files():
     """What the libraries leave in the temporary folder (MLflow copies a model there on every load and never removes
-    it: 450 MB for the million preset's) and what the servers a test starts write there go under pytest's own folder,
-    which keeps only the last three runs': suite runs never fill the disk."""
-    folder = str(tmp_path_factory.mktemp("tmp", numbered=False))
+    it: 450 MB for the million preset's) and what the servers a test starts write there go to a folder of this
+    process's, removed when the session ends or, where it was killed, by the next session. Short, beside the system's
+    temporary folder, not in pytest's: Chromium's socket path there must stay under 108 characters."""
+    from common.serving.pyfunc import process_scratch
+
+    folder = process_scratch("usecases-tests-")
+    folder.chmod(0o755)  # tests that drop to an unprivileged user reach their folders through it
     before = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = folder, folder
+    os.environ["TMPDIR"], tempfile.tempdir = str(folder), str(folder)
     yield
     if before[0] is None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = before[0]
     tempfile.tempdir = before[1]
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
 def open_folder():
     """A folder any user can reach (pytest's own are root's only), removed afterwards."""
-    folder = Path(tempfile.mkdtemp(dir=SYSTEM_TEMP))
+    folder = Path(tempfile.mkdtemp())
     folder.chmod(0o755)
     yield folder
     shutil.rmtree(folder)
