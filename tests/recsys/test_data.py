@@ -26,7 +26,7 @@ from usecases.recsys.movielens import read_movielens
 from usecases.recsys.pipeline import INTERACTION_BYTES, load_data
 from usecases.recsys.preprocess import (drop_unrankable, encode, filter_interactions, k_core, split_leave_last_out,
                                         split_random, split_sizes, split_temporal)
-from usecases.recsys.synthetic import synthetic_log
+from usecases.recsys.synthetic import draw_by_popularity, synthetic_log
 
 SHARED_MOVIELENS = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens" / "ml-latest-small"
 RATIOS = [0.8, 0.1, 0.1]
@@ -360,6 +360,21 @@ def test_synthetic_log_is_seeded_and_popularity_skewed():
     counts = first.frame["item"].value_counts()
     assert counts.iloc[:config.items // 10].sum() > 0.3 * len(first.frame), "the top 10% items hold a large share"
     assert first.frame["rating"].between(1, 5).all()
+
+
+@pytest.mark.parametrize("items", [1, 7, 5_000])
+def test_the_popularity_draw_finds_the_items_a_binary_search_finds(items):
+    """The guide table's search against numpy's, on a Zipf law with items of no mass (repeated sums) and the edges."""
+    rng = np.random.default_rng(items)
+    mass = rng.pareto(1.0, items) * (rng.random(items) < 0.8)
+    mass[0] += 1.0  # some mass
+    cdf = mass.cumsum() / mass.sum()
+    cdf[-1] = 1.0
+    buckets = 1 << (2 * items - 1).bit_length()
+    guide = cdf.searchsorted(np.arange(buckets) / buckets, side="right")
+    uniform = np.concatenate([rng.random(20_000), [0.0, np.nextafter(1.0, 0.0)], cdf[:-1], np.arange(buckets) / buckets])
+    drawn = draw_by_popularity(cdf, guide, uniform.reshape(1, -1))
+    assert drawn.shape == (1, len(uniform)) and (drawn[0] == cdf.searchsorted(uniform, side="right")).all()
 
 
 def test_synthetic_split_is_learnable():
