@@ -31,7 +31,9 @@ BLOCK = re.compile(r"^\s*```(?:bash|sh)\s*\n(.*?)^\s*```", re.S | re.M)
 HERE_DOCUMENT = re.compile(r"<<-?\s*'?\"?(\w+)'?\"?")
 PORT = re.compile(r"\b50(0[1-9])\b")  # the served models' ports; 5000 (the tracking UI) is never started here
 SERVE = re.compile(r"(^|\s)(\S*usecases) serve \w+")
-RUNS_ONCE = re.compile(r"usecases run \w+ (--preset smoke|--data examples/\S+( --preset [\w-]+)?)$")  # pages repeat them
+# the runs pages repeat (the smoke runs, the example data's): a repeat finds the run made
+RUNS_ONCE = re.compile(r"usecases run \w+ (--preset smoke|--data examples/\S+( --preset [\w-]+)?"
+                       r"|--preset [\w-]+ --data examples/\S+)$")
 
 # (pattern, reason): a command that matches is not run.
 SKIPPED = [

@@ -112,11 +112,23 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
 
 
 def _deterministic_algorithms(enabled: bool, warn_only: bool) -> None:
-    """`torch.use_deterministic_algorithms` where it changes something: it imports torch._inductor (a second or two
-    a process), which a run that keeps torch's default (off) so never pays; `warn_only` means nothing while off."""
+    """`torch.use_deterministic_algorithms` where it changes something (`warn_only` means nothing while off). That
+    function also sets the compiler's own flag, importing torch._inductor to do so: 2 s of every run on a CPU, where
+    determinism is on and nothing compiles. Until the compiler is loaded, only the eager flag is set here;
+    `carry_determinism_to_the_compiler` sets the compiler's before a model is compiled."""
     if enabled != torch.are_deterministic_algorithms_enabled() or \
             (enabled and warn_only != torch.is_deterministic_algorithms_warn_only_enabled()):
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        if "torch._inductor.config" in sys.modules:
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        else:
+            torch._C._set_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def carry_determinism_to_the_compiler() -> None:
+    """Before `torch.compile`: the compiler follows the eager setting, as `torch.use_deterministic_algorithms` makes
+    it do."""
+    torch.use_deterministic_algorithms(torch.are_deterministic_algorithms_enabled(),
+                                       warn_only=torch.is_deterministic_algorithms_warn_only_enabled())
 
 
 def _cpu_model() -> str:

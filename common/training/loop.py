@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, WeightedRa
 from common.errors import UserError
 from common.runtime.interrupt import Terminated, stop_point, stop_requested
 from common.runtime.devices import Runtime
+from common.runtime.process import carry_determinism_to_the_compiler
 from common.runtime.sharding import all_reduce_max, all_reduce_sum
 from common.training.callbacks import CHECKPOINT_NAME, Callback, Checkpoint, EarlyStopping, Progress, RankRandomStreams
 from common.training.spec import Step, TrainSpec
@@ -159,6 +160,7 @@ class Trainer:
             self.model = DistributedDataParallel(self.model, device_ids=[runtime.device.index]
                                                  if runtime.device.type == "cuda" else None)
         if runtime.compile:
+            carry_determinism_to_the_compiler()
             self.model = torch.compile(self.model)  # trains compiled; validation and checkpoints use `module`
         self.optimizer = optimizer
         self.step = step

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,3 +225,19 @@ def test_make_test_no_bf16_fakes_a_cpu_without_native_bf16_in_every_process():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(folder)})
     assert result.stdout.split() == ["False", "None"], result.stderr
+
+
+def test_determinism_on_a_cpu_run_loads_no_compiler_and_a_compiled_model_still_gets_it():
+    """The compiler's import costs every run 2 s: a fresh process that only seeds leaves it unloaded, determinism on;
+    a model compiled afterwards gets the compiler's own flag too, as `torch.use_deterministic_algorithms` sets it."""
+    script = ("import sys, torch\n"
+              "from common.runtime.process import carry_determinism_to_the_compiler, seed_everything\n"
+              "seed_everything(0, True)\n"
+              "print('torch._inductor.config' in sys.modules, torch.are_deterministic_algorithms_enabled(), "
+              "torch.is_deterministic_algorithms_warn_only_enabled())\n"
+              "carry_determinism_to_the_compiler()\n"
+              "import torch._inductor.config as compiler\nprint(compiler.deterministic)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True", "True"]
