@@ -15,7 +15,7 @@ import yaml
 
 from common.advisor.estimate import BOUNDS, MEASURED_SPREAD
 from common.advisor.catalog import FOLDER
-from tests.cli_helpers import assert_rejected, runs, user_error
+from tests.cli_helpers import PLUMBING, assert_rejected, runs, user_error
 from tests.common.test_renting import kubernetes_objects
 from usecases.cli import main
 
@@ -33,12 +33,12 @@ def advise(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
-# The same report for each use case: finance's (13 s on 2 cores) in the default suite, medical's and recsys's smoke
-# runs (35 s, 20 s) in the slow one
+# The same report for each use case, after a smoke run made smaller (PLUMBING): finance's in the default suite,
+# medical's and recsys's in the slow one
 @pytest.mark.parametrize("name", [pytest.param("medical", marks=pytest.mark.slow), "finance",
                                   pytest.param("recsys", marks=pytest.mark.slow)])
 def test_advise_after_a_smoke_run_prices_every_instance_and_logs_its_table(name, capsys, tmp_path):
-    assert main(["run", name, "--preset", "smoke"]) == 0
+    assert main(["run", name, "--preset", "smoke", *PLUMBING[name]]) == 0
     table = advise(capsys, name)
     assert "Every figure below is estimated" in table and "Recommendations (estimated):" in table
     assert "whole run" in table and "of it training" in table

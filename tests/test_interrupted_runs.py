@@ -14,7 +14,7 @@ import mlflow
 import pytest
 
 from common.errors import UserError
-from tests.cli_helpers import runs, usecases
+from tests.cli_helpers import PLUMBING, runs, usecases
 
 pytestmark = pytest.mark.starts_first(6)  # the default suite's longest files first (tests/conftest.py)
 
@@ -25,7 +25,7 @@ ONE_BASELINE = ["--set", "baselines.models=[ewma]"]
 EVERY_EPOCH = ["--set", "train.checkpoint_every_s=0"]
 LONG_FINANCE = ["--set", "train.epochs=60", "--set", "train.patience=60", "--set", "train.refit_every=200",
                 *EVERY_EPOCH, *ONE_BASELINE]
-LONG_MEDICAL = ["--set", "train.epochs=4", "--set", "train.patience=4", *EVERY_EPOCH]
+LONG_MEDICAL = ["--set", "train.epochs=4", "--set", "train.patience=4", *EVERY_EPOCH, *PLUMBING["medical"]]
 
 
 def start_and_stop(name: str, args: list[str], signum: int) -> subprocess.Popen:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from common.tools.scaffold import rename_text
-from tests.cli_helpers import runs
+from tests.cli_helpers import PLUMBING, runs
 
 pytestmark = pytest.mark.starts_first(5)  # the default suite's longest files first (tests/conftest.py)
 
@@ -31,8 +31,6 @@ FAST_TESTS = {"finance": "test_features.py", "medical": "test_models.py", "recsy
 # renaming broke fails there); the recsys export runs all of its own in a fresh venv
 # (test_make_test_passes_in_a_fresh_venv_of_an_export), where finance's copy ran them all again for 3 minutes
 EXPORT_SMOKE_RUNS = [pytest.param(name, marks=pytest.mark.slow) for name in USECASES if name != "recsys"]
-# What the copies' smoke runs plumb is the scaffold, not the models: finance's with one baseline and 3 epochs.
-TINY = {"finance": ["--set", "baselines.models=[ewma]", "--set", "train.epochs=3"], "medical": [], "recsys": []}
 
 
 def copy_clone(target: Path) -> Path:
@@ -112,7 +110,7 @@ def test_a_use_case_made_by_new_runs_and_passes_its_tests(clone, source):
     assert f"usecases.{source}" not in code and f'"{source}"' not in code
     assert f'{name} = "usecases.{name}"' in (clone / "pyproject.toml").read_text()
     assert f"\n{name} " in in_folder(clone, "-m", "usecases", "list").stdout
-    run = in_folder(clone, "-m", "usecases", "run", name, "--preset", "smoke", *TINY[source])
+    run = in_folder(clone, "-m", "usecases", "run", name, "--preset", "smoke", *PLUMBING[source])
     assert run.returncode == 0, run.stderr[-2000:]
     (finished,) = runs(name)
     assert finished.info.status == "FINISHED" and finished.data.tags["registry_model"] == f"gpu-usecases-{name}"
@@ -204,7 +202,7 @@ def assert_the_export_runs_its_own_code(export: Path, name: str, python: str = s
 def test_an_export_runs_its_smoke_preset_and_its_tests(exports, name):
     export = exports[name]
     assert_the_export_runs_its_own_code(export, name)
-    run = in_folder(export, "-m", "usecases", "run", name, "--preset", "smoke", *TINY[name])
+    run = in_folder(export, "-m", "usecases", "run", name, "--preset", "smoke", *PLUMBING[name])
     assert run.returncode == 0, run.stderr[-2000:]
     tested = in_folder(export, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{name}/{FAST_TESTS[name]}",
                        "tests/common/test_config.py")
