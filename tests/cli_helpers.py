@@ -89,12 +89,13 @@ def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["usecases", *args], code, out, err)
 
 
-def preset_summary(tmp_path_factory, usecase: str, preset: str) -> dict:
-    """`usecases run USECASE --preset PRESET` in a private store, as a user runs it: its summary.json, after checking
-    that the run finished."""
+def preset_summary(tmp_path_factory, usecase: str, preset: str, *overrides: str) -> dict:
+    """`usecases run USECASE --preset PRESET --set OVERRIDE...` in a private store, as a user runs it: its
+    summary.json, after checking that the run finished."""
     env = private_env(tmp_path_factory.mktemp(preset))
     path = tmp_path_factory.mktemp("summary") / "s.json"
-    result = usecases("run", usecase, "--preset", preset, "--summary", str(path), timeout=900, env=env)
+    settings = [argument for override in overrides for argument in ("--set", override)]
+    result = usecases("run", usecase, "--preset", preset, *settings, "--summary", str(path), timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [run.info.status for run in runs(usecase, uri=env["MLFLOW_TRACKING_URI"])] == ["FINISHED"]
     return json.loads(path.read_text())
