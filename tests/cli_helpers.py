@@ -23,14 +23,6 @@ import mlflow
 
 from common.tools.serve_bench import free_port, stop_process_group as stop  # noqa: F401  (the tests import them)
 
-# A smoke run made smaller for tests of what runs around the models (copies, signals, the advisor): one finance
-# baseline and 3 epochs; medical's images fewer, without the bootstrap and Grad-CAM. `--set` arguments, per use case.
-PLUMBING = {name: [argument for setting in settings for argument in ("--set", setting)] for name, settings in {
-    "finance": ["baselines.models=[ewma]", "train.epochs=3"],
-    "medical": ["data.synthetic.train=96", "data.synthetic.val=64", "data.synthetic.test=64", "evaluation.bootstrap=0",
-                "evaluation.gradcam_examples=0"],
-    "recsys": []}.items()}
-
 
 def private_env(folder) -> dict[str, str]:
     """For module-scoped runs, which start before the per-test store of tests/conftest.py exists: a store of their

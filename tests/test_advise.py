@@ -15,7 +15,8 @@ import yaml
 
 from common.advisor.estimate import BOUNDS, MEASURED_SPREAD
 from common.advisor.catalog import FOLDER
-from tests.cli_helpers import PLUMBING, assert_rejected, runs, user_error
+from tests.cli_helpers import assert_rejected, runs, user_error
+from tests.plumbing import PLUMBING
 from tests.common.test_renting import kubernetes_objects
 from usecases.cli import main
 

@@ -89,3 +89,14 @@ def test_markdown_tables_are_built_in_one_module():
              if path != TABLE_MODULE and (lines := table_building(tree))}
     assert built == {}, "render them with common.tabular.render_table"
     assert table_building(ast.parse('rows = ["| " + " | ".join(cells) + " |", "|" + " --- |" * 3]')) != []
+
+
+def test_the_clone_carries_the_license_it_declares():
+    """pyproject.toml declares Apache-2.0; the LICENSE file beside it is that license's text, whole."""
+    import tomllib
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert text.count("\n   ") > 150 and "END OF TERMS AND CONDITIONS" in text
+    assert "9. Accepting Warranty or Additional Liability." in text

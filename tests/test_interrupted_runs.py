@@ -14,7 +14,8 @@ import mlflow
 import pytest
 
 from common.errors import UserError
-from tests.cli_helpers import PLUMBING, runs, usecases
+from tests.cli_helpers import runs, usecases
+from tests.plumbing import PLUMBING
 
 pytestmark = pytest.mark.starts_first(6)  # the default suite's longest files first (tests/conftest.py)
 

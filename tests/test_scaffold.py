@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from common.tools.scaffold import rename_text
-from tests.cli_helpers import PLUMBING, runs
+from tests.cli_helpers import runs
+from tests.plumbing import PLUMBING
 
 pytestmark = pytest.mark.starts_first(5)  # the default suite's longest files first (tests/conftest.py)
 
@@ -159,7 +160,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("name", USECASES)
 def test_an_export_holds_that_use_case_only(exports, name):
     export = exports[name]
-    for required in ("pyproject.toml", "Makefile", ".ci/run", ".github/workflows/ci.yml", "README.md",
+    for required in ("LICENSE", "pyproject.toml", "Makefile", ".ci/run", ".github/workflows/ci.yml", "README.md",
                      "UPSTREAM.json", "mlflow/README.md", "common/runner.py", "usecases/cli/__init__.py",
                      f"usecases/{name}/presets/smoke.yaml", "tests/conftest.py", "tests/cli_helpers.py",
                      "tests/services.py", f"tests/{name}/__init__.py", "tests/common/test_training.py"):

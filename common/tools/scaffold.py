@@ -26,7 +26,7 @@ TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ""}
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
 COMMANDS = "run|bench|serve|compare|export|new|list"
 # Project files an export takes from the clone as they are (they name no use case).
-PROJECT_FILES = ("Makefile", ".gitignore", ".github/workflows/ci.yml", "mlflow/README.md",
+PROJECT_FILES = ("LICENSE", "Makefile", ".gitignore", ".github/workflows/ci.yml", "mlflow/README.md",
                  "mlflow/docker-compose.yml", "mlflow/Dockerfile.server", "mlflow/.env.example", "mlflow/.dockerignore")
 SHARED_PAGES = ("docs", "examples")  # an export copies what its README links there
 SHARED_TESTS = ("tests/__init__.py", "tests/conftest.py", "tests/cli_helpers.py", "tests/services.py", "tests/common",
