@@ -26,7 +26,7 @@ from usecases.recsys.movielens import read_movielens
 from usecases.recsys.pipeline import INTERACTION_BYTES, load_data
 from usecases.recsys.preprocess import (drop_unrankable, encode, filter_interactions, k_core, split_leave_last_out,
                                         split_random, split_sizes, split_temporal)
-from usecases.recsys.synthetic import draw_by_popularity, synthetic_log
+from usecases.recsys.synthetic import draw_by_popularity, guide_table, synthetic_log
 
 SHARED_MOVIELENS = Path(__file__).resolve().parents[3] / "shared" / "data" / "movielens" / "ml-latest-small"
 RATIOS = [0.8, 0.1, 0.1]
@@ -370,9 +370,9 @@ def test_the_popularity_draw_finds_the_items_a_binary_search_finds(items):
     mass[0] += 1.0  # some mass
     cdf = mass.cumsum() / mass.sum()
     cdf[-1] = 1.0
-    buckets = 1 << (2 * items - 1).bit_length()
-    guide = cdf.searchsorted(np.arange(buckets) / buckets, side="right")
-    uniform = np.concatenate([rng.random(20_000), [0.0, np.nextafter(1.0, 0.0)], cdf[:-1], np.arange(buckets) / buckets])
+    guide = guide_table(cdf)
+    edges = np.arange(len(guide)) / len(guide)
+    uniform = np.concatenate([rng.random(20_000), [0.0, np.nextafter(1.0, 0.0)], cdf[:-1], edges])
     drawn = draw_by_popularity(cdf, guide, uniform.reshape(1, -1))
     assert drawn.shape == (1, len(uniform)) and (drawn[0] == cdf.searchsorted(uniform, side="right")).all()
 

@@ -58,11 +58,16 @@ def _items_drawn(config_json: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     popularity = np.exp(log_popularity - log_popularity.max())
     cdf = (popularity / popularity.sum()).astype(np.float64).cumsum()  # as Generator.choice(p=...) makes it
     cdf /= cdf[-1]
-    buckets = 1 << (2 * config.items - 1).bit_length()  # two to four an item, a power of two
-    guide = cdf.searchsorted(np.arange(buckets) / buckets, side="right")
+    guide = guide_table(cdf) if config.candidates is not None else np.empty(0, np.int64)  # only candidates draw
     for array in (item_factors, log_popularity, cdf, guide):
         array.flags.writeable = False  # shared by every block of this process
     return item_factors, log_popularity, cdf, guide
+
+
+def guide_table(cdf: np.ndarray) -> np.ndarray:
+    """For `draw_by_popularity`: the first item each of 2-4 buckets an item (a power of two) can hold."""
+    buckets = 1 << (2 * len(cdf) - 1).bit_length()
+    return cdf.searchsorted(np.arange(buckets) / buckets, side="right")
 
 
 def draw_by_popularity(cdf: np.ndarray, guide: np.ndarray, uniform: np.ndarray) -> np.ndarray:
