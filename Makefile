@@ -2,47 +2,69 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# The extras installed (pyproject.toml): every use case by default; EXTRAS=finance for one. `make test` adds dev.
+EXTRAS ?= all
+# WHEELS=DIR installs from a wheelhouse (`make wheelhouse`) with no package index: a machine without one.
+WHEELS ?=
+INSTALLED := $(VENV)/.installed
+TESTABLE := $(VENV)/.installed-dev
+comma := ,
+ifneq ($(strip $(WHEELS)),)
+FROM := --no-index --find-links $(abspath $(WHEELS)) --constraint $(abspath $(WHEELS))/constraints.txt
+endif
 
-.PHONY: install demo test test-slow test-gpu test-no-bf16 gpu-check ui cli-docs clean
+.PHONY: install wheelhouse demo test test-slow test-gpu test-no-bf16 gpu-check ui cli-docs clean
 
-$(STAMP): pyproject.toml
+# The venv and the editable install of EXTRAS (again when pyproject.toml changes); from WHEELS where given, checked
+# against its SHA256SUMS first.
+define venv_install
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	$(if $(FROM),$(PYTHON) -m common.tools.wheelhouse check $(WHEELS),$(BIN)/pip install --quiet --upgrade pip)
+	$(BIN)/pip install --quiet $(FROM) -e '.[$(1)]'
+	touch $(INSTALLED) $(2)
+endef
 
-# Only the set-up: the virtual environment and the editable install with the dev extra (again when pyproject.toml
-# changes), as `demo` and `test` do first.
-install: $(STAMP)
+$(INSTALLED): pyproject.toml
+	$(call venv_install,$(EXTRAS))
 
-demo: $(STAMP)
+$(TESTABLE): pyproject.toml
+	$(call venv_install,$(EXTRAS)$(comma)dev,$(TESTABLE))
+
+# Only the set-up, as `demo` does first.
+install: $(INSTALLED)
+
+# Every wheel EXTRAS needs (TORCH=cpu for torch's CPU build) into WHEELS, with its lock: carry the folder and the clone
+# to a machine without an index, then `make install WHEELS=DIR` there (docs/install.md).
+wheelhouse:
+	$(PYTHON) -m common.tools.wheelhouse build $(or $(WHEELS),wheels) --extras $(EXTRAS)$(if $(TORCH), --torch $(TORCH))
+
+demo: $(INSTALLED)
 	$(BIN)/usecases demo
 
-test: $(STAMP)
+test: $(TESTABLE)
 	$(BIN)/python -m pytest
 
 # Whole files per xdist worker, as the default suite (pyproject.toml), so the slow suite's module fixtures (the
 # real-data runs) are made once; its longest files are marked starts_first so none runs alone at the end.
-test-slow: $(STAMP)
+test-slow: $(TESTABLE)
 	$(BIN)/python -m pytest -m slow
 
-test-gpu: $(STAMP)
+test-gpu: $(TESTABLE)
 	$(BIN)/python -m pytest -m gpu
 
 # On a machine with a GPU: doctor, the gpu tests, every default run and benchmark; gpu-report.json and .md here.
-gpu-check: $(STAMP)
+gpu-check: $(INSTALLED)
 	$(BIN)/usecases gpu-check --out .
 
 # The suite as a CPU without native BF16 (and without AVX-512 kernels) runs it, on any machine.
-test-no-bf16: $(STAMP)
+test-no-bf16: $(TESTABLE)
 	PYTHONPATH=tests/cpu_without_bf16 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest
 
-ui: $(STAMP)
+ui: $(INSTALLED)
 	$(BIN)/usecases ui
 
 # docs/cli.md's reference of every command and option, written from the parser (tests/test_cli_docs.py checks it).
-cli-docs: $(STAMP)
+cli-docs: $(TESTABLE)
 	$(BIN)/python -m usecases.cli.reference
 
 clean:

@@ -36,6 +36,7 @@ def run_usecase(request: RunRequest) -> dict:
     process-wide is undone afterwards, so that each run of `usecases demo` gets the settings its presets ask for."""
     from common.runtime.process import isolated_process_state, use_gpu_frames
     started = time.perf_counter()
+    request.usecase.require()
     backend = use_gpu_frames(request.frames, request.device)
     with isolated_process_state(QUIET_ON_OTHER_RANKS):
         return _run(request, backend, started)
@@ -251,6 +252,9 @@ def run_demo(usecases: list[UseCase], device: str = "auto", frames: str = "auto"
     """Every use case with its default preset, in this process; data that cannot be had replaced by synthetic."""
     for usecase in usecases:
         print(f"== {usecase.name}", flush=True)
+        if reason := usecase.missing():
+            print(f"{usecase.name}: skipped: {reason}", flush=True)
+            continue
         request = RunRequest(usecase, "default", device=device, frames=frames)
         try:
             run_usecase(request)

@@ -57,6 +57,21 @@ class UseCase:
     def readme(self) -> Path:
         return self.folder / "README.md"
 
+    def missing(self, extra: str | None = None) -> str | None:
+        """Why this use case (or its optional `extra`) cannot run here, in one line naming the pip extra that installs
+        its libraries; None where they are installed. A team installs only the extras it runs (pyproject.toml)."""
+        specifiers = self.requirements if extra is None else self.optional_requirements[extra]
+        absent = missing_distributions(specifiers)
+        if not absent:
+            return None
+        what = f"use case '{self.name}'" + (f" ({extra})" if extra else "")
+        return (f"{what} needs {', '.join(absent)}, not installed here: pip install -e '.[{extra or self.name}]' in the "
+                f"clone (make install takes every extra)")
+
+    def require(self, extra: str | None = None) -> None:
+        if reason := self.missing(extra):
+            raise UserError(reason)
+
     def columns(self, config) -> list[str] | None:
         """The metrics printed at the end of a run; None prints every one."""
         return self.summary_columns(config) if self.summary_columns else None
@@ -105,6 +120,23 @@ class UseCase:
         paragraphs = [part.strip() for part in self.readme.read_text(encoding="utf-8").split("\n\n")]
         body = [part for part in paragraphs if part and not part.startswith(("#", "|", "```", "<"))]
         return " ".join(body[0].split()) if body else self.description
+
+
+def missing_distributions(specifiers: tuple[str, ...]) -> list[str]:
+    """The distributions of pip `specifiers` not installed in this environment (their markers applied): presence,
+    not versions, which pip checked when it installed them."""
+    from packaging.requirements import Requirement
+
+    absent = []
+    for specifier in specifiers:
+        requirement = Requirement(specifier)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        try:
+            importlib.metadata.distribution(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            absent.append(requirement.name)
+    return absent
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ def test_launch_writes_a_deployment_service_and_autoscaler_the_kubernetes_client
         assert (probe.http_get.path, probe.http_get.port) == ("/ping", 5001)
     assert {item.name: item.value for item in container.env} == {"MLFLOW_TRACKING_URI": "http://mlflow.internal:5000"}
     (install,) = deployment.spec.template.spec.init_containers
-    assert "pip install -e '.[events]'" in install.command[-1]
+    assert "pip install -e '.[recsys,events]'" in install.command[-1]
 
 
 def test_launch_sizes_the_micro_batched_server_of_an_older_run_with_its_window(capsys, tmp_path):

@@ -109,7 +109,10 @@ def test_a_use_case_made_by_new_runs_and_passes_its_tests(clone, source):
     assert (package / "presets" / "smoke.yaml").is_file() and (tests / "__init__.py").is_file()
     code = "\n".join(path.read_text() for path in [*package.rglob("*.py"), *tests.rglob("*.py")])
     assert f"usecases.{source}" not in code and f'"{source}"' not in code
+    extras = tomllib.loads((clone / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert f'{name} = "usecases.{name}"' in (clone / "pyproject.toml").read_text()
+    (everything,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["all"]
+    assert extras[name] == extras[source] and extras["all"] == [f"{everything[:-1]},{name}]"]
     assert f"\n{name} " in in_folder(clone, "-m", "usecases", "list").stdout
     run = in_folder(clone, "-m", "usecases", "run", name, "--preset", "smoke", *PLUMBING[source])
     assert run.returncode == 0, run.stderr[-2000:]
@@ -186,6 +189,14 @@ def test_an_export_needs_only_its_own_dependencies(exports):
     assert {"torchvision", "pydicom"} <= dependencies("medical") and {"arch", "implicit"}.isdisjoint(dependencies("medical"))
     assert "implicit" in dependencies("recsys") and {"arch", "torchvision", "pydicom"}.isdisjoint(dependencies("recsys"))
     assert "mlflow" in dependencies("recsys") and "pytest" in dependencies("recsys")
+    assert {"faiss-cpu", "openslide-python", "pydicom"}.isdisjoint(dependencies("finance"))
+    assert "faiss-cpu" in dependencies("recsys") and "openslide-python" in dependencies("medical")
+    for name in USECASES:  # `all` names the export's own extras, as the Makefile installs it
+        extras = tomllib.loads((exports[name] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        (everything,) = extras["all"]
+        taken = re.fullmatch(rf"gpu-usecases-{name}\[([\w,]+)\]", everything).group(1).split(",")
+        assert set(taken) == set(extras) - {"all", "dev", "cuda12", "cuda13"} and "dask" in taken, name
+        assert ("slides" in taken) == (name == "medical") and "finance" not in extras, name
 
 
 def assert_the_export_runs_its_own_code(export: Path, name: str, python: str = sys.executable) -> None:
@@ -254,19 +265,33 @@ def test_make_test_passes_in_a_fresh_venv_of_an_export(tmp_path):
         shutil.rmtree(export / ".venv", ignore_errors=True)  # 7 GB: pytest keeps three runs' folders
 
 
-def test_the_clone_installs_what_every_use_case_declares():
-    """A use case's `requirements` are what `export` keeps; the clone's own install must carry them all."""
+def test_new_gives_the_use_case_its_extra_and_adds_it_to_all(tmp_path):
+    from common.tools.scaffold import register_extra
+
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text((ROOT / "pyproject.toml").read_text())
+    register_extra(pyproject, "derm", ("pydicom>=3.0", "uvloop>=0.19; sys_platform != 'win32'"))
+    register_extra(pyproject, "derm", ("pydicom>=9",))  # a second time changes nothing
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert extras["derm"] == ["pydicom>=3.0", "uvloop>=0.19; sys_platform != 'win32'"]
+    assert extras["all"][0].endswith(",team,derm]") and extras["finance"] == ["arch>=7.0"]
+
+
+def test_each_use_case_is_an_extra_that_installs_what_it_declares():
+    """A use case's `requirements` (what `export` keeps and `usecases run` checks) are its extra of the same name, its
+    optional ones extras of theirs, and `all` takes every one: a team installs one use case, `make install` all."""
     import importlib
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    base = {re.split(r"[<>=!~; \[]", spec)[0] for spec in project["dependencies"]}
-    extras = {re.split(r"[<>=!~; \[]", spec)[0] for specs in project["optional-dependencies"].values() for spec in specs}
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (everything,) = extras["all"]
+    taken = set(re.fullmatch(r"gpu-usecases\[([\w,]+)\]", everything).group(1).split(","))
     for name in USECASES:
         declared = importlib.import_module(f"usecases.{name}").USECASE
-        assert {re.split(r"[<>=!~; \[]", spec)[0] for spec in declared.requirements} <= base, name
-        optional = {re.split(r"[<>=!~; \[]", spec)[0] for specs in declared.optional_requirements.values()
-                    for spec in specs}
-        assert optional <= extras, name
+        assert set(declared.requirements) == set(extras[name]), name
+        for extra, specifiers in declared.optional_requirements.items():
+            assert set(specifiers) <= set(extras[extra]), (name, extra)
+            assert extra in taken, extra
+        assert name in taken, name
 
 
 @pytest.mark.parametrize("name", USECASES)

@@ -88,11 +88,11 @@ def _command(facts, gpus: int) -> list[str]:
             "--resume-if-interrupted"]
 
 
-def _setup(extra: str, venv: str, torch_index: str | None) -> str:
-    """The project installed with `extra` in a fresh venv, torch first from `torch_index` where given."""
+def _setup(extras: str, venv: str, torch_index: str | None) -> str:
+    """The project installed with `extras` in a fresh venv, torch first from `torch_index` where given."""
     torch = f"{venv}/bin/pip install torch torchvision --index-url {torch_index}\n" if torch_index else ""
     return (f"python3 -m venv {venv}\n{venv}/bin/pip install --upgrade pip\n{torch}"
-            f"{venv}/bin/pip install -e '.[{extra}]'\n")
+            f"{venv}/bin/pip install -e '.[{extras}]'\n")
 
 
 def skypilot_task(facts, choice, extra: str, command: list[str], tracking: str) -> dict:
@@ -112,7 +112,7 @@ def skypilot_task(facts, choice, extra: str, command: list[str], tracking: str) 
         bucket = f"{_name(facts)[:40].strip('-')}-ckpt-{(facts.run_id or 'workload')[:12]}"
         task["file_mounts"] = {"/checkpoints": {"name": bucket, "mode": "MOUNT_CACHED"}}
     task["envs"] = envs
-    task["setup"] = _setup(extra, ".venv", CUDA12_TORCH if extra == "cuda12" else None)
+    task["setup"] = _setup(f"all,{extra}", ".venv", CUDA12_TORCH if extra == "cuda12" else None)
     task["run"] = " ".join([f".venv/bin/{command[0]}", *command[1:]]) + "\n"
     return task
 
@@ -122,7 +122,7 @@ def kubernetes_job(facts, row, extra: str, command: list[str], tracking: str) ->
     checkpoints and (without a tracking server) the MLflow store."""
     instance, name = row.instance, _name(facts)
     project = f"{CACHE}/project"
-    setup = _setup(extra, f"{CACHE}/venv", CUDA12_TORCH if extra == "cuda12" else None)
+    setup = _setup(f"all,{extra}", f"{CACHE}/venv", CUDA12_TORCH if extra == "cuda12" else None)
     script = (f"set -e\n: \"${{PROJECT_GIT_URL:?set PROJECT_GIT_URL to the project's git URL}}\"\n"
               f"[ -d {project}/.git ] || git clone \"$PROJECT_GIT_URL\" {project}\n"
               f"cd {project}\ngit fetch origin\n[ -z \"$PROJECT_GIT_REF\" ] || git checkout \"$PROJECT_GIT_REF\"\n"
@@ -195,7 +195,7 @@ def serving_objects(usecase: str, instance, workers: int, replicas: int, most: i
     install = (f"set -e\n: \"${{PROJECT_GIT_URL:?set PROJECT_GIT_URL to the project's git URL}}\"\n"
                f"git clone \"$PROJECT_GIT_URL\" {APP}/project\ncd {APP}/project\n"
                "[ -z \"$PROJECT_GIT_REF\" ] || git checkout \"$PROJECT_GIT_REF\"\n" +
-               _setup("events", f"{APP}/venv", CPU_TORCH))
+               _setup(f"{usecase},events", f"{APP}/venv", CPU_TORCH))
     requests = {"cpu": str(workers), **_memory(instance)}  # the workers' cores: the autoscaler's share is of these
     limits = {"cpu": str(instance.vcpus), **_memory(instance)}
     node_type = instance.name.split(" + ")[0]  # GCP's N1 with its GPU: the machine type alone

@@ -110,6 +110,7 @@ def new_usecase(source: UseCase, name: str, taken: set[str]) -> list[Path]:
                 staged_tests.rename(tests)
                 created.append(tests)
             register_entry_point(root / "pyproject.toml", name, f"usecases.{name}")
+            register_extra(root / "pyproject.toml", name, source.requirements)
         except BaseException:  # interrupted between the renames: take back what was moved
             shutil.rmtree(package, ignore_errors=True)
             shutil.rmtree(tests, ignore_errors=True)
@@ -137,6 +138,20 @@ def register_entry_point(pyproject: Path, name: str, module: str) -> None:
         return
     text = text.replace(header, header + line) if header in text else f"{text.rstrip()}\n\n{header}{line}"
     pyproject.write_text(text, encoding="utf-8")
+
+
+def register_extra(pyproject: Path, name: str, specifiers: tuple[str, ...]) -> None:
+    """Give use case `name` its extra (the libraries its package declares) and add it to `all`, so that the
+    `pip install -e '.[NAME]'` a run without them names installs them."""
+    if not pyproject.is_file():
+        return
+    text = pyproject.read_text(encoding="utf-8")
+    everything = re.search(r'^all = \["([\w.-]+)\[([\w,]+)\]"\]$', text, re.M)
+    if everything is None or re.search(rf"^{name} = ", text, re.M):
+        return
+    project, extras = everything.groups()
+    lines = f"{name} = {json.dumps(list(specifiers))}\nall = {json.dumps([f'{project}[{extras},{name}]'])}"
+    pyproject.write_text(text[:everything.start()] + lines + text[everything.end():], encoding="utf-8")
 
 
 def _requirement_name(specifier: str) -> str:
@@ -199,13 +214,18 @@ def export_pyproject(usecase: UseCase, others: list[UseCase], source: Path) -> s
     drop = _owned_elsewhere(usecase, others, source.parent / "common")
     keep = _with(usecase.requirements,
                  [spec for spec in project["project"]["dependencies"] if _requirement_name(spec) not in drop])
+    name = project["project"]["name"]
+    usecase_extras = {usecase.name, *(other.name for other in others), "all"}  # the clone's, rebuilt below
     extras = {extra: kept for extra, specs in project["project"].get("optional-dependencies", {}).items()
-              if (kept := [spec for spec in specs if _requirement_name(spec) not in drop])}
+              if extra not in usecase_extras
+              and (kept := [spec for spec in specs if _requirement_name(spec) not in drop | {name}])}
     for extra, specs in usecase.optional_requirements.items():
         extras[extra] = _with(specs, extras.get(extra, []))
+    taken = [extra for extra in extras if extra != "dev" and not extra.startswith("cuda")]
+    extras["all"] = [f"{name}-{usecase.name}[{','.join(taken)}]"] if taken else []
     tables = {
         "build-system": {key: project["build-system"][key] for key in ("requires", "build-backend")},
-        "project": {"name": f"{project['project']['name']}-{usecase.name}", "version": "0.1.0",
+        "project": {"name": f"{name}-{usecase.name}", "version": "0.1.0",
                     "description": usecase.description, "readme": "README.md",
                     "requires-python": project["project"].get("requires-python", ">=3.10"),
                     "license": project["project"].get("license", "Apache-2.0"), "dependencies": keep},

@@ -205,7 +205,7 @@ def test_the_launch_files_for_one_gpu_on_spot_resume_and_load_in_the_kubernetes_
                                       "disk_size": 132, "use_spot": True,
                                       "job_recovery": {"strategy": "FAILOVER", "max_restarts_on_errors": 1}}
     assert task["run"].strip() == ".venv/bin/usecases run derm --preset default --resume-if-interrupted"
-    assert ".venv/bin/pip install -e '.[cuda13]'" in task["setup"]
+    assert ".venv/bin/pip install -e '.[all,cuda13]'" in task["setup"]
     assert task["envs"]["USECASES_CHECKPOINT_DIR"] == "/checkpoints" and "/checkpoints" in task["file_mounts"]
     assert task["envs"]["MLFLOW_TRACKING_URI"] and any("cannot resume without one" in line for line in written["lines"])
     claim, batch = kubernetes_objects(job)
@@ -222,7 +222,7 @@ def test_several_gpus_run_under_torchrun_and_a_v100_gets_the_cuda_12_build(tmp_p
     task, job, written = launch(tmp_path, "p3.8xlarge", spot=False, usecase="scans")
     assert task["resources"]["accelerators"] == "V100:4" and "use_spot" not in task["resources"]
     assert task["run"].startswith(".venv/bin/torchrun --standalone --nproc_per_node 4 -m usecases run scans")
-    assert "--index-url https://download.pytorch.org/whl/cu128" in task["setup"] and "'.[cuda12]'" in task["setup"]
+    assert "--index-url https://download.pytorch.org/whl/cu128" in task["setup"] and "'.[all,cuda12]'" in task["setup"]
     assert "file_mounts" not in task and written["extra"] == "cuda12"
     _, batch = kubernetes_objects(job)
     assert batch.spec.template.spec.containers[0].resources.requests["nvidia.com/gpu"] == "4"

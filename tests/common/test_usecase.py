@@ -272,3 +272,4 @@ def test_what_data_modules_import_from_common_does_not_import_mlflow():
     code = "import sys, common.paths, common.config, common.errors; print('mlflow' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
+

@@ -55,6 +55,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from common.tracking.stores import tracking_uri
 
     usecase = options.usecase(args.name)
+    usecase.require()
     own = None if args.mlflow else usecase.server()
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")

@@ -20,9 +20,10 @@ USECASE = UseCase.declare(
     config=Config,
     primary_metric=("auc", "max"),  # of the served model; the registry picks its champion by it
     summary_columns=summary_columns,
-    requirements=("torchvision>=0.19", "pillow>=10", "pydicom>=3.0", "medmnist>=3.0", "captum>=0.7",
-                  "openslide-python>=1.3", "openslide-bin>=4.0", "tifffile>=2024.1", "imagecodecs>=2024.1",
-                  "zarr>=2.16"),
+    requirements=("torchvision>=0.19", "pillow>=10", "pydicom>=3.0", "medmnist>=3.0", "captum>=0.7"),
+    # whole-slide pathology (data.source: slides): the slide readers, asked for only by a slides run
+    optional_requirements={"slides": ("openslide-python>=1.3", "openslide-bin>=4.0", "tifffile>=2024.1",
+                                      "imagecodecs>=2024.1", "zarr>=2.16")},
     has_benchmark=True,
     # the images as PNG files: 5,000, 20,000 and 80,000 for bench scale, 80 % of them for training
     scale={"data.synthetic.train": 4_000, "data.synthetic.val": 500, "data.synthetic.test": 500},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,9 +20,10 @@ from common.runtime.devices import Runtime
 from .config import Config
 from .images import ImageSet
 from .models import build_classifier
-from .slides.bench import slides_benchmark
-from .slides.data import SlideSet
 from .train import fit_network, label_tensor, loss_function, new_classifier
+
+if TYPE_CHECKING:
+    from .slides.data import SlideSet
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,8 @@ def _steady(history: list[dict[str, float]]) -> dict[str, float]:
 
 
 def benchmark(config: Config, data: ImageSet | SlideSet, job: Job) -> dict[str, dict[str, float]]:
-    if isinstance(data, SlideSet):  # a preset with data.source slides (`bench slides medical`)
+    if not isinstance(data, ImageSet):  # a SlideSet: a preset with data.source slides (`bench slides medical`)
+        from .slides.bench import slides_benchmark
         return slides_benchmark(config, data, job)
     if job.runtime.distributed:
         raise UserError("the benchmark compares single-process training; run it without torchrun")

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,9 +29,10 @@ from .explain import grad_cam, overlay_figure, pick_examples
 from .images import ImageSet
 from .models import check_backbone_fits, use_cifar_stem
 from .serving import log_classifier
-from .slides.data import SlideSet, load_slides
-from .slides.pipeline import run_slides
 from .train import channels_first, fit_network, predict_logits
+
+if TYPE_CHECKING:
+    from .slides.data import SlideSet
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ def large_data(config: Config, path: Path | None) -> str | None:
 
 
 def _load_slides(config: Config, path: Path | None, client=None) -> tuple[SlideSet, dict[str, str]]:
+    from .slides.data import load_slides  # the slides extra: imported by a slides run only
     data = load_slides(config, path, client)
     counts = {split: len(data.members(split)) for split in ("train", "val", "test")}
     log.info("data: %s, %d slides, train/val/test %s, positive class '%s'", data.source, len(data.paths),
@@ -96,7 +99,8 @@ def _load_slides(config: Config, path: Path | None, client=None) -> tuple[SlideS
 
 
 def run(config: Config, data: ImageSet | SlideSet, job: Job) -> RunResult:
-    if isinstance(data, SlideSet):
+    if not isinstance(data, ImageSet):  # a SlideSet
+        from .slides.pipeline import run_slides
         return run_slides(config, data, job)
     runtime, evaluation = job.runtime, config.evaluation
     started = time.perf_counter()
