@@ -20,8 +20,8 @@ endif
 define venv_install
 	$(PYTHON) -m venv $(VENV)
 	$(if $(FROM),$(PYTHON) -m common.tools.wheelhouse check $(WHEELS),$(BIN)/pip install --quiet --upgrade pip)
-	$(BIN)/pip install --quiet $(FROM) -e '.[$(1)]'
-	touch $(INSTALLED) $(2)
+	$(BIN)/pip install --quiet$(if $(FROM), $(FROM)) -e '.[$(1)]'
+	touch $(INSTALLED)$(if $(2), $(2))
 endef
 
 $(INSTALLED): pyproject.toml

@@ -38,13 +38,14 @@ class UseCase:
     has_benchmark: bool = False
     scale: dict[str, int] | None = None  # the config keys `bench scale` multiplies together, and their 1x values
     served_kinds: tuple[str, ...] = ("",)  # the kinds of model it serves, the one `usecases serve` prefers first
+    reported_metrics: tuple[str, ...] = ()  # each model's test metrics its results page tables beside the primary one
 
     @classmethod
     def declare(cls, package: str, **fields) -> UseCase:
         """For a package's `__init__.py`: named after the package's last component, its files beside it.
         `requirements` and `optional_requirements` (extra: specifiers) are what `usecases export` writes."""
         folder = Path(sys.modules[package].__file__).resolve().parent
-        for name in ("requirements", "served_kinds"):
+        for name in ("requirements", "served_kinds", "reported_metrics"):
             if name in fields:
                 fields[name] = tuple(fields[name])
         return cls(name=package.rsplit(".", 1)[-1], package=package, folder=folder, **fields)
@@ -65,8 +66,9 @@ class UseCase:
         if not absent:
             return None
         what = f"use case '{self.name}'" + (f" ({extra})" if extra else "")
-        return (f"{what} needs {', '.join(absent)}, not installed here: pip install -e '.[{extra or self.name}]' in the "
-                f"clone (make install takes every extra)")
+        extras = f"'.[{extra or self.name}]'"
+        return (f"{what} needs {', '.join(absent)}, not installed here: pip install -e {extras} in the clone (make "
+                f"install takes every extra)")
 
     def require(self, extra: str | None = None) -> None:
         if reason := self.missing(extra):

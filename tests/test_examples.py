@@ -85,15 +85,25 @@ def test_the_examples_are_small_and_each_file_is_described():
         assert (EXAMPLES / name).is_file() and f"`{name}" in readme, name
 
 
+def make_steps(*args: str) -> list[str]:
+    """What `make -n ARGS` would run (no make[1] lines under `make test` either)."""
+    result = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
 def test_make_install_only_sets_up_the_venv_and_the_editable_install(tmp_path):
     venv = tmp_path / "venv"  # no stamp there: `make -n` lists every step of the set-up
-    result = subprocess.run(["make", "--no-print-directory", "-n", "install", f"VENV={venv}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)  # under `make test` too: no make[1] lines
-    assert result.returncode == 0, result.stderr
-    steps = result.stdout.splitlines()
+    steps = make_steps("install", f"VENV={venv}")
     assert steps[0].endswith(f"-m venv {venv}") and steps[-1] == f"touch {venv}/.installed", steps
-    assert f"{venv}/bin/pip install --quiet -e '.[dev]'" in steps
+    assert f"{venv}/bin/pip install --quiet -e '.[all]'" in steps  # every use case, not the test tools
     assert not any("bin/usecases" in step or "-m pytest" in step for step in steps), steps  # not demo, not test
+    assert f"{venv}/bin/pip install --quiet -e '.[all,dev]'" in make_steps("test", f"VENV={venv}")
+    one = make_steps("install", f"VENV={venv}", "EXTRAS=finance", f"WHEELS={tmp_path / 'wheels'}")
+    assert one[1].endswith(f"-m common.tools.wheelhouse check {tmp_path / 'wheels'}"), one  # checked before use
+    assert one[2] == (f"{venv}/bin/pip install --quiet --no-index --find-links {tmp_path / 'wheels'} --constraint "
+                      f"{tmp_path / 'wheels'}/constraints.txt -e '.[finance]'"), one
 
 
 @pytest.fixture(scope="module")

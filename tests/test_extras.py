@@ -60,8 +60,8 @@ def test_the_slide_modules_without_the_slides_extra_are_one_line_and_the_image_c
     """Importing any slide module checks the `slides` extra (usecases/medical/slides/__init__.py); the medical
     pipeline imports them only for a slides run."""
     without_distributions(monkeypatch, "openslide-python", "zarr")
-    for name in [name for name in sys.modules if name.startswith(("usecases.medical.slides", "usecases.medical.pipeline",
-                                                                  "usecases.medical.benchmark"))]:
+    reloaded = ("usecases.medical.slides", "usecases.medical.pipeline", "usecases.medical.benchmark")
+    for name in [name for name in sys.modules if name.startswith(reloaded)]:
         monkeypatch.delitem(sys.modules, name)
     importlib.import_module("usecases.medical.pipeline")
     importlib.import_module("usecases.medical.benchmark")

@@ -100,3 +100,25 @@ def test_the_clone_carries_the_license_it_declares():
     assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
     assert text.count("\n   ") > 150 and "END OF TERMS AND CONDITIONS" in text
     assert "9. Accepting Warranty or Additional Liability." in text
+
+
+def test_the_changelog_keeps_a_changelog_and_its_newest_version_is_the_packages():
+    """Keep a Changelog's form: `## [Unreleased]` first, then `## [X.Y.Z] - DATE`, newest first, down to 0.1.0, each
+    with only its kinds of change; the newest is the version pyproject.toml ships."""
+    import re
+    import tomllib
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[0] == "[Unreleased]", headings[:2]
+    versions = [re.fullmatch(r"\[(\d+)\.(\d+)\.(\d+)\] - (\d{4}-\d\d-\d\d)", heading) for heading in headings[1:]]
+    released = [found for found in versions if found]
+    assert [heading for heading, found in zip(headings[1:], versions) if not found] in ([], [headings[-1]])
+    numbers = [tuple(map(int, found.groups()[:3])) for found in released]
+    assert numbers == sorted(numbers, reverse=True) and numbers[-1] == (0, 1, 0), numbers
+    assert [found[4] for found in released] == sorted((found[4] for found in released), reverse=True)
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert ".".join(map(str, numbers[0])) == version
+    for section in re.split(r"^## ", text, flags=re.M)[2:2 + len(released)]:
+        kinds = re.findall(r"^### (.+)$", section, re.M)
+        assert kinds and set(kinds) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, kinds

@@ -52,7 +52,9 @@ SKIPPED = [
     (r"usecases advise \w+ --serve\b", "sized from a serving bench, which is skipped above (tests/recsys/"
                                         "test_million.py sizes the fleet so from a real one)"),
     (r"torchrun", "several processes or machines (tests/*/test_ddp.py run the smoke presets so)"),
-    (r"pip install", "needs the network"),
+    (r"pip install|PIP_EXTRA_INDEX_URL=", "needs the network"),
+    (r"make wheelhouse|common\.tools\.wheelhouse build", "downloads every wheel of torch and the extras (GB): "
+                                                       "tests/test_extras.py builds one and installs from it"),
     (r"\bdocker\b|\$EDITOR|mlflow/\.env", "the production server in Docker"),
     (r"--cluster|XDG_CACHE_HOME=/shared", "a Dask cluster on other machines"),
     (r"usecases (new|export)\b|^cd \.\./", "writes into the clone (tests/common/test_scaffold.py and the slow "

@@ -17,7 +17,8 @@ from common.tracking.runs import experiment_name, metric_name
 from common.tracking.stores import check_reachable
 
 KINDS = {"run": "", "benchmark": "-benchmark"}  # each kind of row and the suffix of its experiment
-MACHINE = ("cpu_model", "cpu_bf16", "cpu_cores", "gpu")
+# the CPU's model name as the OS reports it, its native BF16, cores, the GPU, and the precision the run trained in
+MACHINE = ("cpu_model", "cpu_bf16", "cpu_cores", "gpu", "precision")
 KEY = ("kind", "preset", "data", "data_sha256", *MACHINE)  # a row per key; a newer run of it replaces the row
 
 
@@ -42,8 +43,8 @@ def read_store(uri: str):
     return client
 
 
-def collect(client, name: str, metric: str) -> list[dict]:
-    """The newest FINISHED run of each key in the store, as rows."""
+def collect(client, name: str, metric: str, reported: tuple[str, ...] = ()) -> list[dict]:
+    """The newest FINISHED run of each key in the store, as rows; a run's with each model's `reported` metrics."""
     rows: dict[tuple, dict] = {}
     for kind, suffix in KINDS.items():
         experiment = client.get_experiment_by_name(experiment_name(name + suffix))
@@ -54,7 +55,7 @@ def collect(client, name: str, metric: str) -> list[dict]:
             page = client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'",
                                       order_by=["attributes.start_time DESC"], max_results=1000, page_token=token)
             for run in page:
-                row = _row(run, kind, metric)
+                row = _row(run, kind, metric, reported)
                 rows.setdefault(_key(row), row)
             token = page.token
             if not token:
@@ -62,7 +63,7 @@ def collect(client, name: str, metric: str) -> list[dict]:
     return list(rows.values())
 
 
-def _row(run, kind: str, metric: str) -> dict:
+def _row(run, kind: str, metric: str, reported: tuple[str, ...] = ()) -> dict:
     tags, metrics = run.data.tags, run.data.metrics
     gpu = "none"
     if tags.get("device") == "cuda":
@@ -72,11 +73,25 @@ def _row(run, kind: str, metric: str) -> dict:
     return {
         "kind": kind, "preset": tags.get("preset", "?"), "data": tags.get("data_source", "?"),
         "data_sha256": tags.get("data_sha256", "?")[:12], "cpu_model": tags.get("cpu_model", "?"), "cpu_bf16": bf16,
-        "cpu_cores": tags.get("cpu_cores", "?"), "gpu": gpu, "torch": tags.get("torch_version", "?"),
-        "commit": tags.get("git_commit", "?")[:7] + ("+" if tags.get("git_dirty") == "true" else ""),
+        "cpu_cores": tags.get("cpu_cores", "?"), "gpu": gpu, "precision": tags.get("precision", "?"),
+        "torch": tags.get("torch_version", "?"), "commit": _commit(tags),
         "date": datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).strftime("%Y-%m-%d"),
         "started_ms": run.info.start_time, "run_id": run.info.run_id, "served": tags.get("primary_model"),
-        "time_s": _rounded(metrics.get("time/total_s")), "results": _results(metrics, kind, metric)}
+        "time_s": _rounded(metrics.get("time/total_s")), "results": _results(metrics, kind, metric),
+        "reported": _reported(metrics, reported) if kind == "run" else {}}
+
+
+def _commit(tags: dict[str, str]) -> str:
+    """The commit; `+` where the run had uncommitted changes, `?` where it ran before runs said (no `git_dirty`)."""
+    commit = tags.get("git_commit", "?")[:7]
+    return commit + {"true": "+", "false": ""}.get(tags.get("git_dirty", ""), "?" if commit != "?" else "")
+
+
+def _reported(metrics: dict[str, float], names: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Each model's test values of `names` (finance's backtests), for the table below a run's."""
+    models = sorted({key.split("/")[1] for key in metrics if key.startswith("test/") and key.count("/") == 2})
+    table = {model: {name: _rounded(metrics.get(f"test/{model}/{name}")) for name in names} for model in models}
+    return {model: values for model, values in table.items() if any(value is not None for value in values.values())}
 
 
 def _results(metrics: dict[str, float], kind: str, metric: str) -> dict[str, float]:
@@ -103,25 +118,28 @@ def _key(row: dict) -> tuple:
 
 
 def merge(kept: list[dict], new: list[dict]) -> list[dict]:
-    """The kept rows with the new ones in: a row per key, the newer run's; newest first."""
-    rows = {_key(row): row for row in kept}
+    """The kept rows with the new ones in: a row per key, the newer run's; newest first. A row kept from before the
+    precision was recorded says `?`."""
+    rows = {_key(row): row for row in ({"precision": "?", "reported": {}, **row} for row in kept)}
     for row in new:
         if _key(row) not in rows or row["started_ms"] >= rows[_key(row)]["started_ms"]:
             rows[_key(row)] = row
     return sorted(rows.values(), key=lambda row: (-row["started_ms"], row["run_id"]))
 
 
-def report(name: str, primary_metric: tuple[str, str], store: str, folder: Path, required: bool = True) -> Path | None:
+def report(name: str, primary_metric: tuple[str, str], store: str, folder: Path, required: bool = True,
+           reported: tuple[str, ...] = ()) -> Path | None:
     """Merge the store's rows into folder/NAME.json and render folder/NAME.md from it. Without finished runs in the
     store: one line when `required`, else the page is rendered from the JSON (None when it keeps nothing either)."""
     source = folder / f"{name}.json"
     kept = json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {"rows": []}
-    new = collect(read_store(store), name, primary_metric[0])
+    new = collect(read_store(store), name, primary_metric[0], reported)
     if not new and required:
         raise UserError(f"no finished run of '{name}' in {store} (run `usecases run {name}` first)")
     if not new and not kept["rows"]:
         return None
-    data = {"usecase": name, "primary_metric": list(primary_metric), "rows": merge(kept["rows"], new)}
+    data = {"usecase": name, "primary_metric": list(primary_metric), "reported": list(reported),
+            "rows": merge(kept["rows"], new)}
     write_json_atomic(data, source)
     page = folder / f"{name}.md"
     write_text_atomic(render(data), page)
@@ -150,17 +168,19 @@ def render(data: dict) -> str:
              f"(`usecases report {name} --check` fails on an edit).*", "",
              f"A row per machine: its newest finished run, newest machines first. Runs: `{metric}` on test of the "
              f"served model ({'higher' if mode == 'max' else 'lower'} is better) and on validation, then each "
-             f"model's test `{metric}` (the baselines beside it); time is the whole run's; a commit ending in `+` "
-             f"ran with uncommitted changes. A machine whose store was reported once keeps its row until a newer run "
-             f"of it replaces it."]
+             f"model's test `{metric}` (the baselines beside it; a model's variant that scores as it does, such as "
+             f"its tail rules, only in the table below); time is the whole run's; precision is what the run trained "
+             f"in; a commit ending in `+` ran with uncommitted changes, in `?` before runs said (its code state is "
+             f"unknown). A machine whose store was reported once keeps its row until a newer run of it replaces it."]
     tables: dict[tuple, list[dict]] = {}
-    for row in data["rows"]:
+    for row in ({"precision": "?", "reported": {}, **row} for row in data["rows"]):
         tables.setdefault((list(KINDS).index(row["kind"]), row["preset"], row["data"], row["data_sha256"]),
                           []).append(row)
     for (kind, preset, source, digest), rows in sorted(tables.items(),
                                                        key=lambda item: (item[0][0], -item[1][0]["started_ms"])):
         title = "Benchmark" if kind else "Run"
         lines += ["", f"## {title}: preset `{preset}`, data `{source}` ({digest})", "", *_table(rows, metric)]
+        lines += _reported_table(rows[0], data.get("reported", []))
     gpu_rows = [row for row in data["rows"] if row["gpu"] != "none"]
     if gpu_rows:
         cells = [[row["gpu"], f"`usecases {'bench run' if row['kind'] == 'benchmark' else 'run'} {name} --preset "
@@ -171,16 +191,36 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reported_table(row: dict, names: list[str]) -> list[str]:
+    """The newest run's `reported` metrics of every model (finance's backtests), where it recorded them."""
+    if not names or not row.get("reported"):
+        return []
+    cells = [[f"`{model}`", *[_number(values.get(name)) for name in names]]
+             for model, values in row["reported"].items()]
+    return ["", f"Each model's {', '.join(f'`{name}`' for name in names)} on test, in the newest run above "
+                f"({row['cpu_model']}, commit {row['commit']}, {row['date']}):", "",
+            *render_table(cells, ["model", *names]).split("\n")]
+
+
+def _variants(rows: list[dict], columns: list[str]) -> set[str]:
+    """Columns that are another column's variant (`neural_fz` of `neural`) with its values in every row."""
+    return {column for column in columns for other in columns
+            if column.startswith(f"{other}_") and all(row["results"].get(column) == row["results"].get(other)
+                                                       for row in rows)}
+
+
 def _table(rows: list[dict], metric: str) -> list[str]:
     """A run's columns past the served model's two are model names, shown as code like model names elsewhere."""
     columns = list(dict.fromkeys(column for row in rows for column in row["results"]))
+    if rows[0]["kind"] == "run":
+        columns = [column for column in columns if column not in _variants(rows, columns)]
     served = any(row["served"] for row in rows)
     models = rows[0]["kind"] == "run"
-    header = ["CPU", "BF16", "cores", "GPU", "torch", "commit", "date", *(["served"] if served else []),
+    header = ["CPU", "BF16", "cores", "GPU", "precision", "torch", "commit", "date", *(["served"] if served else []),
               *[f"`{column}`" if models and column not in (metric, f"val {metric}") else column
                 for column in columns], "time"]
-    cells = [[row["cpu_model"], row["cpu_bf16"], row["cpu_cores"], row["gpu"], row["torch"], row["commit"],
-              row["date"], *([f"`{row['served']}`" if row["served"] else "-"] if served else []),
+    cells = [[row["cpu_model"], row["cpu_bf16"], row["cpu_cores"], row["gpu"], row["precision"], row["torch"],
+              row["commit"], row["date"], *([f"`{row['served']}`" if row["served"] else "-"] if served else []),
               *[_number(row["results"].get(column)) for column in columns], _seconds(row["time_s"])] for row in rows]
     return render_table(cells, header).split("\n")
 

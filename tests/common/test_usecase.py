@@ -33,7 +33,7 @@ class Config(ConfigModel):
 
 
 USECASE = UseCase.declare(__name__, description="a plug-in for tests", config=Config, primary_metric=("score", "max"),
-                          requirements=("example-package>=1",))
+                          requirements=("numpy>=1",))  # installed: a run checks it
 '''
 
 PIPELINE = '''
@@ -96,7 +96,7 @@ def test_declare_takes_the_name_and_folder_from_the_package(plugins):
     assert (declared.name, declared.package) == ("good", "testcases.good")
     assert declared.presets_dir == plugins / "good" / "presets"
     assert declared.summary() == "A plug-in written by a test, to check the contract."
-    assert declared.requirements == ("example-package>=1",) and declared.columns(None) is None
+    assert declared.requirements == ("numpy>=1",) and declared.columns(None) is None
 
 
 def test_a_broken_plugin_is_one_line_and_the_others_still_load(plugins):

@@ -38,8 +38,8 @@ def register(commands) -> None:
     advise.add_argument("--requests-per-s", type=options.positive("--requests-per-s"), metavar="RATE",
                         help="the serving load a month's cost is stated at (default: 100, as the report says)")
     advise.add_argument("--spot-interruptions-per-hour", type=options.positive("--spot-interruptions-per-hour"),
-                        metavar="RATE", help="the spot interruption rate to plan with (default: 0.05, as the report "
-                                             "says)")
+                        metavar="RATE", help="the spot interruption rate to plan with (default: `0.05`, as the "
+                                             "report says)")
     advise.add_argument("--launch", type=Path, metavar="DIR",
                         help="write a SkyPilot task and a Kubernetes Job for the recommended training instance")
     advise.add_argument("--tracking-uri", metavar="URI",

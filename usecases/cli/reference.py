@@ -54,8 +54,9 @@ def _options_table(parser: argparse.ArgumentParser) -> str:
             continue
         name = ", ".join(action.option_strings) or (action.metavar or action.dest.upper())
         value = "" if action.nargs == 0 else _value(action)
-        default = action.default if action.option_strings and action.default not in (None, False, []) else ""
-        rows.append([f"`{name}`", f"`{value}`" if value else "", str(default), action.help or ""])
+        shown = action.option_strings and action.default not in (None, False, [])
+        rows.append([f"`{name}`", f"`{value}`" if value else "", f"`{action.default}`" if shown else "",
+                     action.help or ""])
     return render_table(rows, ["option", "value", "default", "what it does"]) if rows else ""
 
 

@@ -132,6 +132,7 @@ def report_command(args: argparse.Namespace) -> int:
     chosen = {args.name: options.usecase(args.name)} if args.name else {
         other: usecase for other, usecase in options.loaded().items() if not isinstance(usecase, UserError)}
     for other, usecase in chosen.items():
-        page = results.report(other, usecase.primary_metric, store, folder, required=args.name is not None)
+        page = results.report(other, usecase.primary_metric, store, folder, required=args.name is not None,
+                              reported=usecase.reported_metrics)
         print(f"{other}: {page or f'no finished run in {store}, and no page yet'}", flush=True)
     return EXIT_OK
