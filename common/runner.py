@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from common.errors import DataUnavailable, UserError
-from common.runtime.interrupt import Terminated
+from common.runtime.interrupt import Capped, Terminated, stop_handled
 from common.usecase import RunRequest, RunResult, UseCase
 
 log = logging.getLogger(__name__)
@@ -109,13 +109,13 @@ def _tracked(request: RunRequest, config, runtime, backend: str, client, started
                 write_json_atomic({"run_id": tracker.run_id, "params": params, "data": data_tags},
                                   checkpoint_dir / STATE_FILE)
             job = Job(runtime, tracker, checkpoint_dir, run_id is not None, client, phases, request.summary)
-            outcome = RunResult(usecase.benchmark(config, loaded, job)) if bench else \
-                _checked_result(usecase, usecase.run(config, loaded, job))
+            outcome = _outcome(usecase, config, loaded, job, bench)
             summary = {}
             if runtime.is_main:
                 with phases("logging", "serial"):
                     summary = write_summary(tracker, experiment, preset, runtime.device.type, outcome.models,
-                                            request.summary, None if bench else usecase.columns(config))
+                                            request.summary, None if bench else usecase.columns(config),
+                                            outcome.capped)
                     if outcome.served is not None:
                         register(tracker, usecase, outcome, data_tags)
                 total = time.perf_counter() - started
@@ -200,14 +200,29 @@ def _prepare(request: RunRequest, experiment: str, description: str, root: Path,
     return run_id
 
 
+def _outcome(usecase: UseCase, config, loaded, job, bench: bool) -> RunResult:
+    """The run's models; stopped at its time cap (`Capped`: gpu-check's SIGUSR1), the models it measured before it:
+    the run then finishes with them and a `capped` tag, and registers nothing."""
+    try:
+        return RunResult(usecase.benchmark(config, loaded, job)) if bench else \
+            _checked_result(usecase, usecase.run(config, loaded, job))
+    except Capped:
+        stop_handled()
+        job.tracker.set_tags({"capped": "true"})
+        print(f"capped: stopped at its time cap; the run finishes with the {len(job.finished)} model(s) it measured "
+              f"({', '.join(job.finished) or 'none'})", flush=True)
+        return RunResult(dict(job.finished), capped=True)
+
+
 def write_summary(tracker, usecase: str, preset: str, device: str, models: dict[str, dict[str, float]],
-                  path: Path | None = None, columns: list[str] | None = None) -> dict:
+                  path: Path | None = None, columns: list[str] | None = None, capped: bool = False) -> dict:
     """Every model's test metrics as MLflow metrics, summary.json and `--summary FILE`, and printed as a table (by
     default every metric without a per-series suffix as a column)."""
     from common.paths import write_json_atomic
     from common.tabular import render_table
 
-    summary = {"usecase": usecase, "run_id": tracker.run_id, "preset": preset, "device": device, "models": models}
+    summary = {"usecase": usecase, "run_id": tracker.run_id, "preset": preset, "device": device, "models": models,
+               **({"capped": True} if capped else {})}
     for model, metrics in models.items():
         tracker.log_metrics({f"test/{model}/{metric}": value for metric, value in metrics.items()})
     tracker.log_dict(summary, "summary.json")

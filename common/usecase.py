@@ -157,6 +157,7 @@ class RunResult:
 
     models: dict[str, dict[str, float]]
     served: Served | None = None
+    capped: bool = False  # stopped at its time cap: the models it measured by then (common/runner.py)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
 
     from usecases.cli import main
 
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     loggers = ("usecases", "common", "mlflow.store.db.utils", "alembic")
     levels = {name: logging.getLogger(name).level for name in loggers}
     environ = dict(os.environ)

@@ -17,7 +17,17 @@ class Terminated(BaseException):
     """SIGTERM's KeyboardInterrupt."""
 
 
+class Capped(Terminated):
+    """SIGUSR1: the run's time cap (`gpu-check` sends it). Caught around a run's models, the run ends FINISHED with the
+    models it measured and a `capped` tag; anywhere else it stops as SIGTERM does."""
+
+
+CAP_SIGNAL = getattr(signal, "SIGUSR1", None)  # none on Windows
+
+
 def _exception_for(signum: int) -> BaseException:
+    if signum == CAP_SIGNAL:
+        return Capped(f"signal {signum}: the time cap")
     return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(f"signal {signum}")
 
 
@@ -33,8 +43,15 @@ def _handler(signum: int, frame) -> None:
 def stop_on_signals() -> None:
     global _requested
     _requested = None
-    signal.signal(signal.SIGINT, _handler)
-    signal.signal(signal.SIGTERM, _handler)
+    for signum in (signal.SIGINT, signal.SIGTERM, CAP_SIGNAL):
+        if signum is not None:
+            signal.signal(signum, _handler)
+
+
+def stop_handled() -> None:
+    """The request was acted on (a capped run finished with what it measured): later safe points go on."""
+    global _requested
+    _requested = None
 
 
 def stop_requested() -> bool:

@@ -1,12 +1,15 @@
 """`make gpu-check`: on a machine with a GPU, one command measures everything GPU-side into `gpu-report.json` and
-`gpu-report.md` (the rows the READMEs' GPU tables take, and what ran). A lent machine is short, so the steps run in
-priority order, each with a cap (`CAPS`) or its share of what is left: the doctor, every benchmark, every `default`
-preset, `bench serve` where a use case has its own server; then the `gpu` tests and the whole-slide benchmarks. A run
-stopped at its cap still gives the numbers of the models it finished (its summary is written as it goes)."""
+`gpu-report.md` (a row per run and benchmark, and what ran), and the results pages (`usecases report`). A lent machine
+is short, so the steps run in priority order, each with a cap (`CAPS`) or its share of what is left: the doctor, every
+benchmark, every `default` preset, `bench serve` where a use case has its own server; then the `gpu` tests and the
+whole-slide benchmarks. At its cap a run is sent SIGUSR1: it stops at its next safe point and finishes with the models
+it measured and a `capped` tag, so that it reaches the results pages; one that does not stop within `GRACE_S` is
+killed (its summary, written as it goes, still holds the models it finished)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +27,7 @@ SLIDES_PRESET = "slides-smoke"  # a use case with this preset has a whole-slide 
 # Seconds a priority step may take at most; their sum for the three use cases fits DEFAULT_BUDGET_S with time to spare
 # (a test checks it). The goals on one H200 (issue 31): the three default runs in 15, 45 and 30 s.
 CAPS = {"doctor": 30, "bench": 45, "run": 75, "serve": 45}
+GRACE_S = 30  # after the cap's signal, for the run to log what it measured and finish
 
 
 @dataclass
@@ -51,6 +55,8 @@ class Step:
             return "not run"
         if self.returncode == 124:
             return "stopped at its cap" + (" (partial summary)" if self.summary.get("models") else "")
+        if self.passed and self.summary.get("capped"):
+            return f"capped, finished with {len(self.summary.get('models', {}))} model(s)"
         return "ok" if self.passed else f"exit {self.returncode}"
 
 
@@ -72,7 +78,26 @@ def plan(usecases: list[UseCase], python: str = sys.executable) -> list[Step]:
     return steps
 
 
-def execute(steps: list[Step], budget_s: float, run: Callable = subprocess.run,
+def run_capped(command: list[str], capture_output: bool = True, text: bool = True,
+               timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run` whose timeout is a cap: SIGUSR1 at `timeout`, for the run to finish with what it measured,
+    then `subprocess.TimeoutExpired` (the process killed) where it is still going `GRACE_S` later."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE if capture_output else None,
+                          stderr=subprocess.PIPE if capture_output else None, text=text) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)
+            try:
+                out, err = process.communicate(timeout=GRACE_S)
+            except subprocess.TimeoutExpired as expired:
+                process.kill()
+                expired.stdout, _ = process.communicate()
+                raise
+        return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def execute(steps: list[Step], budget_s: float, run: Callable = run_capped,
             clock: Callable[[], float] = time.monotonic) -> list[Step]:
     """Each step with its timeout; a step past it is recorded as stopped, one with no time left as not run."""
     deadline = clock() + budget_s
@@ -109,7 +134,7 @@ def _execute_one(step: Step, summary_file: Path, run: Callable, clock: Callable[
 
 
 def markdown_rows(steps: list[Step], gpu: str, primary: dict[str, tuple[str, str]]) -> list[str]:
-    """The rows of the use case READMEs' GPU tables."""
+    """gpu-report.md's table of the runs and benchmarks: each one's best primary metric or speedup."""
     rows = []
     for step in steps:
         if not step.name.startswith(("run ", "bench ")):
@@ -140,7 +165,7 @@ def step_table(steps: list[Step]) -> list[str]:
 
 
 def gpu_check(usecases: list[UseCase], out: Path, budget_s: float = DEFAULT_BUDGET_S,
-              run: Callable = subprocess.run) -> int:
+              run: Callable = run_capped) -> int:
     """0 when every step that ran passed (the last steps may be left for time), 1 otherwise, 2 without a GPU."""
     import torch
     if not torch.cuda.is_available():
@@ -157,7 +182,19 @@ def gpu_check(usecases: list[UseCase], out: Path, budget_s: float = DEFAULT_BUDG
     (out / "gpu-report.md").write_text("\n".join([*rows, "", *step_table(steps)]) + "\n")
     for step in steps:
         print(f"{step.name:26} {step.state:34} {step.seconds:6.0f} s of {step.timeout_s:4.0f}", flush=True)
+    write_results_pages(usecases)
     return verdict(steps)
+
+
+def write_results_pages(usecases: list[UseCase], store: str | None = None) -> None:
+    """The finished runs of the store (capped ones too) into each use case's results page, as `usecases report`."""
+    from common.tracking import results
+    from common.tracking.stores import tracking_uri
+
+    for case in usecases:
+        page = results.report(case.name, case.primary_metric, store or tracking_uri(), results.results_folder(),
+                              required=False, reported=case.reported_metrics)
+        print(f"gpu-check: {case.name}'s results page: {page or 'no finished run'}", flush=True)
 
 
 def verdict(steps: list[Step]) -> int:

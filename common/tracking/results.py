@@ -77,7 +77,8 @@ def _row(run, kind: str, metric: str, reported: tuple[str, ...] = ()) -> dict:
         "torch": tags.get("torch_version", "?"), "commit": _commit(tags),
         "date": datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).strftime("%Y-%m-%d"),
         "started_ms": run.info.start_time, "run_id": run.info.run_id, "served": tags.get("primary_model"),
-        "time_s": _rounded(metrics.get("time/total_s")), "results": _results(metrics, kind, metric),
+        "time_s": _rounded(metrics.get("time/total_s")), "capped": tags.get("capped") == "true",
+        "results": _results(metrics, kind, metric),
         "reported": _reported(metrics, reported) if kind == "run" else {}}
 
 
@@ -170,7 +171,7 @@ def render(data: dict) -> str:
              f"served model ({'higher' if mode == 'max' else 'lower'} is better) and on validation, then each "
              f"model's test `{metric}` (the baselines beside it; a model's variant that scores as it does, such as "
              f"its tail rules, only in the table below); time is the whole run's; precision is what the run trained "
-             f"in; a commit ending in `+` ran with uncommitted changes, in `?` before runs said (its code state is "
+             f"in, and a run stopped at its time cap (`gpu-check`) shows the models it measured by then; a commit ending in `+` ran with uncommitted changes, in `?` before runs said (its code state is "
              f"unknown). A machine whose store was reported once keeps its row until a newer run of it replaces it."]
     tables: dict[tuple, list[dict]] = {}
     for row in ({"precision": "?", "reported": {}, **row} for row in data["rows"]):
@@ -221,7 +222,8 @@ def _table(rows: list[dict], metric: str) -> list[str]:
                 for column in columns], "time"]
     cells = [[row["cpu_model"], row["cpu_bf16"], row["cpu_cores"], row["gpu"], row["precision"], row["torch"],
               row["commit"], row["date"], *([f"`{row['served']}`" if row["served"] else "-"] if served else []),
-              *[_number(row["results"].get(column)) for column in columns], _seconds(row["time_s"])] for row in rows]
+              *[_number(row["results"].get(column)) for column in columns],
+              _seconds(row["time_s"]) + (" (capped)" if row.get("capped") else "")] for row in rows]
     return render_table(cells, header).split("\n")
 
 

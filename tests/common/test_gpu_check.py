@@ -170,3 +170,58 @@ def test_without_a_gpu_it_is_one_line_and_exit_2(capsys, tmp_path):
     result = in_process(capsys, "gpu-check", "--out", str(tmp_path))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "no CUDA GPU" in result.stderr and list(tmp_path.iterdir()) == []
+
+
+CAPPED_RUN = """
+import time
+from common.runtime.interrupt import Capped, stop_on_signals, stop_point
+stop_on_signals()
+print("started", flush=True)
+try:
+    while True:
+        time.sleep(0.05)
+        stop_point()
+except Capped:
+    print("finished with what it measured")
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_at_its_cap_a_step_is_signalled_to_finish_and_killed_only_when_it_does_not(monkeypatch):
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])
+    finished = gpu_check.run_capped([sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r})\n{CAPPED_RUN}"],
+                                    timeout=3)
+    assert finished.returncode == 0 and finished.stdout.split("\n")[:2] == ["started", "finished with what it measured"]
+    monkeypatch.setattr(gpu_check, "GRACE_S", 1)
+    deaf = "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); print('deaf', flush=True); time.sleep(60)"
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        gpu_check.run_capped([sys.executable, "-c", deaf], timeout=2)
+    assert stopped.value.stdout.strip() == "deaf"
+
+
+def test_a_capped_run_that_finished_says_so_and_counts_as_passed():
+    step = gpu_check.Step("run alpha", ["usecases", "run", "alpha"], returncode=0,
+                          summary={"capped": True, "models": {"pop": {"score": 0.1}, "ease": {"score": 0.2}}})
+    assert step.passed and step.state == "capped, finished with 2 model(s)"
+
+
+def test_the_check_writes_each_use_cases_results_page_from_the_store_capped_runs_too(monkeypatch, tmp_path, capsys):
+    import os
+
+    import mlflow
+    from mlflow.entities import Metric
+
+    monkeypatch.setenv("USECASES_HOME", str(tmp_path))
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run_id = client.create_run(client.create_experiment("gpu-usecases-alpha"), tags={
+        "preset": "default", "device": "cuda", "gpu_name": "NVIDIA H200", "gpu_count": "1", "capped": "true",
+        "git_commit": "26caad9", "git_dirty": "false", "precision": "bf16-mixed"}).info.run_id
+    client.log_batch(run_id, metrics=[Metric("test/pop/score", 0.25, 0, 0), Metric("time/total_s", 75.0, 0, 0)])
+    client.set_terminated(run_id, "FINISHED")
+    gpu_check.write_results_pages(CASES)
+    page = (tmp_path / "docs" / "results" / "alpha.md").read_text()
+    assert "NVIDIA H200" in page and "bf16-mixed" in page and "0.2500" in page and "75 s (capped)" in page
+    assert not (tmp_path / "docs" / "results" / "beta.md").exists()
+    assert "gpu-check: beta's results page: no finished run" in capsys.readouterr().out

@@ -7,6 +7,8 @@ import ast
 import importlib
 import logging
 import os
+import re
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -39,10 +41,12 @@ USECASE = UseCase.declare(__name__, description="a plug-in for tests", config=Co
 PIPELINE = '''
 import logging
 import os
+import signal
 import warnings
 
 import torch
 
+from common.runtime.interrupt import stop_point
 from common.usecase import RunResult
 
 SEEN = []
@@ -56,6 +60,11 @@ def load_data(config, path):
 
 
 def run(config, data, job):
+    if os.environ.get("PLUGIN_CAP"):  # one model measured, then the time cap's signal
+        job.model_done("first", {"score": 0.5})
+        os.kill(os.getpid(), signal.SIGUSR1)
+        while True:
+            stop_point()
     SEEN.append({"threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
                  "env": os.environ.get("PLUGIN_RUN_MARK")})
     os.environ["PLUGIN_RUN_MARK"] = "set by a run"
@@ -207,6 +216,33 @@ def test_two_runs_in_one_process_each_get_their_own_settings(plugins, monkeypatc
         assert "PLUGIN_RUN_MARK" not in os.environ and logging.getLogger("usecases").level == level
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_a_run_at_its_time_cap_finishes_with_the_models_it_measured_and_reaches_the_results_page(
+        plugins, monkeypatch, tmp_path):
+    """gpu-check's SIGUSR1: the run stops at its next safe point, ends FINISHED with its one measured model, tagged
+    `capped`, registers nothing, and `usecases report` gives it a row that says so."""
+    import mlflow
+
+    from common.runtime.interrupt import stop_on_signals, stop_requested
+    from common.tracking import results
+
+    good = importlib.import_module("testcases.good").USECASE
+    monkeypatch.setenv("PLUGIN_CAP", "1")
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        stop_on_signals()
+        summary = runner.run_usecase(RunRequest(good, "plain", device="cpu", summary=tmp_path / "s.json"))
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert summary["models"] == {"first": {"score": 0.5}} and summary["capped"] is True and not stop_requested()
+    (run,) = mlflow.search_runs(experiment_names=["gpu-usecases-good"], output_format="list")
+    assert run.info.status == "FINISHED" and run.data.tags["capped"] == "true"
+    assert run.data.metrics["test/first/score"] == 0.5 and "primary_model" not in run.data.tags
+    page = results.report("good", good.primary_metric, mlflow.get_tracking_uri(), tmp_path / "pages").read_text()
+    assert "0.5000" in page and re.search(r"\| \d+ s \(capped\) \|", page)
 
 
 def test_a_run_logs_its_data_as_a_dataset_input_in_a_training_experiment(plugins):
