@@ -122,3 +122,13 @@ def test_the_changelog_keeps_a_changelog_and_its_newest_version_is_the_packages(
     for section in re.split(r"^## ", text, flags=re.M)[2:2 + len(released)]:
         kinds = re.findall(r"^### (.+)$", section, re.M)
         assert kinds and set(kinds) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, kinds
+
+
+@pytest.mark.parametrize("readme", sorted(ROOT.glob("usecases/*/README.md")), ids=lambda path: path.parent.name)
+def test_each_use_cases_readme_states_the_terms_of_its_data(readme):
+    """A team that exports one use case carries its README: the data sets' licences and citations, and what a run
+    keeps of the team's own data, are there, not only in docs/."""
+    section = readme.read_text().split("\n## Data terms\n", 1)
+    assert len(section) == 2, f"{readme}: no '## Data terms' section"
+    terms = section[1].split("\n## ", 1)[0]
+    assert "Cite" in terms and "`--data`" in terms and ("licence" in terms.lower() or "terms" in terms), terms[:200]

@@ -56,7 +56,8 @@ def table(page: str, title: str) -> list[str]:
 
 
 def report(capsys, *args: str):
-    return in_process(capsys, "report", "recsys", *args)
+    """`usecases report recsys --upstream`: the project's own rows, NAME.json (a fork's go to NAME.local.json)."""
+    return in_process(capsys, "report", "recsys", "--upstream", *args)
 
 
 def test_a_row_per_machine_newest_first_with_its_newest_run(capsys, folder):
@@ -123,12 +124,32 @@ def test_each_models_reported_metrics_are_tabled_below_and_a_variant_scoring_as_
     log_run(AMD, 0, 0.1234, more={"test/ease_fz/ndcg_at_10": 0.1234, "test/ease/hit_at_10": 0.61,
                                   "test/ease_fz/hit_at_10": 0.72, "test/pop/mrr": 0.05})
     page = results.report("recsys", ("ndcg@10", "max"), os.environ["MLFLOW_TRACKING_URI"], folder.parent.parent /
-                          "docs" / "results", reported=("hit_at_10", "mrr")).read_text()
+                          "docs" / "results", reported=("hit_at_10", "mrr"), upstream=True).read_text()
     run = plain_tables(page).split("## Run", 1)[1]
     header = [line for line in run.splitlines() if line.startswith("|")][0]
     assert "`ease`" in header and "`pop`" in header and "ease_fz" not in header
     assert "| `ease` | 0.6100 | - |\n| `ease_fz` | 0.7200 | - |\n| `pop` | 0.5000 | 0.0500 |" in plain_tables(page)
     assert "Each model's `hit_at_10`, `mrr` on test, in the newest run above (AMD EPYC 7B13, commit 3df813f" in page
+
+
+def test_a_fork_keeps_the_projects_rows_as_pulled_and_its_own_in_a_file_of_its_own(capsys, folder):
+    """A team's `usecases report` (no --upstream) never rewrites NAME.json, which it pulls from the project: its rows,
+    a like machine's too, go to NAME.local.json, and the page shows them first, titled as the team's."""
+    log_run(AMD, 0, 0.1234)
+    assert report(capsys).returncode == 0  # the project's row
+    project = (folder / "recsys.json").read_text()
+    log_run(AMD, 3, 0.2222)  # the team's run on a like machine
+    result = in_process(capsys, "report", "recsys")
+    assert result.returncode == 0, result.stderr
+    assert (folder / "recsys.json").read_text() == project
+    assert [row["results"]["ndcg@10"] for row in json.loads((folder / "recsys.local.json").read_text())["rows"]] == [
+        0.2222]
+    page = (folder / "recsys.md").read_text()
+    assert ["| 0.2222 |" in row for row in table(page, "Your runs, run: preset `default`")] == [True]
+    assert ["| 0.1234 |" in row for row in table(page, "Run: preset `default`")] == [True]
+    assert in_process(capsys, "report", "--check").returncode == 0 and results.pages(folder) == ["recsys"]
+    (folder / "recsys.local.json").unlink()
+    assert in_process(capsys, "report", "recsys", "--check").returncode == 2  # the page no longer what the files make
 
 
 def test_check_passes_on_a_fresh_page_and_fails_after_a_hand_edit(capsys, folder):

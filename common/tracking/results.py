@@ -89,7 +89,7 @@ def _commit(tags: dict[str, str]) -> str:
 
 
 def _reported(metrics: dict[str, float], names: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Each model's test values of `names` (finance's backtests), for the table below a run's."""
+    """Each model's test values of `names` (a risk model's backtests, say), for the table below a run's."""
     models = sorted({key.split("/")[1] for key in metrics if key.startswith("test/") and key.count("/") == 2})
     table = {model: {name: _rounded(metrics.get(f"test/{model}/{name}")) for name in names} for model in models}
     return {model: values for model, values in table.items() if any(value is not None for value in values.values())}
@@ -129,37 +129,56 @@ def merge(kept: list[dict], new: list[dict]) -> list[dict]:
 
 
 def report(name: str, primary_metric: tuple[str, str], store: str, folder: Path, required: bool = True,
-           reported: tuple[str, ...] = ()) -> Path | None:
-    """Merge the store's rows into folder/NAME.json and render folder/NAME.md from it. Without finished runs in the
-    store: one line when `required`, else the page is rendered from the JSON (None when it keeps nothing either)."""
-    source = folder / f"{name}.json"
-    kept = json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {"rows": []}
+           reported: tuple[str, ...] = (), upstream: bool = False) -> Path | None:
+    """Merge the store's rows into folder/NAME.local.json (the team's own rows beside the project's; with `upstream`,
+    into the project's folder/NAME.json) and render folder/NAME.md from both. Without finished runs in the store: one
+    line when `required`, else the page is rendered from the JSON (None when there are no rows at all)."""
+    target = folder / f"{name}{'' if upstream else LOCAL}.json"
+    kept = _load(target)
     new = collect(read_store(store), name, primary_metric[0], reported)
     if not new and required:
         raise UserError(f"no finished run of '{name}' in {store} (run `usecases run {name}` first)")
-    if not new and not kept["rows"]:
+    if new or kept["rows"]:
+        write_json_atomic({"usecase": name, "primary_metric": list(primary_metric), "reported": list(reported),
+                           "rows": merge(kept["rows"], new)}, target)
+    data = _combined(name, folder)
+    if data is None:
         return None
-    data = {"usecase": name, "primary_metric": list(primary_metric), "reported": list(reported),
-            "rows": merge(kept["rows"], new)}
-    write_json_atomic(data, source)
     page = folder / f"{name}.md"
     write_text_atomic(render(data), page)
     return page
 
 
+LOCAL = ".local"  # NAME.local.json: a fork's own rows, kept apart from the project's NAME.json that it pulls
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"rows": []}
+
+
+def _combined(name: str, folder: Path) -> dict | None:
+    """The project's rows, and the team's (NAME.local.json) as `local_rows`; None where neither file has a row."""
+    upstream, local = _load(folder / f"{name}.json"), _load(folder / f"{name}{LOCAL}.json")
+    if not upstream["rows"] and not local["rows"]:
+        return None
+    meta = upstream if "usecase" in upstream else local
+    return {**meta, "rows": upstream["rows"], "local_rows": local["rows"], "reported": local.get(
+        "reported", meta.get("reported", []))}
+
+
 def check(name: str, folder: Path) -> None:
-    """One line when folder/NAME.md is not what folder/NAME.json renders."""
+    """One line when folder/NAME.md is not what folder/NAME.json (and NAME.local.json) render."""
     source, page = folder / f"{name}.json", folder / f"{name}.md"
-    if not source.is_file():
+    data = _combined(name, folder)
+    if data is None:
         raise UserError(f"{source} is missing: write it with `usecases report {name}`")
-    expected = render(json.loads(source.read_text(encoding="utf-8")))
-    if not page.is_file() or page.read_text(encoding="utf-8") != expected:
+    if not page.is_file() or page.read_text(encoding="utf-8") != render(data):
         raise UserError(f"{page} is not what `usecases report {name}` renders from {source.name} (edited by hand?): "
                         f"run `usecases report {name}` to render it again")
 
 
 def pages(folder: Path) -> list[str]:
-    return sorted({path.stem for pattern in ("*.md", "*.json") for path in folder.glob(pattern)})
+    return sorted({path.stem.removesuffix(LOCAL) for pattern in ("*.md", "*.json") for path in folder.glob(pattern)})
 
 
 def render(data: dict) -> str:
@@ -173,16 +192,13 @@ def render(data: dict) -> str:
              f"its tail rules, only in the table below); time is the whole run's; precision is what the run trained "
              f"in, and a run stopped at its time cap (`gpu-check`) shows the models it measured by then; a commit ending in `+` ran with uncommitted changes, in `?` before runs said (its code state is "
              f"unknown). A machine whose store was reported once keeps its row until a newer run of it replaces it."]
-    tables: dict[tuple, list[dict]] = {}
-    for row in ({"precision": "?", "reported": {}, **row} for row in data["rows"]):
-        tables.setdefault((list(KINDS).index(row["kind"]), row["preset"], row["data"], row["data_sha256"]),
-                          []).append(row)
-    for (kind, preset, source, digest), rows in sorted(tables.items(),
-                                                       key=lambda item: (item[0][0], -item[1][0]["started_ms"])):
-        title = "Benchmark" if kind else "Run"
-        lines += ["", f"## {title}: preset `{preset}`, data `{source}` ({digest})", "", *_table(rows, metric)]
-        lines += _reported_table(rows[0], data.get("reported", []))
-    gpu_rows = [row for row in data["rows"] if row["gpu"] != "none"]
+    if data.get("local_rows"):
+        lines += ["", f"Your runs (`{name}{LOCAL}.json`, written by `usecases report`) come first, each table titled "
+                      f"so; the project's own rows (`{name}.json`, as pulled) follow, unchanged."]
+    for local in (True, False):
+        lines += _run_tables(data.get("local_rows", []) if local else data["rows"], metric, data.get("reported", []),
+                             "Your runs" if local else "")
+    gpu_rows = [row for row in data["rows"] + data.get("local_rows", []) if row["gpu"] != "none"]
     if gpu_rows:
         cells = [[row["gpu"], f"`usecases {'bench run' if row['kind'] == 'benchmark' else 'run'} {name} --preset "
                               f"{row['preset']} --device cuda`", _gpu_result(row, metric), _seconds(row["time_s"]),
@@ -192,8 +208,23 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_tables(rows: list[dict], metric: str, reported: list[str], owner: str) -> list[str]:
+    """A table per kind, preset and data set, newest first; `owner` prefixes the titles of a fork's own rows."""
+    tables: dict[tuple, list[dict]] = {}
+    for row in ({"precision": "?", "reported": {}, **row} for row in rows):
+        tables.setdefault((list(KINDS).index(row["kind"]), row["preset"], row["data"], row["data_sha256"]),
+                          []).append(row)
+    lines = []
+    for (kind, preset, source, digest), grouped in sorted(tables.items(),
+                                                          key=lambda item: (item[0][0], -item[1][0]["started_ms"])):
+        title = f"{owner + ', ' if owner else ''}{'benchmark' if kind else 'run'}"
+        lines += ["", f"## {title[0].upper()}{title[1:]}: preset `{preset}`, data `{source}` ({digest})", "",
+                  *_table(grouped, metric), *_reported_table(grouped[0], reported)]
+    return lines
+
+
 def _reported_table(row: dict, names: list[str]) -> list[str]:
-    """The newest run's `reported` metrics of every model (finance's backtests), where it recorded them."""
+    """The newest run's `reported` metrics of every model (a risk model's backtests, say), where it recorded them."""
     if not names or not row.get("reported"):
         return []
     cells = [[f"`{model}`", *[_number(values.get(name)) for name in names]]

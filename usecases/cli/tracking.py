@@ -29,8 +29,10 @@ def register(commands) -> None:
     report = options.add_command(commands, "report", report_command,
                                  help="write a use case's results page, docs/results/NAME.md, from the store",
                                  description="Merge the store's newest finished run per machine, preset and data set "
-                                             "into docs/results/NAME.json (the rows of past machines stay) and render "
-                                             "docs/results/NAME.md from it. Without NAME: every use case.")
+                                             "into docs/results/NAME.local.json, the project's own rows beside those "
+                                             "of NAME.json that it pulls (with --upstream: into NAME.json), and render "
+                                             "docs/results/NAME.md from both; the rows of past machines stay. Without "
+                                             "NAME: every use case.")
     report.add_argument("name", nargs="?", help="use case (see `usecases list`); default: every one")
     report.add_argument("--store", metavar="URI", help="the tracking store to read (default: MLFLOW_TRACKING_URI, "
                                                        "else the local store)")
@@ -38,6 +40,8 @@ def register(commands) -> None:
                                                              "differs (a hand edit)")
     report.add_argument("--out", type=Path, metavar="DIR", help="the results folder (default: docs/results/ of the "
                                                                 "clone)")
+    report.add_argument("--upstream", action="store_true", help="merge into NAME.json, the rows the project publishes "
+                                                                "(its maintainers'); default: NAME.local.json")
 
 
 def _register_server(commands) -> None:
@@ -133,6 +137,6 @@ def report_command(args: argparse.Namespace) -> int:
         other: usecase for other, usecase in options.loaded().items() if not isinstance(usecase, UserError)}
     for other, usecase in chosen.items():
         page = results.report(other, usecase.primary_metric, store, folder, required=args.name is not None,
-                              reported=usecase.reported_metrics)
+                              reported=usecase.reported_metrics, upstream=args.upstream)
         print(f"{other}: {page or f'no finished run in {store}, and no page yet'}", flush=True)
     return EXIT_OK
