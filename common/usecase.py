@@ -39,13 +39,14 @@ class UseCase:
     scale: dict[str, int] | None = None  # the config keys `bench scale` multiplies together, and their 1x values
     served_kinds: tuple[str, ...] = ("",)  # the kinds of model it serves, the one `usecases serve` prefers first
     reported_metrics: tuple[str, ...] = ()  # each model's test metrics its results page tables beside the primary one
+    evidence: tuple[str, str] | None = None  # (a model's test metric, its unit): how many users, days or images
 
     @classmethod
     def declare(cls, package: str, **fields) -> UseCase:
         """For a package's `__init__.py`: named after the package's last component, its files beside it.
         `requirements` and `optional_requirements` (extra: specifiers) are what `usecases export` writes."""
         folder = Path(sys.modules[package].__file__).resolve().parent
-        for name in ("requirements", "served_kinds", "reported_metrics"):
+        for name in ("requirements", "served_kinds", "reported_metrics", "evidence"):
             if name in fields:
                 fields[name] = tuple(fields[name])
         return cls(name=package.rsplit(".", 1)[-1], package=package, folder=folder, **fields)

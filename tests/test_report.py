@@ -72,14 +72,15 @@ def test_a_row_per_machine_newest_first_with_its_newest_run(capsys, folder):
     rows = table(page, "Run: preset `default`")
     assert len(rows) == 2
     assert rows[0].startswith("| Intel Xeon Platinum | yes | 16 | NVIDIA H100 | bf16-mixed | 2.14.1 | 3df813f | "
-                              "2026-12-06 | `ease` | 0.2345 | 0.1172 |")
+                              "2026-12-06 | `ease` | 0.1172 | 0.2345 |")  # what chose the served model, then its test
     assert rows[1].startswith("| AMD EPYC 7B13 | no | 2 | none | fp32 |") and "| 0.1234 |" in rows[1]
     assert "| 0.0123 |" in rows[1]
     assert rows[1].endswith("| 101 s |")
     assert "0.1111" not in page and "0.9999" not in page
     log_run({**AMD, "git_dirty": "true"}, 4, 0.1300)  # uncommitted code: never its commit's result
     assert report(capsys).returncode == 0
-    assert "| AMD EPYC 7B13 | no | 2 | none | fp32 | 2.14.1 | 3df813f+ |" in plain_tables((folder / "recsys.md").read_text())
+    page = plain_tables((folder / "recsys.md").read_text())
+    assert "| AMD EPYC 7B13 | no | 2 | none | fp32 | 2.14.1 | 3df813f+ |" in page
     assert table(page, "On a GPU") == [
         "| NVIDIA H100 | `usecases run recsys --preset default --device cuda` | `ease` ndcg@10 0.2345 | 102 s | 2.14.1 "
         "| 3df813f | 2026-12-06 |"]
@@ -123,13 +124,25 @@ def test_each_models_reported_metrics_are_tabled_below_and_a_variant_scoring_as_
     scores `ndcg@10` as `ease` does (a tail rule of the same forecast), is left out of the run's table."""
     log_run(AMD, 0, 0.1234, more={"test/ease_fz/ndcg_at_10": 0.1234, "test/ease/hit_at_10": 0.61,
                                   "test/ease_fz/hit_at_10": 0.72, "test/pop/mrr": 0.05})
-    page = results.report("recsys", ("ndcg@10", "max"), os.environ["MLFLOW_TRACKING_URI"], folder.parent.parent /
-                          "docs" / "results", reported=("hit_at_10", "mrr"), upstream=True).read_text()
+    page = results.report("recsys", ("ndcg@10", "max"), os.environ["MLFLOW_TRACKING_URI"], folder,
+                          columns=results.PageColumns(("hit_at_10", "mrr")), upstream=True).read_text()
     run = plain_tables(page).split("## Run", 1)[1]
     header = [line for line in run.splitlines() if line.startswith("|")][0]
     assert "`ease`" in header and "`pop`" in header and "ease_fz" not in header
     assert "| `ease` | 0.6100 | - |\n| `ease_fz` | 0.7200 | - |\n| `pop` | 0.5000 | 0.0500 |" in plain_tables(page)
     assert "Each model's `hit_at_10`, `mrr` on test, in the newest run above (AMD EPYC 7B13, commit 3df813f" in page
+
+
+def test_a_run_leads_with_what_chose_the_served_model_then_its_test_figure_its_interval_and_its_users(folder):
+    log_run(AMD, 0, 0.1234, more={"test/ease/users_evaluated": 20, "test/ease/ndcg_at_10_ci_low": 0.05,
+                                  "test/ease/ndcg_at_10_ci_high": 0.2, "test/pop/users_evaluated": 20})
+    columns = results.PageColumns(evidence=("users_evaluated", "users"))
+    page = plain_tables(results.report("recsys", ("ndcg@10", "max"), os.environ["MLFLOW_TRACKING_URI"],
+                                       folder, columns=columns, upstream=True).read_text())
+    header, _, row = [line for line in page.split("## Run", 1)[1].splitlines() if line.startswith("|")]
+    assert header.endswith("| served | val ndcg@10 | ndcg@10 | 95 % CI | test users | `ease` | `pop` | time |"), header
+    assert row.endswith("| `ease` | 0.0617 | 0.1234 | 0.0500–0.2000 | 20 | 0.1234 | 0.0123 | 100 s |"), row
+    assert "the number of test users it rests on" in page
 
 
 def test_a_fork_keeps_the_projects_rows_as_pulled_and_its_own_in_a_file_of_its_own(capsys, folder):

@@ -224,7 +224,7 @@ def test_the_results_page_is_written_from_the_server(two_runs, tmp_path):
     result = subprocess.run([sys.executable, "-m", "usecases", "report", "finance", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env=client_env)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads((tmp_path / "finance.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "finance.local.json").read_text())["rows"]  # the team's rows, beside the project's
     assert [(row["kind"], row["preset"]) for row in rows] == [("run", "smoke")]
     assert f"| {rows[0]['cpu_model']} |" in (tmp_path / "finance.md").read_text()
 

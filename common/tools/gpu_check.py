@@ -193,7 +193,7 @@ def write_results_pages(usecases: list[UseCase], store: str | None = None) -> No
 
     for case in usecases:
         page = results.report(case.name, case.primary_metric, store or tracking_uri(), results.results_folder(),
-                              required=False, reported=case.reported_metrics)
+                              required=False, columns=results.PageColumns.of(case))
         print(f"gpu-check: {case.name}'s results page: {page or 'no finished run'}", flush=True)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -20,6 +21,20 @@ KINDS = {"run": "", "benchmark": "-benchmark"}  # each kind of row and the suffi
 # the CPU's model name as the OS reports it, its native BF16, cores, the GPU, and the precision the run trained in
 MACHINE = ("cpu_model", "cpu_bf16", "cpu_cores", "gpu", "precision")
 KEY = ("kind", "preset", "data", "data_sha256", *MACHINE)  # a row per key; a newer run of it replaces the row
+
+
+@dataclass(frozen=True)
+class PageColumns:
+    """What a use case's page shows beyond the primary metric: each model's `reported` metrics in a table below a
+    run's, and `evidence`, (metric, unit): how many test units (users, days, images) the served model's test figure
+    rests on, beside its bootstrap interval where the run computed one (`<metric>_ci_low`, `_ci_high`)."""
+
+    reported: tuple[str, ...] = ()
+    evidence: tuple[str, str] | None = None
+
+    @classmethod
+    def of(cls, usecase) -> PageColumns:
+        return cls(tuple(usecase.reported_metrics), usecase.evidence)
 
 
 def results_folder() -> Path:
@@ -43,8 +58,8 @@ def read_store(uri: str):
     return client
 
 
-def collect(client, name: str, metric: str, reported: tuple[str, ...] = ()) -> list[dict]:
-    """The newest FINISHED run of each key in the store, as rows; a run's with each model's `reported` metrics."""
+def collect(client, name: str, metric: str, columns: PageColumns = PageColumns()) -> list[dict]:
+    """The newest FINISHED run of each key in the store, as rows, with what `columns` asks of a run."""
     rows: dict[tuple, dict] = {}
     for kind, suffix in KINDS.items():
         experiment = client.get_experiment_by_name(experiment_name(name + suffix))
@@ -55,7 +70,7 @@ def collect(client, name: str, metric: str, reported: tuple[str, ...] = ()) -> l
             page = client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'",
                                       order_by=["attributes.start_time DESC"], max_results=1000, page_token=token)
             for run in page:
-                row = _row(run, kind, metric, reported)
+                row = _row(run, kind, metric, columns)
                 rows.setdefault(_key(row), row)
             token = page.token
             if not token:
@@ -63,7 +78,7 @@ def collect(client, name: str, metric: str, reported: tuple[str, ...] = ()) -> l
     return list(rows.values())
 
 
-def _row(run, kind: str, metric: str, reported: tuple[str, ...] = ()) -> dict:
+def _row(run, kind: str, metric: str, columns: PageColumns = PageColumns()) -> dict:
     tags, metrics = run.data.tags, run.data.metrics
     gpu = "none"
     if tags.get("device") == "cuda":
@@ -79,7 +94,16 @@ def _row(run, kind: str, metric: str, reported: tuple[str, ...] = ()) -> dict:
         "started_ms": run.info.start_time, "run_id": run.info.run_id, "served": tags.get("primary_model"),
         "time_s": _rounded(metrics.get("time/total_s")), "capped": tags.get("capped") == "true",
         "results": _results(metrics, kind, metric),
-        "reported": _reported(metrics, reported) if kind == "run" else {}}
+        "reported": _reported(metrics, columns.reported) if kind == "run" else {},
+        "evidence": _evidence(metrics, tags.get("primary_model"), metric, columns.evidence) if kind == "run" else {}}
+
+
+def _evidence(metrics: dict[str, float], served: str | None, metric: str, evidence: tuple[str, str] | None) -> dict:
+    """The served model's count of test units and the bounds of its primary metric's interval, where logged."""
+    name = metric_name(metric)
+    keys = {"n": evidence[0] if evidence else None, "ci_low": f"{name}_ci_low", "ci_high": f"{name}_ci_high"}
+    found = {key: metrics.get(f"test/{served}/{logged}") for key, logged in keys.items() if served and logged}
+    return {key: _rounded(value) for key, value in found.items() if value is not None}
 
 
 def _commit(tags: dict[str, str]) -> str:
@@ -129,18 +153,19 @@ def merge(kept: list[dict], new: list[dict]) -> list[dict]:
 
 
 def report(name: str, primary_metric: tuple[str, str], store: str, folder: Path, required: bool = True,
-           reported: tuple[str, ...] = (), upstream: bool = False) -> Path | None:
+           columns: PageColumns = PageColumns(), upstream: bool = False) -> Path | None:
     """Merge the store's rows into folder/NAME.local.json (the team's own rows beside the project's; with `upstream`,
     into the project's folder/NAME.json) and render folder/NAME.md from both. Without finished runs in the store: one
     line when `required`, else the page is rendered from the JSON (None when there are no rows at all)."""
     target = folder / f"{name}{'' if upstream else LOCAL}.json"
     kept = _load(target)
-    new = collect(read_store(store), name, primary_metric[0], reported)
+    new = collect(read_store(store), name, primary_metric[0], columns)
     if not new and required:
         raise UserError(f"no finished run of '{name}' in {store} (run `usecases run {name}` first)")
     if new or kept["rows"]:
-        write_json_atomic({"usecase": name, "primary_metric": list(primary_metric), "reported": list(reported),
-                           "rows": merge(kept["rows"], new)}, target)
+        write_json_atomic({"usecase": name, "primary_metric": list(primary_metric), "reported": list(columns.reported),
+                           "unit": columns.evidence[1] if columns.evidence else None, "rows": merge(kept["rows"], new)},
+                          target)
     data = _combined(name, folder)
     if data is None:
         return None
@@ -162,8 +187,9 @@ def _combined(name: str, folder: Path) -> dict | None:
     if not upstream["rows"] and not local["rows"]:
         return None
     meta = upstream if "usecase" in upstream else local
-    return {**meta, "rows": upstream["rows"], "local_rows": local["rows"], "reported": local.get(
-        "reported", meta.get("reported", []))}
+    newest = local if "usecase" in local else meta
+    return {**meta, "rows": upstream["rows"], "local_rows": local["rows"], "reported": newest.get("reported", []),
+            "unit": newest.get("unit")}
 
 
 def check(name: str, folder: Path) -> None:
@@ -183,21 +209,24 @@ def pages(folder: Path) -> list[str]:
 
 def render(data: dict) -> str:
     name, (metric, mode) = data["usecase"], data["primary_metric"]
+    unit = data.get("unit") or "units"
     lines = [f"# {name}: results", "",
              f"*Generated by `usecases report {name}` from [{name}.json]({name}.json); do not edit by hand "
              f"(`usecases report {name} --check` fails on an edit).*", "",
-             f"A row per machine: its newest finished run, newest machines first. Runs: `{metric}` on test of the "
-             f"served model ({'higher' if mode == 'max' else 'lower'} is better) and on validation, then each "
-             f"model's test `{metric}` (the baselines beside it; a model's variant that scores as it does, such as "
-             f"its tail rules, only in the table below); time is the whole run's; precision is what the run trained "
-             f"in, and a run stopped at its time cap (`gpu-check`) shows the models it measured by then; a commit ending in `+` ran with uncommitted changes, in `?` before runs said (its code state is "
-             f"unknown). A machine whose store was reported once keeps its row until a newer run of it replaces it."]
+             f"A row per machine: its newest finished run, newest machines first. A run's row leads with what chose "
+             f"the served model, its `{metric}` on validation (the registry serves the best there), then its test "
+             f"`{metric}` ({'higher' if mode == 'max' else 'lower'} is better) with its 95 % bootstrap interval where "
+             f"the run computed one and the number of test {unit} it rests on (few make it noise), then each model's "
+             f"test `{metric}` (the baselines beside it; a model's variant that scores as it does, such as its tail "
+             f"rules, only in the table below); time is the whole run's, `(capped)` where `gpu-check` stopped it at "
+             f"its cap with the models it had measured; precision is what the run trained in; a commit ending in `+` "
+             f"ran with uncommitted changes, in `?` before runs said (its code state is unknown). A machine whose "
+             f"store was reported once keeps its row until a newer run of it replaces it."]
     if data.get("local_rows"):
         lines += ["", f"Your runs (`{name}{LOCAL}.json`, written by `usecases report`) come first, each table titled "
                       f"so; the project's own rows (`{name}.json`, as pulled) follow, unchanged."]
-    for local in (True, False):
-        lines += _run_tables(data.get("local_rows", []) if local else data["rows"], metric, data.get("reported", []),
-                             "Your runs" if local else "")
+    for owner, rows in (("Your runs", data.get("local_rows", [])), ("", data["rows"])):
+        lines += _run_tables(rows, metric, data, owner)
     gpu_rows = [row for row in data["rows"] + data.get("local_rows", []) if row["gpu"] != "none"]
     if gpu_rows:
         cells = [[row["gpu"], f"`usecases {'bench run' if row['kind'] == 'benchmark' else 'run'} {name} --preset "
@@ -208,10 +237,10 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run_tables(rows: list[dict], metric: str, reported: list[str], owner: str) -> list[str]:
+def _run_tables(rows: list[dict], metric: str, data: dict, owner: str) -> list[str]:
     """A table per kind, preset and data set, newest first; `owner` prefixes the titles of a fork's own rows."""
     tables: dict[tuple, list[dict]] = {}
-    for row in ({"precision": "?", "reported": {}, **row} for row in rows):
+    for row in ({"precision": "?", "reported": {}, "evidence": {}, **row} for row in rows):
         tables.setdefault((list(KINDS).index(row["kind"]), row["preset"], row["data"], row["data_sha256"]),
                           []).append(row)
     lines = []
@@ -219,7 +248,8 @@ def _run_tables(rows: list[dict], metric: str, reported: list[str], owner: str) 
                                                           key=lambda item: (item[0][0], -item[1][0]["started_ms"])):
         title = f"{owner + ', ' if owner else ''}{'benchmark' if kind else 'run'}"
         lines += ["", f"## {title[0].upper()}{title[1:]}: preset `{preset}`, data `{source}` ({digest})", "",
-                  *_table(grouped, metric), *_reported_table(grouped[0], reported)]
+                  *_table(grouped, metric, data.get("unit") or "units"),
+                  *_reported_table(grouped[0], data.get("reported", []))]
     return lines
 
 
@@ -241,21 +271,34 @@ def _variants(rows: list[dict], columns: list[str]) -> set[str]:
                                                        for row in rows)}
 
 
-def _table(rows: list[dict], metric: str) -> list[str]:
-    """A run's columns past the served model's two are model names, shown as code like model names elsewhere."""
+def _table(rows: list[dict], metric: str, unit: str) -> list[str]:
+    """A run's: the served model's validation and test figures (with their evidence), then each model's test figure,
+    its name shown as code like model names elsewhere. A benchmark's: each model's every metric."""
     columns = list(dict.fromkeys(column for row in rows for column in row["results"]))
-    if rows[0]["kind"] == "run":
-        columns = [column for column in columns if column not in _variants(rows, columns)]
     served = any(row["served"] for row in rows)
-    models = rows[0]["kind"] == "run"
+    headline, evidence = [], []
+    if rows[0]["kind"] == "run":
+        headline = [column for column in (f"val {metric}", metric) if column in columns]
+        columns = [column for column in columns if column not in headline and column not in _variants(rows, columns)]
+        evidence = [key for key in ("ci", "n") if any(_evidence_cell(row, key) != "-" for row in rows)]
     header = ["CPU", "BF16", "cores", "GPU", "precision", "torch", "commit", "date", *(["served"] if served else []),
-              *[f"`{column}`" if models and column not in (metric, f"val {metric}") else column
-                for column in columns], "time"]
+              *headline, *[{"ci": "95 % CI", "n": f"test {unit}"}[key] for key in evidence],
+              *[f"`{column}`" if headline else column for column in columns], "time"]
     cells = [[row["cpu_model"], row["cpu_bf16"], row["cpu_cores"], row["gpu"], row["precision"], row["torch"],
               row["commit"], row["date"], *([f"`{row['served']}`" if row["served"] else "-"] if served else []),
+              *[_number(row["results"].get(column)) for column in headline],
+              *[_evidence_cell(row, key) for key in evidence],
               *[_number(row["results"].get(column)) for column in columns],
               _seconds(row["time_s"]) + (" (capped)" if row.get("capped") else "")] for row in rows]
     return render_table(cells, header).split("\n")
+
+
+def _evidence_cell(row: dict, key: str) -> str:
+    found = row.get("evidence") or {}
+    if key == "n":
+        return f"{found['n']:,.0f}" if "n" in found else "-"
+    return f"{_number(found['ci_low'])}–{_number(found['ci_high'])}" if "ci_low" in found and "ci_high" in found \
+        else "-"
 
 
 def _gpu_result(row: dict, metric: str) -> str:

@@ -137,6 +137,6 @@ def report_command(args: argparse.Namespace) -> int:
         other: usecase for other, usecase in options.loaded().items() if not isinstance(usecase, UserError)}
     for other, usecase in chosen.items():
         page = results.report(other, usecase.primary_metric, store, folder, required=args.name is not None,
-                              reported=usecase.reported_metrics, upstream=args.upstream)
+                              columns=results.PageColumns.of(usecase), upstream=args.upstream)
         print(f"{other}: {page or f'no finished run in {store}, and no page yet'}", flush=True)
     return EXIT_OK

@@ -20,5 +20,6 @@ USECASE = UseCase.declare(
     requirements=("arch>=7.0",),
     # the results page's backtests of each model's 1 % VaR and 97.5 % ES (the protocol: docs/finance.md#protocol)
     reported_metrics=("kupiec_p", "christoffersen_cc_p", "es975_z2", "es975_mcneil_frey_p", "es975_fz0"),
+    evidence=("test_days", "days a series"),  # what the served model's test figure rests on
     scale={"data.synthetic.tickers": 12},  # x 2,500 days each: 12, 48 and 192 tickers for bench scale
 )

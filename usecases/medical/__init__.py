@@ -25,6 +25,7 @@ USECASE = UseCase.declare(
     optional_requirements={"slides": ("openslide-python>=1.3", "openslide-bin>=4.0", "tifffile>=2024.1",
                                       "imagecodecs>=2024.1", "zarr>=2.16")},
     has_benchmark=True,
+    evidence=("test_images", "images"),  # what the served model's test AUC rests on, beside its bootstrap interval
     # the images as PNG files: 5,000, 20,000 and 80,000 for bench scale, 80 % of them for training
     scale={"data.synthetic.train": 4_000, "data.synthetic.val": 500, "data.synthetic.test": 500},
     served_kinds=("", "slides"),  # the image classifier, then the whole-slide model (gpu-usecases-medical-slides)

@@ -248,7 +248,8 @@ def evaluate_model(val_logits: np.ndarray, val_labels: np.ndarray, test_logits: 
         "ece": expected_calibration_error(test_labels, test_probs, task, config.calibration_bins),
         "brier": brier(test_labels, test_probs, task),
         "ece_calibrated": expected_calibration_error(test_labels, calibrated, task, config.calibration_bins),
-        "brier_calibrated": brier(test_labels, calibrated, task), "temperature": temperature, "threshold": threshold}
+        "brier_calibrated": brier(test_labels, calibrated, task), "temperature": temperature, "threshold": threshold,
+        "test_images": float(len(test_labels))}
     if config.bootstrap:
         metrics["auc_ci_low"], metrics["auc_ci_high"] = bootstrap_auc_ci(test_labels, test_probs, task,
                                                                           config.bootstrap, seed)
