@@ -145,10 +145,14 @@ def register_extra(pyproject: Path, name: str, specifiers: tuple[str, ...]) -> N
     `pip install -e '.[NAME]'` a run without them names installs them."""
     if not pyproject.is_file():
         return
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
     text = pyproject.read_text(encoding="utf-8")
     everything = re.search(r'^all = \["([\w.-]+)\[([\w,]+)\]"\]$', text, re.M)
-    if everything is None or re.search(rf"^{name} = ", text, re.M):
-        return
+    if everything is None or name in tomllib.loads(text)["project"].get("optional-dependencies", {}):
+        return  # the entry point's line is `NAME = ...` too, in another table
     project, extras = everything.groups()
     lines = f"{name} = {json.dumps(list(specifiers))}\nall = {json.dumps([f'{project}[{extras},{name}]'])}"
     pyproject.write_text(text[:everything.start()] + lines + text[everything.end():], encoding="utf-8")

@@ -202,7 +202,7 @@ def test_metric_safe_names():
 
 REQUIRED = ("auc", "val_auc", "acc", "auc_ci_low", "auc_ci_high", "ece", "brier", "ece_calibrated", "brier_calibrated",
             "temperature", "threshold", "sensitivity_at_threshold", "specificity_at_threshold", "ppv_at_threshold",
-            "npv_at_threshold")
+            "npv_at_threshold", "test_images")
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -216,7 +216,7 @@ def test_evaluate_model_reports_every_metric(task):
                  for rate in ("sensitivity", "specificity", "ppv", "npv")]
     assert set(metrics) == set(REQUIRED) | set(per_class)
     assert all(math.isfinite(value) for value in metrics.values())
-    assert metrics["auc_ci_low"] < metrics["auc"] < metrics["auc_ci_high"]
+    assert metrics["auc_ci_low"] < metrics["auc"] < metrics["auc_ci_high"] and metrics["test_images"] == 300
     assert metrics["sensitivity_at_threshold"] > 0.75
     assert metrics["auc"] == pytest.approx(auc(test_labels, test_logits, task))
     assert metrics["val_auc"] == pytest.approx(auc(val_labels, val_logits, task))
