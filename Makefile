@@ -16,10 +16,11 @@ endif
 .PHONY: install wheelhouse demo test test-slow test-gpu test-no-bf16 gpu-check ui cli-docs clean
 
 # The venv and the editable install of EXTRAS (again when pyproject.toml changes); from WHEELS where given, checked
-# against its SHA256SUMS first.
+# against its SHA256SUMS before the venv is made.
 define venv_install
+	$(if $(FROM),$(PYTHON) -m common.tools.wheelhouse check $(WHEELS))
 	$(PYTHON) -m venv $(VENV)
-	$(if $(FROM),$(PYTHON) -m common.tools.wheelhouse check $(WHEELS),$(BIN)/pip install --quiet --upgrade pip)
+	$(if $(FROM),,$(BIN)/pip install --quiet --upgrade pip)
 	$(BIN)/pip install --quiet$(if $(FROM), $(FROM)) -e '.[$(1)]'
 	touch $(INSTALLED)$(if $(2), $(2))
 endef

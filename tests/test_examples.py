@@ -101,8 +101,8 @@ def test_make_install_only_sets_up_the_venv_and_the_editable_install(tmp_path):
     assert not any("bin/usecases" in step or "-m pytest" in step for step in steps), steps  # not demo, not test
     assert f"{venv}/bin/pip install --quiet -e '.[all,dev]'" in make_steps("test", f"VENV={venv}")
     one = make_steps("install", f"VENV={venv}", "EXTRAS=finance", f"WHEELS={tmp_path / 'wheels'}")
-    assert one[1].endswith(f"-m common.tools.wheelhouse check {tmp_path / 'wheels'}"), one  # checked before use
-    assert one[2] == (f"{venv}/bin/pip install --quiet --no-index --find-links {tmp_path / 'wheels'} --constraint "
+    assert one[0].endswith(f"-m common.tools.wheelhouse check {tmp_path / 'wheels'}"), one  # checked, then the venv
+    assert one[1].endswith(f"-m venv {venv}") and one[2] == (f"{venv}/bin/pip install --quiet --no-index --find-links {tmp_path / 'wheels'} --constraint "
                       f"{tmp_path / 'wheels'}/constraints.txt -e '.[finance]'"), one
 
 

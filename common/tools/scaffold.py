@@ -18,6 +18,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from common.errors import UserError
 from common.paths import git
 from common.usecase import ENTRY_POINT_GROUP, UseCase
@@ -145,10 +150,6 @@ def register_extra(pyproject: Path, name: str, specifiers: tuple[str, ...]) -> N
     `pip install -e '.[NAME]'` a run without them names installs them."""
     if not pyproject.is_file():
         return
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
     text = pyproject.read_text(encoding="utf-8")
     everything = re.search(r'^all = \["([\w.-]+)\[([\w,]+)\]"\]$', text, re.M)
     if everything is None or name in tomllib.loads(text)["project"].get("optional-dependencies", {}):
@@ -210,10 +211,6 @@ def _toml_value(value) -> str:
 
 def export_pyproject(usecase: UseCase, others: list[UseCase], source: Path) -> str:
     """The clone's pyproject.toml with only what `usecase` and common/ need, and only its entry point."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
     project = tomllib.loads(source.read_text(encoding="utf-8"))
     drop = _owned_elsewhere(usecase, others, source.parent / "common")
     keep = _with(usecase.requirements,

@@ -73,7 +73,7 @@ def build(dest: Path, extras: list[str], torch: str | None, python_version: str 
 
 def write_lock(dest: Path, extras: list[str]) -> None:
     wheels = sorted(dest.glob("*.whl"), key=lambda path: path.name.lower())
-    sums = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in wheels}
+    sums = {path.name: sha256(path) for path in wheels}
     pins = []
     for path in wheels:
         found = WHEEL.match(path.name)
@@ -86,6 +86,15 @@ def write_lock(dest: Path, extras: list[str]) -> None:
     (dest / "SHA256SUMS").write_text("".join(f"{digest}  {name}\n" for name, digest in sums.items()), encoding="utf-8")
 
 
+def sha256(path: Path) -> str:
+    """In 1 MiB blocks: torch's wheel alone is most of a GB."""
+    digest = hashlib.sha256()
+    with path.open("rb") as wheel:
+        for block in iter(lambda: wheel.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def check(dest: Path) -> None:
     """Every wheel the folder's SHA256SUMS lists is there, whole: one line naming the first that is not."""
     sums = dest / "SHA256SUMS"
@@ -96,7 +105,7 @@ def check(dest: Path) -> None:
         path = dest / name
         if not path.is_file():
             raise SystemExit(f"error: {sums}, line {number}: {name} is missing from the folder")
-        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        if sha256(path) != digest:
             raise SystemExit(f"error: {path}: its sha256 is not the one {sums} lists (line {number}): copy it again")
 
 

@@ -186,10 +186,8 @@ def _combined(name: str, folder: Path) -> dict | None:
     upstream, local = _load(folder / f"{name}.json"), _load(folder / f"{name}{LOCAL}.json")
     if not upstream["rows"] and not local["rows"]:
         return None
-    meta = upstream if "usecase" in upstream else local
-    newest = local if "usecase" in local else meta
-    return {**meta, "rows": upstream["rows"], "local_rows": local["rows"], "reported": newest.get("reported", []),
-            "unit": newest.get("unit")}
+    meta = {key: value for kept in (upstream, local) for key, value in kept.items() if key != "rows"}  # the team's last
+    return {**meta, "rows": upstream["rows"], "local_rows": local["rows"]}
 
 
 def check(name: str, folder: Path) -> None:
