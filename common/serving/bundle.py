@@ -20,8 +20,10 @@ def save_bundle(bundle: dict, path: Path) -> None:
 
 
 def load_bundle(path: str | Path) -> dict:
-    """A saved bundle on the CPU; a file holding anything torch would have to unpickle is refused."""
-    return decode(torch.load(path, map_location="cpu", weights_only=True))
+    """A saved bundle on the CPU; a file holding anything torch would have to unpickle is refused. Its tensors are
+    mapped from the file, copy-on-write: the processes that load one file share its pages (a server's workers hold a
+    million items' tables once), and a tensor one of them changes becomes that one's own."""
+    return decode(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
 
 
 def encode(value: Any, where: str = "bundle") -> Any:

@@ -30,6 +30,13 @@ class ScoringInput(NamedTuple):
     params: dict | None
 
 
+class Answer(NamedTuple):
+    """What `predict` may return instead of bare predictions: them, and headers to send with them."""
+
+    predictions: Any
+    headers: dict[str, str]
+
+
 Predict = Callable[[ScoringInput], Awaitable[Any]]
 
 
@@ -48,12 +55,14 @@ def scoring_routes(predict: Predict, version: str | None = None,
 
     async def invocations(request: Request) -> Response:
         try:
-            predictions = await predict(scoring_input(await request.body(), request.headers.get("content-type", JSON)))
+            answer = await predict(scoring_input(await request.body(), request.headers.get("content-type", JSON)))
         except BadInput as refused:
             return bad_request(str(refused))
         except unavailable_errors as failed:
             return unavailable(str(failed))
-        return Response(orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY), media_type=JSON)
+        predictions, headers = answer if isinstance(answer, Answer) else (answer, None)
+        return Response(orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY), media_type=JSON,
+                        headers=headers)
 
     return [Route("/ping", ping), Route("/health", ping), Route("/version", answer_version),
             Route("/invocations", invocations, methods=["POST"])]

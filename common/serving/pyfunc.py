@@ -61,9 +61,12 @@ class ServedModel(mlflow.pyfunc.PythonModel):
 
 
 def load_served(model_uri: str):
-    """MLflow's pyfunc of `model_uri`. MLflow downloads it into a temporary folder it never removes (restarted servers
+    """MLflow's pyfunc of `model_uri`. Under a server (`shared_models`), from the one copy its workers share, which
+    the first to ask downloads. Else MLflow downloads it into a temporary folder it never removes (restarted servers
     filled /tmp with 450 MB copies): here that folder lies in this process's scratch, removed when it exits (the
     model's code is imported from it) or, where it was killed, by the next process that loads a model."""
+    if shared := os.environ.get(SHARED_MODELS):
+        return mlflow.pyfunc.load_model(shared_copy(model_uri, Path(shared)))
     folder = process_scratch(MODEL_SCRATCH)
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     default, tempfile.tempdir = tempfile.tempdir, str(folder)  # where MLflow's `create_tmp_dir` makes its download
@@ -74,6 +77,35 @@ def load_served(model_uri: str):
 
 
 MODEL_SCRATCH, SERVER_SCRATCH = "usecases-model-", "usecases-serve-"
+SHARED_MODELS = "USECASES_SHARED_MODELS"  # the folder of the models a server's workers share (`shared_models`)
+
+
+def shared_models():
+    """A folder where a server's workers keep one copy of each model they serve, named in the environment they
+    inherit; removed afterwards. Each worker maps the bundle's tensors from that copy (`load_bundle`), so the
+    operating system holds the tables once, whatever the number of workers."""
+    from common.serving.workers import shared_folder
+
+    return shared_folder(SHARED_MODELS, SERVER_SCRATCH)
+
+
+def shared_copy(model_uri: str, folder: Path) -> str:
+    """The local copy of `model_uri` in `folder`, downloaded by whichever process asks first (the others wait on a
+    lock, then read it): complete or absent, never half there."""
+    import fcntl
+    import hashlib
+
+    name = hashlib.sha256(model_uri.encode()).hexdigest()[:16]
+    target = folder / name
+    with open(folder / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "MLmodel").exists():
+            partial = folder / f"{name}.partial-{os.getpid()}"
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+            os.replace(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(partial)), target)
+            shutil.rmtree(partial, ignore_errors=True)
+    return str(target)
 
 
 def process_scratch(prefix: str) -> Path:

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from common.errors import UserError
 
@@ -77,3 +83,20 @@ def _worker(factory: str, host: str, port: int, settings: dict) -> None:
     sock.listen(BACKLOG)
     config = uvicorn.Config(factory, factory=True, host=host, port=port, **settings)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+@contextmanager
+def shared_folder(variable: str, prefix: str) -> Iterator[Path]:
+    """A temporary folder named by the environment variable `variable`, which the worker processes inherit; the
+    variable put back and the folder removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    previous = os.environ.get(variable)
+    os.environ[variable] = str(folder)
+    try:
+        yield folder
+    finally:
+        if previous is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = previous
+        shutil.rmtree(folder, ignore_errors=True)

@@ -62,6 +62,8 @@ def test_served_model_recommends_unseen_items_and_popular_ones_to_strangers(smok
     answer = model.predict(pd.DataFrame({"user_id": [user], "k": [10]}))
     assert len(answer) == 10 and list(answer["rank"]) == list(range(1, 11))
     known = data.matrix("known")  # the served model knows every event of the run, validation and test included
+    latest = max(int(frame["timestamp"].max()) for frame in (data.train, data.val_events, data.test_events))
+    assert model.unwrap_python_model().events_after == latest, "a server folds in only the events after them"
     assert not set(data.item_ids[known[user_code].indices]) & set(answer["item_id"])
     stranger = model.predict(pd.DataFrame({"user_id": [-12345], "k": [5]}))
     popularity = np.asarray(known.sum(axis=0)).ravel()

@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from common.errors import UserError
@@ -83,10 +84,20 @@ def test_recent_is_the_users_latest_items_newest_last_with_repeats_kept(store):
                          {"user_id": 2, "item_id": "x9"}, Event("1", "10", T0 + 3)]) == 4
     assert store.append({"user_id": 1, "item_id": 12}) == 1
     assert store.append([]) == 0
-    assert store.recent(1, 10) == ["10", "11", "10", "12"]  # repeats are the fold-in's to drop
-    assert store.recent("1", 2) == ["10", "12"]
+    assert store.recent(1, 10) == ["10", "10", "11", "12"]  # by timestamp; repeats are the fold-in's to drop
+    assert store.recent("1", 2) == ["11", "12"]
     assert store.recent(2, 5) == ["x9"]
     assert store.recent("nobody", 5) == [] and store.recent(1, 0) == []
+
+
+def test_recent_follows_the_timestamps_not_the_arrival_and_starts_after_the_models_watermark(store):
+    """Issue 43: an event that arrives late (a phone back online) takes its place in time, and a model's watermark
+    (the last timestamp it trained on) leaves out what it knows already; every user of a request in one call."""
+    store.append([Event("7", "b", T0 + 20), Event("7", "c", T0 + 30), Event("8", "z", T0 + 5)])
+    store.append(Event("7", "a", T0 + 10))  # arrives last, happened first
+    assert store.recent(7, 10) == ["a", "b", "c"] and store.recent(7, 2) == ["b", "c"]
+    assert store.recent(7, 10, after=T0 + 10) == ["b", "c"]  # the watermark's own second is the model's
+    assert store.recent_many(["7", 8, "nobody"], 2, after=T0) == [["b", "c"], ["z"], []]
 
 
 def test_read_since_pages_through_every_event_once_in_arrival_order(store):
@@ -434,9 +445,9 @@ def test_serve_stops_in_one_line_on_a_redis_it_cannot_use(capsys, monkeypatch, t
     assert says in line and line.startswith("error: events: ") and "secret" not in line, line
 
 
-def test_a_store_failing_after_the_start_is_503_in_one_line(tmp_path):
-    """The file made read-only under a running server (a disk gone read-only): /events and /invocations answer 503
-    with the store's line, not 500 with a traceback."""
+def test_a_store_failing_after_the_start_is_503_for_events_and_recommendations_go_on_without_it(tmp_path):
+    """The file damaged under a running server: /events answers 503 with the store's line, not 500 with a
+    traceback; /invocations answers from the model alone, marked `X-Events: unavailable` and counted."""
     import asyncio
 
     from tests.recsys.test_server import asgi_post
@@ -448,8 +459,66 @@ def test_a_store_failing_after_the_start_is_503_in_one_line(tmp_path):
     assert asyncio.run(asgi_post(app, "/events", {"user_id": 1, "item_id": 12, "timestamp": T0}))[0] == 200
     store.close()
     (tmp_path / "events.db").write_bytes(b"no longer a database" * 100)
-    for path, body in (("/events", {"user_id": 1, "item_id": 12}),
-                       ("/invocations", {"dataframe_records": [{"user_id": 1}]})):
-        status, answer = asyncio.run(asgi_post(app, path, body))
-        assert status == 503 and answer["error_code"] == "TEMPORARILY_UNAVAILABLE", (path, status, answer)
-        assert "events.db" in answer["message"] and "\n" not in answer["message"]
+    status, answer = asyncio.run(asgi_post(app, "/events", {"user_id": 1, "item_id": 12}))
+    assert status == 503 and answer["error_code"] == "TEMPORARILY_UNAVAILABLE", (status, answer)
+    assert "events.db" in answer["message"] and "\n" not in answer["message"]
+    status, answer, headers = asyncio.run(asgi_post(app, "/invocations", {"dataframe_records": [{"user_id": 1}]},
+                                                    with_headers=True))
+    assert status == 200 and headers["x-events"] == "unavailable", "recommended from the model alone, and said so"
+    assert answer["predictions"] and headers["x-model-version"] == "a model in this process"
+    assert app.state.metrics.registry.get_sample_value("usecases_degraded_answers_total") == 1
+
+
+def test_redis_keeps_what_its_url_bounds_and_each_server_checks_a_key_of_its_own(redis_url):
+    """Issue 43: `per_user` and `max_age_days` in the URL bound each user's set (a user's events never pile up), and
+    servers starting together check keys of their own (one never reads another's token) and leave none behind."""
+    bounded = open_event_store(f"{redis_url}?per_user=3&max_age_days=30")
+    other = open_event_store(redis_url)
+    try:
+        bounded.client.delete("recsys:recent:bounded")
+        now = int(time.time())
+        bounded.append([Event("bounded", str(item), now - 100 + item) for item in range(6)])
+        assert bounded.recent("bounded", 10) == ["3", "4", "5"]
+        bounded.append(Event("bounded", "old", now - 40 * 86400))  # past the age bound: trimmed at once
+        assert bounded.recent("bounded", 10) == ["3", "4", "5"]
+        assert 0 < bounded.client.ttl("recsys:recent:bounded") <= 30 * 86400
+        assert bounded.check_key != other.check_key
+        bounded.check()
+        other.check()
+        assert not bounded.client.exists(bounded.check_key, other.check_key)
+    finally:
+        bounded.close()
+        other.close()
+    with pytest.raises(UserError, match=r"per_user='many': expected a number of at least 0"):
+        open_event_store(f"{redis_url}?per_user=many")
+
+
+def test_a_server_folds_in_only_the_stored_events_after_its_models_watermark(tmp_path):
+    """Issue 43: events up to the model's watermark (the last timestamp it trained on) are in the model already; a
+    server folding them in again would count them twice, so it reads only the later ones."""
+    import asyncio
+
+    from tests.recsys.test_server import asgi_post
+    from tests.recsys.test_serving import served
+    from usecases.recsys.server import create_app
+
+    model = served("factors")
+    model.events_after = T0 + 100
+    app = create_app(model, SQLiteEventStore(tmp_path / "events.db"))
+    ask = {"dataframe_records": [{"user_id": 100}], "params": {"k": 1}}
+
+    def top() -> int:
+        return asyncio.run(asgi_post(app, "/invocations", ask))[1]["predictions"][0]["item_id"]
+
+    first = top()
+    asyncio.run(asgi_post(app, "/events", {"user_id": 100, "item_id": first, "timestamp": T0 + 50}))
+    assert top() == first, "an event the model trained on is not folded in again"
+    asyncio.run(asgi_post(app, "/events", {"user_id": 100, "item_id": first, "timestamp": T0 + 150}))
+    assert top() != first
+
+
+def test_the_served_models_watermark_is_the_last_timestamp_it_knows():
+    from usecases.recsys.served import latest_timestamp
+
+    frames = (pd.DataFrame({"timestamp": [T0, T0 + 9]}), None, pd.DataFrame({"timestamp": [T0 + 4]}))
+    assert latest_timestamp(frames) == T0 + 9 and latest_timestamp((None,)) is None

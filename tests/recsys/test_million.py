@@ -41,9 +41,11 @@ def test_a_million_items_are_trained_indexed_and_served_by_two_stages_within_the
     bpr = summary["models"]["bpr"]
     assert int(run.data.tags["data_items"]) >= 1_000_000  # the items some user took
     assert run.data.tags["retrieval"] == "ann"  # auto: exact ranking's measured p95 is above 5 ms here
-    # In process, one query at a time: ann's p95 was 10 ms in CI beside the slow suite's second worker
-    assert bpr["exact_latency_p95_ms"] > 5 and bpr["ann_latency_p95_ms"] < bpr["exact_latency_p95_ms"] / 3
-    assert bpr["ann_recall@10"] >= 0.95
+    # In process, one query at a time: since the effort is tuned on requests with events folded in too (issue 43),
+    # nprobe is 512, not 256, and ann's p95 was 8.6 ms against exact's 22.4 (2.6x; p50 3.8x) on the 2-core Intel
+    # Xeon (2026-12-07); a two-stage path that fell back to a full scan would be about 1x
+    assert bpr["exact_latency_p95_ms"] > 5 and bpr["ann_latency_p95_ms"] < bpr["exact_latency_p95_ms"] / 2
+    assert bpr["ann_recall@10"] >= 0.95 and bpr["ann_recall_users"] >= 500  # test users, with their test events
     # relative: NDCG@10 is about 0.01 here, where an absolute 0.005 would let ann lose half of it
     assert bpr["served_ndcg@10"] > 0 and bpr["ann_served_ndcg@10"] >= 0.95 * bpr["served_ndcg@10"]
     assert peak < MEMORY_BYTES, f"{peak / 2**30:.1f} GB"

@@ -9,11 +9,12 @@ import scipy.sparse as sp
 import torch
 
 from common.errors import UserError
-from common.serving.ann import VectorIndex, exact_top_k, overlap
+from common.serving.ann import Queries, VectorIndex, exact_top_k, overlap
 from common.serving.bundle import load_bundle, save_bundle
 from usecases.recsys import config as cfg
 from usecases.recsys.foldin import FoldIn
 from usecases.recsys.pipeline import load_data
+from usecases.recsys.ranking import row_codes
 from usecases.recsys.serving import RecommenderModel
 
 ITEMS, USERS, DIM = 3000, 400, 16
@@ -55,7 +56,7 @@ def factor_bundle():
     model = RecommenderModel.from_bundle(bundle)  # tuned as a run tunes it: on users' vectors and fold-ins
     sample = np.flatnonzero(trained)
     queries = model.recommender.form.query_vectors(sample)
-    index.tune(queries, items, 10, 50, 0.99, [model.recommender.excluded(user) for user in sample] * 2)
+    index.tune(Queries(queries, [model.recommender.excluded(user) for user in sample] * 2), items, 10, 50, 0.99)
     return {**bundle, "ann": index.stored(), "retrieval": "ann"}
 
 
@@ -128,13 +129,14 @@ def test_an_index_of_another_model_is_one_line(factor_bundle, tmp_path):
     faiss.write_index(VectorIndex.build(vectors[:100]).index, str(tmp_path / "small.faiss"))
     with pytest.raises(UserError, match=r"holds 100 vectors of dimension 16, the model 3,000"):
         VectorIndex.read(tmp_path / "small.faiss", vectors)
-    faiss.write_index(VectorIndex.build(clustered_vectors(ITEMS, 7)).index, str(tmp_path / "other.faiss"))
+    faiss.write_index(VectorIndex.build(clustered_vectors(ITEMS, 7), "Flat").index,
+                      str(tmp_path / "other.faiss"))
     with pytest.raises(UserError, match="does not hold the model's item vectors"):
         VectorIndex.read(tmp_path / "other.faiss", vectors)
     (tmp_path / "junk.faiss").write_bytes(b"not an index")
     with pytest.raises(UserError, match="junk.faiss: not a FAISS index"):
         VectorIndex.read(tmp_path / "junk.faiss", vectors)
-    faiss.write_index(VectorIndex.build(vectors).index, str(tmp_path / "same.faiss"))
+    faiss.write_index(VectorIndex.build(vectors, "IVF16,Flat").index, str(tmp_path / "same.faiss"))
     assert VectorIndex.read(tmp_path / "same.faiss", vectors).rows == ITEMS
     with pytest.raises(UserError, match="'HNSW-1' is not a FAISS index_factory string"):
         VectorIndex.build(vectors, "HNSW-1")
@@ -165,10 +167,117 @@ def test_auto_keeps_the_index_that_reaches_the_target_recall_faster(monkeypatch)
     vectors, queries = clustered_vectors(5000, 8), clustered_vectors(100, 9)
     monkeypatch.setitem(ann.EFFORTS, "HNSW", ("efSearch", (1,)))  # a graph held to the least effort: it stalls
     index, measured = VectorIndex.tuned(vectors, "auto", queries, 10, 20, 1.0)
-    assert list(measured) == ["IVF128,Flat", "HNSW32"] and measured["HNSW32"].recall < 1.0
+    assert list(measured) == ["IVF128,Flat", "HNSW32", "lifted:HNSW32"]
+    assert measured["HNSW32"].recall < 1.0 and measured["lifted:HNSW32"].recall < 1.0
     assert index.spec == "IVF128,Flat" and index.recall == 1.0 and index.effort <= 128  # a full scan is exact
     assert all(recall < 1.0 for recall in list(measured["IVF128,Flat"].tried.values())[:-1])
     monkeypatch.undo()
     index, measured = VectorIndex.tuned(vectors, "auto", queries, 10, 20, 0.95)
     reaching = [spec for spec, tuned in measured.items() if tuned.recall >= 0.95]
     assert index.spec == min(reaching, key=lambda spec: measured[spec].seconds) and index.recall >= 0.95
+
+
+@pytest.mark.parametrize("spec", ["IVF32,Flat", "IVF32,PQ8x4", "HNSW32", "Flat", "HNSW32,SQ8", "OPQ8,IVF32,PQ8x4,RFlat"])
+def test_an_index_file_of_every_faiss_type_serves_with_its_exclusions(factor_bundle, tmp_path, spec):
+    """Issue 43: `--ann-index FILE` gets search parameters of the file's own index type (an inverted file refuses
+    FAISS's generic ones), checked at load by searches with few and with many exclusions, as requests search."""
+    import faiss
+
+    model = RecommenderModel.from_bundle({**factor_bundle, "retrieval": "exact"})
+    vectors = model.recommender.item_vectors()
+    built = faiss.index_factory(vectors.shape[1], spec, faiss.METRIC_INNER_PRODUCT)
+    built.train(vectors)
+    built.add(vectors)
+    faiss.ParameterSpace().set_index_parameters(built, "nprobe=16" if "IVF" in spec else
+                                                "efSearch=128" if "HNSW" in spec else "")
+    faiss.write_index(built, str(tmp_path / "user.faiss"))
+    index = VectorIndex.read(tmp_path / "user.faiss", vectors)
+    exact = answers(model, frame := pd.DataFrame({"user_id": list(range(1, 120))}))
+    served = answers(model.recommender.use_retrieval("ann", index) and model, frame)
+    history = factor_bundle["history"]
+    for user in range(1, 120):
+        assert len(served[user]) == 10 and not {1000 + item for item in history[user + 1].indices} & set(served[user])
+    assert np.mean([len(set(served[user]) & set(exact[user])) / 10 for user in served]) >= 0.9
+    many = np.arange(1, 1500)  # past FILTER_ABOVE: filtered inside the search by a selector
+    best, _ = model.recommender.two_stage.recommend(model.recommender.form.query(5, np.zeros(0, np.int64)), many, 10)
+    assert len(best) == 10 and not set(best) & set(many)
+
+
+def test_a_graph_index_ranks_by_the_inner_product_through_lifted_vectors(factor_bundle):
+    """Issue 43: `lifted:HNSW32` is a graph built by L2 over the item vectors lifted to one norm, which keeps the
+    inner product's ranking: searched at full effort, its own top-10 (before any exact rescoring) is the exact one."""
+    import faiss
+
+    vectors = clustered_vectors(2000, 11)
+    queries = clustered_vectors(100, 12)
+    assert VectorIndex.build(vectors, "HNSW32").l2_norm is None  # on the inner product, as FAISS builds it
+    index = VectorIndex.build(vectors, "lifted:HNSW32")
+    assert index.l2_norm == pytest.approx(np.linalg.norm(vectors, axis=1).max())
+    assert index.index.metric_type == faiss.METRIC_L2 and (index.rows, index.dim) == vectors.shape
+    index.set_effort(2000)
+    assert overlap(index.search(queries, 10), exact_top_k(queries, vectors, 10)) >= 0.99
+    again = VectorIndex.from_stored(index.stored(), vectors, "the bundle's index")
+    assert again.l2_norm == index.l2_norm and (again.search(queries, 10) == index.search(queries, 10)).all()
+
+
+def test_the_recall_auto_is_gated_on_is_measured_on_users_the_effort_was_not_tuned_on(factor_bundle, monkeypatch):
+    """Issue 43: the effort chosen on a sample flatters that sample; `build_index` tunes on one half of its users and
+    measures the recall the gate reads on the other, each user also with the request a server would get: their
+    validation events folded in (the users who have some are split between the halves), else made-up ones."""
+    from usecases.recsys.pipeline import build_index, tuning_queries
+
+    tuned_with = []
+    original = VectorIndex.tune
+
+    def spy(self, queries, *args, **kwargs):
+        tuned_with.append(queries.vectors)
+        return original(self, queries, *args, **kwargs)
+
+    monkeypatch.setattr(VectorIndex, "tune", spy)
+    model = RecommenderModel.from_bundle({**factor_bundle, "retrieval": "exact"})
+    config = cfg.Config(serving={"ann": {"index": "HNSW32", "tune_users": 40}})
+    validation = sp.lil_matrix(factor_bundle["history"].shape, dtype=np.float32)
+    active = np.arange(1, 21)  # 20 users with validation events
+    for user in active:
+        validation[user, [100 + user, 200 + user, 300 + user]] = 1
+    validation = validation.tocsr()
+    index = build_index(model.recommender, config, validation)
+    vectors_of = model.recommender.form.query_vectors(np.arange(USERS))[:USERS]
+    tuning = [user for user in range(USERS) if any((vectors_of[user] == row).all() for row in tuned_with[0][:40])]
+    assert len(tuning) == 40 and len(set(tuning) & set(active)) == 10, "half of the active users tune, half check"
+    others = np.setdiff1d(active, tuning)
+    queries = tuning_queries(model.recommender, others, 1, validation).vectors
+    user = int(others[0])  # after the vectors and the histories' folds of every user, the requests' queries
+    assert (queries[2 * len(others)] == model.recommender.form.query(user, row_codes(validation, user))).all(), \
+        "a user's validation events are the new events of their request"
+    assert 0 < index.recall <= 1
+
+
+def test_auto_retrieval_is_chosen_again_on_the_device_a_server_runs_on(factor_bundle):
+    """Issue 43: a run's `auto` choice was timed on the training machine's CPU; a server times exact ranking on its
+    own device at its start and serves two stages only where exact is slower than `auto_above_ms` there and the index
+    reached its target recall. A forced choice (`ann`, `exact`) is kept as the run logged it."""
+    from usecases.recsys.server import retrieval_here
+
+    def served_as(**changes) -> str:
+        model = RecommenderModel.from_bundle({**factor_bundle, "retrieval_rule": "auto", **changes})
+        return retrieval_here(model, probes=8).recommender.retrieval
+
+    assert served_as(retrieval="ann", auto_above_ms=1e6) == "exact"  # exact is fast enough here
+    assert served_as(retrieval="exact", auto_above_ms=0.0) == "ann"
+    unreached = {**factor_bundle["ann"], "recall": 0.5, "target": 0.99}
+    assert served_as(ann=unreached, auto_above_ms=0.0) == "exact"
+    assert served_as(retrieval_rule="ann", auto_above_ms=1e6) == "ann"
+
+
+def test_an_effort_tuned_on_one_sample_is_stepped_up_until_another_sample_reaches_the_target():
+    """Issue 43: where the second sample's recall is below the target at the effort tuning chose, the effort is
+    stepped up the ladder until it reaches the target; the recall kept is that sample's."""
+    vectors, queries = clustered_vectors(20_000, 3), clustered_vectors(200, 4)
+    index = VectorIndex.build(vectors, "IVF256,Flat")
+    tuned = index.tune(queries, vectors, 10, 20, 0.97)
+    index.set_effort(1)  # as if the tuning sample had been easier
+    recall = index.confirmed(Queries(queries), vectors, 10, 20)
+    assert index.effort == tuned.effort and recall == tuned.recall == index.recall >= 0.97
+    index.set_effort(2 * tuned.effort)  # above what the target needs: kept as it is
+    assert index.confirmed(Queries(queries), vectors, 10, 20) >= 0.97 and index.effort == 2 * tuned.effort

@@ -4,6 +4,7 @@ with `POST /events`."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -344,9 +345,10 @@ def test_a_fleet_loses_no_acknowledged_event_when_a_server_is_killed_and_the_res
     assert top not in listed(fleet.ports[0], fleet.user)
 
 
-async def asgi_post(app, path: str, body) -> tuple[int, dict | list | str]:
+async def asgi_post(app, path: str, body, with_headers: bool = False) -> tuple:
     """One POST through the ASGI app in this event loop, as uvicorn would deliver it: the status and the answer,
-    parsed where it is JSON, else its text. `body`: anything `json.dumps` writes (integers of any size), or bytes."""
+    parsed where it is JSON, else its text (and the headers, by lower-case name, `with_headers`). `body`: anything
+    `json.dumps` writes (integers of any size), or bytes."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
              "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
@@ -363,8 +365,9 @@ async def asgi_post(app, path: str, body) -> tuple[int, dict | list | str]:
     await app(scope, receive, send)
     start = next(message for message in chunks if message["type"] == "http.response.start")
     text = b"".join(message.get("body", b"") for message in chunks if message["type"] == "http.response.body").decode()
-    media = dict(start["headers"]).get(b"content-type", b"")
-    return start["status"], json.loads(text) if media.startswith(b"application/json") else text
+    headers = {name.decode().lower(): value.decode() for name, value in start["headers"]}
+    answer = json.loads(text) if headers.get("content-type", "").startswith("application/json") else text
+    return (start["status"], answer, headers) if with_headers else (start["status"], answer)
 
 
 def assert_ranked_as(answer: list[dict], alone: list[dict], k: int):
@@ -426,3 +429,186 @@ def test_serving_options_a_machine_cannot_honour_are_one_line(capsys):
     if not torch.cuda.is_available():
         line = user_error(capsys, "serve", "recsys", "--model-uri", "runs:/0/model", "--device", "cuda")
         assert line.startswith("error: --device cuda: no CUDA GPU is visible")
+
+
+def timed(port: int, path: str, body=None) -> tuple[int, dict | str, dict, float]:
+    """(status, parsed answer, headers by lower-case name, seconds) of one request."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    started = time.monotonic()
+    try:
+        connection.request("GET" if body is None else "POST", path, None if body is None else json.dumps(body),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        text = response.read().decode()
+        headers = {name.lower(): value for name, value in response.getheaders()}
+    finally:
+        connection.close()
+    seconds = time.monotonic() - started
+    try:
+        return response.status, json.loads(text), headers, seconds
+    except json.JSONDecodeError:
+        return response.status, text, headers, seconds
+
+
+def test_a_server_answers_around_a_stalled_or_killed_redis_and_recovers_without_a_restart(smoke_runs, tmp_path):
+    """Issue 43: with its Redis stopped (SIGSTOP), a server still answers /ping at once, recommends from the model
+    alone within 2 s (marked `X-Events: unavailable`) and refuses events with 503 within 2 s; with Redis killed, it
+    still recommends; when Redis is back (continued, or started again), events are accepted within 5 s."""
+    import redis as redis_client
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("Redis store: no redis-server on PATH")
+    redis_port = free_port()
+
+    def start_redis() -> subprocess.Popen:
+        started = subprocess.Popen([binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        wait_for(lambda: redis_client.Redis(port=redis_port).ping(), 10, redis_client.ConnectionError)
+        return started
+
+    store = start_redis()
+    smoke = smoke_runs("recsys")
+    (run,) = runs("recsys", smoke.uri)
+    servers = Fleet(run.info.run_id, smoke.uri, f"redis://127.0.0.1:{redis_port}/0", tmp_path, size=1)
+    try:
+        servers.start(0)
+        (port,), user = servers.ports, servers.user
+        ask = {"dataframe_records": [{"user_id": user}], "params": {"k": 5}}
+        status, _, headers, _ = timed(port, "/invocations", ask)
+        assert status == 200 and "x-events" not in headers
+        assert timed(port, "/events", {"user_id": user, "item_id": 1})[0] == 200
+
+        store.send_signal(signal.SIGSTOP)
+        for _ in range(3):  # the first finds the store stalled, the next skip it for a while
+            status, answer, headers, seconds = timed(port, "/invocations", ask)
+            assert status == 200 and len(answer["predictions"]) == 5 and seconds < 2, (status, seconds)
+            assert headers["x-events"] == "unavailable"
+        status, answer, _, seconds = timed(port, "/events", {"user_id": user, "item_id": 2})
+        assert status == 503 and seconds < 2 and "\n" not in answer["message"], (status, answer, seconds)
+        status, _, _, seconds = timed(port, "/ping")
+        assert status == 200 and seconds < 1
+
+        store.send_signal(signal.SIGCONT)
+        accepted_after(port, {"user_id": user, "item_id": 3}, within_s=5)
+
+        store.kill()
+        store.wait(10)
+        status, answer, headers, _ = timed(port, "/invocations", ask)
+        assert status == 200 and len(answer["predictions"]) == 5 and headers["x-events"] == "unavailable"
+        assert timed(port, "/events", {"user_id": user, "item_id": 4})[0] == 503
+        store = start_redis()  # empty: it kept nothing on disk
+        accepted_after(port, {"user_id": user, "item_id": 5}, within_s=5)
+        time.sleep(1.1)  # past the pause after a failed read
+        status, _, headers, _ = timed(port, "/invocations", ask)
+        assert status == 200 and "x-events" not in headers, "reads the store again"
+    finally:
+        servers.stop_all()
+        store.kill()
+        store.wait(10)
+
+
+def accepted_after(port: int, event: dict, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while (status := timed(port, "/events", event)[0]) != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status == 200, f"events refused {within_s:g} s after the store came back"
+
+
+def wait_for(probe, seconds: float, *errors: type[Exception]) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            probe()
+            return
+        except errors:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_server_follows_its_alias_without_failing_a_request_and_serves_prometheus_metrics(smoke_runs, tmp_path):
+    """Issue 43: started on `models:/NAME@ALIAS` with two workers, the server swaps in the version the alias moves to
+    within 30 s while clients keep asking (none fails), each answer names the version it came from, and `/metrics`
+    (Prometheus' text format) sums both workers: every request counted, the latency histogram, the version served."""
+    import re
+
+    from mlflow import MlflowClient
+
+    smoke = smoke_runs("recsys")
+    (run,) = runs("recsys", smoke.uri)
+    mlflow.set_tracking_uri(smoke.uri)
+    client, name = MlflowClient(), f"test-following-{os.getpid()}"
+    first, second = (mlflow.register_model(f"runs:/{run.info.run_id}/model", name).version for _ in range(2))
+    client.set_registered_model_alias(name, "live", first)
+    port = free_port()
+    with (tmp_path / "server.log").open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "usecases", "serve", "recsys", "--model-uri",
+                                    f"models:/{name}@live", "--workers", "2", "--port", str(port)],
+                                   env={**os.environ, "MLFLOW_TRACKING_URI": smoke.uri}, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    answers: list[tuple[int, str]] = []
+    stop_asking = threading.Event()
+
+    def ask():
+        body = {"dataframe_records": [{"user_id": known_user(smoke.uri, run.info.run_id)}], "params": {"k": 3}}
+        while not stop_asking.is_set():
+            status, _, headers, _ = timed(port, "/invocations", body)
+            answers.append((status, headers.get("x-model-version", "")))
+
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}/ping", process, READY_TIMEOUT_S)
+        asking = [threading.Thread(target=ask) for _ in range(2)]
+        for thread in asking:
+            thread.start()
+        time.sleep(1)
+        client.set_registered_model_alias(name, "live", second)
+        moved, deadline = time.monotonic(), time.monotonic() + 30
+        while time.monotonic() < deadline and [version for _, version in answers[-20:]] != [f"{name}/{second}"] * 20:
+            time.sleep(0.2)
+        swapped_s = time.monotonic() - moved
+        stop_asking.set()
+        for thread in asking:
+            thread.join(30)
+        assert {status for status, _ in answers} == {200}, "no request failed across the swap"
+        assert answers[0][1] == f"{name}/{first}" and answers[-1][1] == f"{name}/{second}", (answers[0], answers[-1])
+        assert swapped_s < 30, f"both workers served version {second} only after {swapped_s:.0f} s"
+        status, text, headers, _ = timed(port, "/metrics")
+        assert status == 200 and headers["content-type"].startswith("text/plain")
+        counted = float(re.search(r'usecases_requests_total\{route="/invocations",status="200"\} (\S+)', text)[1])
+        assert counted == len(answers), "every worker's requests, summed"
+        assert re.search(r'usecases_request_seconds_bucket\{le="0\.05",route="/invocations"\} \S+', text)
+        assert f'usecases_model_info{{name="{name}",version="{second}"}} 1.0' in text
+        assert timed(port, "/version")[1] == mlflow.__version__  # MLflow's meaning kept
+        mapped = [mapped_bundles(worker) for worker in workers(process)]
+        assert len(mapped) == 2 and mapped[0] == mapped[1] and len(mapped[0]) == 1, \
+            f"both workers map the tables of one copy of the version they serve: {mapped}"
+    finally:
+        stop_asking.set()
+        stop(process)
+
+
+def mapped_bundles(process: psutil.Process) -> set[str]:
+    """The model bundles `process` maps from a server's shared copies (`shared_models`)."""
+    return {region.path for region in process.memory_maps() if "usecases-serve-" in region.path
+            and region.path.endswith(".pt")}
+
+
+def test_processes_loading_a_model_under_a_server_share_one_copy_and_map_its_tables(smoke_runs, monkeypatch):
+    """Issue 43: a server's workers download a model once, into one folder, and map its bundle's tensors from that
+    copy (copy-on-write): the machine holds the tables once whatever the number of workers."""
+    from common.serving.pyfunc import load_served, shared_models
+
+    smoke = smoke_runs("recsys")
+    (run,) = runs("recsys", smoke.uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", smoke.uri)
+    with shared_models() as folder:
+        models = [load_served(f"runs:/{run.info.run_id}/model") for _ in range(2)]
+        copies = [path for path in folder.iterdir() if path.is_dir()]
+        assert len(copies) == 1, copies
+        (bundle,) = mapped_bundles(psutil.Process())  # both loads map the one copy's file
+        assert bundle.startswith(str(copies[0])) and len(models) == 2
+    assert not folder.exists()

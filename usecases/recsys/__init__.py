@@ -17,9 +17,10 @@ USECASE = UseCase.declare(
     primary_metric=("ndcg@10", "max"),  # of the served model; the registry picks its champion by it
     summary_columns=summary_columns,
     # its server (`usecases serve recsys`): uvicorn with the C HTTP parser and event loop, 10x MLflow's at
-    # concurrency 8; FAISS, the first stage of two-stage retrieval (common/serving/ann.py)
+    # concurrency 8; FAISS, the first stage of two-stage retrieval (common/serving/ann.py); Prometheus' client for
+    # its /metrics (common/serving/metrics.py)
     requirements=("orjson>=3.9", "starlette>=0.40", "uvicorn>=0.30", "httptools>=0.6",
-                  "uvloop>=0.19; sys_platform != 'win32'", "faiss-cpu>=1.8"),
+                  "uvloop>=0.19; sys_platform != 'win32'", "faiss-cpu>=1.8", "prometheus-client>=0.20"),
     # implicit's ALS baseline (skipped without it); Redis Streams as the server's event store across machines
     optional_requirements={"als": ("implicit>=0.7",), "events": ("redis>=5",)},
     evidence=("users_evaluated", "users"),  # what the served model's test figure rests on

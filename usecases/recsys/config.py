@@ -131,8 +131,10 @@ class ANN(ConfigModel):
     """Two-stage serving's first stage: a FAISS index over the item vectors."""
 
     index: str = Field("auto", description="a FAISS index_factory string on the inner product (HNSW32, "
-                                           "'IVF4096,Flat', 'HNSW32,SQ8'), or auto: an inverted file and "
-                                           "HNSW32 both built and tuned, the faster at target_recall served")
+                                           "'IVF4096,Flat', 'IVF4096,PQ32', 'HNSW32,SQ8'), lifted:SPEC (built by "
+                                           "L2 over the vectors lifted to one norm), or auto: an inverted file, "
+                                           "HNSW32 and lifted:HNSW32 built and tuned, the fastest at "
+                                           "target_recall served")
     candidates: int = Field(50, ge=1, description="items retrieved per request and scored exactly (at least k)")
     target_recall: float = Field(0.99, gt=0, le=1, description="the search effort (efSearch, nprobe) is the least "
                                                                "whose top-10 holds this share of the exact top-10 "

@@ -37,8 +37,12 @@ class EventStore(Protocol):
     def append(self, events: Event | dict | list[Event | dict]) -> int:
         """Record one event or a list of them, all or none; the number recorded, once committed."""
 
-    def recent(self, user_id: str | int, limit: int) -> list[str]:
-        """The item ids of the user's latest `limit` events, newest last."""
+    def recent(self, user_id: str | int, limit: int, after: int | None = None) -> list[str]:
+        """The item ids of the user's latest `limit` events by timestamp, newest last; with `after`, only those of
+        a later timestamp (a model's watermark: what it trained on is not folded in again)."""
+
+    def recent_many(self, user_ids: list, limit: int, after: int | None = None) -> list[list[str]]:
+        """`recent` of each user, in one round trip to the store."""
 
     def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
         """Up to `count` events after `cursor` (which says the events up to it are handled), and the next cursor."""

@@ -2,13 +2,15 @@
 was trained: SQLite for the processes of one machine, Redis Streams for several (`EventStore`: `event_types.py`)."""
 
 import os
+import socket
 import sqlite3
 import threading
 import time
+import uuid
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from common.errors import UserError, one_line
 from .event_types import START, BadEvent, Event, EventStore, EventStoreUnavailable, checked_cursor, parse_events
@@ -44,6 +46,7 @@ CREATE TABLE IF NOT EXISTS events(
     ts INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_user ON events(user_id, seq);
+CREATE INDEX IF NOT EXISTS events_by_user_time ON events(user_id, ts, seq);
 """
 OWN_TABLES = ("events", "sqlite_sequence")  # and SQLite's other sqlite_* tables
 
@@ -123,13 +126,17 @@ class SQLiteEventStore:
             connection.executemany("INSERT INTO events(user_id, item_id, ts) VALUES (?, ?, ?)", rows)
         return len(rows)
 
-    def recent(self, user_id: str | int, limit: int) -> list[str]:
+    def recent(self, user_id: str | int, limit: int, after: int | None = None) -> list[str]:
+        return self.recent_many([user_id], limit, after)[0]
+
+    def recent_many(self, user_ids: list, limit: int, after: int | None = None) -> list[list[str]]:
         if limit < 1:
-            return []
+            return [[] for _ in user_ids]
+        floor = -(2**63) if after is None else int(after)
         with self._database("read") as connection:
-            rows = connection.execute("SELECT item_id FROM events WHERE user_id = ? ORDER BY seq DESC LIMIT ?",
-                                      (str(user_id), int(limit))).fetchall()
-        return [item for item, in reversed(rows)]
+            return [[item for item, in reversed(connection.execute(
+                "SELECT item_id FROM events WHERE user_id = ? AND ts > ? ORDER BY ts DESC, seq DESC LIMIT ?",
+                (str(user_id), floor, int(limit))).fetchall())] for user_id in user_ids]
 
     def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
         after = int(checked_cursor(cursor, r"\d+"))
@@ -173,28 +180,50 @@ class SQLiteEventStore:
                 self._connected = None
 
 
-REDIS_RECENT_PER_USER = 1000  # events kept in a user's own stream (approximately: at least this many)
-REDIS_STREAM_LENGTH = 10_000_000  # events kept in the stream that retraining reads (approximately)
+REDIS_TIMEOUT_S = 0.5  # a connect or a reply that takes longer: the store is stalled (a server answers without it)
+BOUNDS = {"per_user": 1000, "max_age_days": 0.0, "stream_length": 10_000_000}  # `redis://...?per_user=200`: 0 none
+
+
+def _bound(value, name: str, where: str) -> float:
+    try:
+        bound = float(value)
+    except ValueError:
+        bound = -1.0
+    if bound < 0:
+        raise UserError(f"events: {where}: {name}={value!r}: expected a number of at least 0 (0: no bound)")
+    return bound
 
 
 class RedisEventStore:
-    """Each event is added, in one MULTI/EXEC, to the user's own stream (`recent` is one XREVRANGE whatever other
-    users do) and to `PREFIX:events`, which a retraining job reads through the consumer group `group`."""
+    """Each event is added, in one MULTI/EXEC, to the user's own sorted set, scored by its timestamp (`recent` is one
+    ZREVRANGEBYSCORE whatever other users do, in the order things happened, not arrived), and to `PREFIX:events`, the
+    stream a retraining job reads through the consumer group `group`. Every call is bounded by `REDIS_TIMEOUT_S`
+    and never retried here: a stalled store is an `EventStoreUnavailable` at once, which a server answers around.
+    The URL's query bounds what is kept (`BOUNDS`): events a user's set keeps, their age in days, the stream's length;
+    redis-py's own options (`socket_timeout`...) pass through."""
 
     def __init__(self, url: str, prefix: str = "recsys", group: str = "retrain", consumer: str = "retrain-1"):
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError:
             raise UserError("the redis extra is not installed: pip install redis") from None
         parts = urlsplit(url)
         self.where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"  # without a password
-        self.stream, self.user_prefix = f"{prefix}:events", f"{prefix}:user:"
-        self.check_key = f"{prefix}:check"
+        query = dict(parse_qsl(parts.query))
+        self.bounds = {name: _bound(query.pop(name, default), name, self.where) for name, default in BOUNDS.items()}
+        self.stream, self.user_prefix = f"{prefix}:events", f"{prefix}:recent:"
+        self.check_key = f"{prefix}:check:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"  # one a server
         self.group, self.consumer = group, consumer
         self._response_error, self._redis_error = redis.ResponseError, redis.RedisError
         self._has_group = False
         try:
-            self.client = redis.Redis.from_url(url, decode_responses=True)
+            self.client = redis.Redis.from_url(
+                urlunsplit(parts._replace(query=urlencode(query))), decode_responses=True,
+                **{"socket_timeout": REDIS_TIMEOUT_S, "socket_connect_timeout": REDIS_TIMEOUT_S,
+                   **{key: float(value) for key, value in query.items() if key.endswith("timeout")}},
+                retry=Retry(NoBackoff(), 0))
             self.client.ping()
         except (ValueError, redis.RedisError) as error:
             raise EventStoreUnavailable(f"events: cannot use {self.where}: {one_line(error)}") from None
@@ -207,38 +236,57 @@ class RedisEventStore:
             raise EventStoreUnavailable(f"events: cannot {doing} {self.where}: {one_line(error)}") from None
 
     def check(self) -> None:
-        """A round trip before a server binds its port: the events key is a stream, and a key written is read back."""
+        """A round trip before a server binds its port: the events key is a stream, and a key written is read back
+        (a key of this server's own: servers starting together never read each other's)."""
         with self._redis("read"):
             kind = self.client.type(self.stream)
         if kind not in ("stream", "none"):
             raise EventStoreUnavailable(f"events: {self.where}: key {self.stream!r} holds a {kind}, not a stream of "
                                         "events: give the events a Redis database of their own (redis://HOST:PORT/DB)")
         with self._redis("write"):
-            token = f"{os.getpid()}:{time.time_ns()}"
+            token = uuid.uuid4().hex
             self.client.set(self.check_key, token, ex=60)
-            if self.client.get(self.check_key) != token:
+            read = self.client.get(self.check_key)
+            self.client.delete(self.check_key)
+            if read != token:
                 raise EventStoreUnavailable(f"events: {self.where}: a key written was not read back")
 
     def append(self, events: Event | dict | list[Event | dict]) -> int:
         checked = parse_events(events)
         if not checked:
             return 0
+        per_user, stream_length = int(self.bounds["per_user"]), int(self.bounds["stream_length"])
+        max_age_s = int(self.bounds["max_age_days"] * 86400)
         pipeline = self.client.pipeline(transaction=True)
-        for event in checked:
-            pipeline.xadd(self.user_prefix + event.user_id, {"item": event.item_id, "ts": event.timestamp},
-                          maxlen=REDIS_RECENT_PER_USER, approximate=True)
+        arrival = f"{time.time_ns():020d}{os.getpid():08d}"  # a member of its own for each event, repeats kept
+        for number, event in enumerate(checked):
+            key = self.user_prefix + event.user_id
+            pipeline.zadd(key, {f"{arrival}{number:06d}:{event.item_id}": event.timestamp})
+            if per_user:
+                pipeline.zremrangebyrank(key, 0, -per_user - 1)
+            if max_age_s:
+                pipeline.zremrangebyscore(key, "-inf", f"({int(time.time()) - max_age_s}")
+                pipeline.expire(key, max_age_s)
             pipeline.xadd(self.stream, {"user": event.user_id, "item": event.item_id, "ts": event.timestamp},
-                          maxlen=REDIS_STREAM_LENGTH, approximate=True)
+                          **({"maxlen": stream_length, "approximate": True} if stream_length else {}))
         with self._redis("write"):
             pipeline.execute()
         return len(checked)
 
-    def recent(self, user_id: str | int, limit: int) -> list[str]:
-        if limit < 1:
-            return []
+    def recent(self, user_id: str | int, limit: int, after: int | None = None) -> list[str]:
+        return self.recent_many([user_id], limit, after)[0]
+
+    def recent_many(self, user_ids: list, limit: int, after: int | None = None) -> list[list[str]]:
+        """Each user's latest `limit` items after the timestamp `after`, newest last: one round trip for them all."""
+        if limit < 1 or not user_ids:
+            return [[] for _ in user_ids]
+        floor = "-inf" if after is None else f"({int(after)}"
+        pipeline = self.client.pipeline(transaction=False)
+        for user_id in user_ids:
+            pipeline.zrevrangebyscore(self.user_prefix + str(user_id), "+inf", floor, start=0, num=int(limit))
         with self._redis("read"):
-            entries = self.client.xrevrange(self.user_prefix + str(user_id), count=int(limit))
-        return [fields["item"] for _, fields in reversed(entries)]
+            answers = pipeline.execute()
+        return [[member.partition(":")[2] for member in reversed(members)] for members in answers]
 
     def read_since(self, cursor: str = START, count: int = 1000) -> tuple[list[Event], str]:
         """Acknowledges the entries up to `cursor`; reads this consumer's pending ones again, else undelivered ones."""

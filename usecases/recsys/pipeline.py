@@ -17,14 +17,14 @@ from common.errors import UserError
 from common.job import Job
 from common.paths import stored_bytes
 from common.runtime.process import all_cores
-from common.serving.ann import VectorIndex, overlap
+from common.serving.ann import Queries, VectorIndex, exact_top_k
 from common.usecase import RunResult
 from .baselines import ALS, EASE, ItemKNN, ModelUnavailable, Popularity
 from .config import Config
 from .data import Interactions, expected_interactions, load_interactions
 from .evaluate import full_ranking, sample_users
 from .movielens import movielens_files, movielens_folder, movielens_format
-from .ranking import UNKNOWN
+from .ranking import UNKNOWN, row_codes
 from .retrieval import KINDS
 from .sequence import SequenceScorer
 from .served import Cut, bundle_at, chosen_foldin, log_recommender, replayed, served_at, served_form
@@ -226,7 +226,7 @@ def evaluate_model(name: str, setting: Setting) -> Evaluated | None:
                                                  config.evaluation.ks)["ndcg@10"]
     if model.form["kind"] in KINDS and config.serving.retrieval != "exact" and is_main:
         with job.phase(f"index/{name}", "cores"):
-            model.index = build_index(served[model.cut], config)
+            model.index = build_index(served[model.cut], config, setting.val)
         job.tracker.set_tags({f"ann_index/{name}": model.index.spec})
         with job.phase(f"evaluate/{name}"):
             model.metrics.update(ann_figures(served[model.cut], model.index, setting))
@@ -256,44 +256,89 @@ def ranked(name: str, scorer, fitted: dict, setting: Setting) -> Evaluated:
         return Evaluated(metrics, served_form(scorer, setting.config, setting.train), validation, cut)
 
 
-RECALL_BATCH = 128  # users ranked exactly at once for the recall: a bounded users x items matrix
-
-
-def build_index(recommender: Recommender, config: Config) -> VectorIndex:
-    """The index over the item vectors, its search effort tuned on a sample of users' query vectors (no labels)."""
-    settings = config.serving.ann
+def build_index(recommender: Recommender, config: Config, requests: sp.csr_matrix | None) -> VectorIndex:
+    """The index over the item vectors, its search effort tuned on one sample of users' queries, then confirmed on
+    another (stepped up while that one is below the target: the effort chosen on a sample flatters that sample), whose
+    recall `serving.retrieval: auto` is gated on. The queries are what a server searches with (`tuning_queries`),
+    with the validation period's events (`requests`) as the new events of the users who have some, split between the
+    two samples; no test data read."""
+    settings, rng = config.serving.ann, np.random.default_rng(config.runtime.seed)
     users = np.flatnonzero(recommender.form.has_rows)
     users = users[users != UNKNOWN]
-    sample = np.sort(np.random.default_rng(config.runtime.seed).permutation(users)[:settings.tune_users])
-    queries = recommender.form.query_vectors(sample)
-    excluded = [recommender.excluded(user) for user in sample.tolist()]
+    active = np.intersect1d(users, np.flatnonzero(np.diff(requests.indptr))) if requests is not None else users[:0]
+    order = np.concatenate([rng.permutation(active), rng.permutation(np.setdiff1d(users, active))])
+    tuning, checking = (np.sort(order[first::2][:settings.tune_users]) for first in (0, 1))
+    queries = tuning_queries(recommender, tuning, config.runtime.seed, requests)
     index, measured = VectorIndex.tuned(recommender.item_vectors(), settings.index, queries, 10, settings.candidates,
-                                        settings.target_recall, excluded * (len(queries) // len(sample)),
-                                        config.runtime.seed)
+                                        settings.target_recall, config.runtime.seed)
     for spec, tuned in measured.items():
-        log.info("ANN index %s over %d items: %s %s for recall@10 %.4f on %d users' vectors (tried %s)", spec,
-                 index.rows, index.effort_name if spec == index.spec else "effort", tuned.effort, tuned.recall,
-                 len(queries), ", ".join(f"{effort}: {recall:.3f}" for effort, recall in tuned.tried.items()) or "-")
-    log.info("ANN index %s served: built in %.1f s, recall@10 %.4f against a target of %g", index.spec,
-             index.build_seconds, index.recall, settings.target_recall)
+        log.info("ANN index %s over %d items: %s %s for recall@10 %.4f on %d queries, the least of their kinds' "
+                 "(tried %s)", spec, index.rows, index.effort_name if spec == index.spec else "effort", tuned.effort,
+                 tuned.recall, len(queries.vectors),
+                 ", ".join(f"{effort}: {recall:.3f}" for effort, recall in tuned.tried.items()) or "-")
+    checks = tuning_queries(recommender, checking, config.runtime.seed + 1, requests)
+    tuned_effort, tuned_recall = index.effort, index.recall
+    index.confirmed(checks, recommender.item_vectors(), 10, settings.candidates)
+    log.info("ANN index %s served: built in %.1f s, %s %s, recall@10 %.4f on %d queries of other users (%s %s: %.4f "
+             "on the tuning users') against a target of %g", index.spec, index.build_seconds, index.effort_name,
+             index.effort, index.recall, len(checks.vectors), index.effort_name, tuned_effort, tuned_recall,
+             settings.target_recall)
     return index
 
 
+TUNING_EVENTS = 3  # the made-up new events of every other query of a user without validation events
+
+
+def tuning_queries(recommender: Recommender, users: np.ndarray, seed: int,
+                   requests: sp.csr_matrix | None = None) -> Queries:
+    """What a server searches with, for `users`, each with its exclusions, in three kinds: their vectors, those their
+    histories fold into (with a fold-in), and those a request with new events makes: a user's validation events
+    (`requests`, up to `max_events`, as a server folds them in), else events drawn without a label from the user's
+    own exact top items, a few or as many as are folded in."""
+    form, rng = recommender.form, np.random.default_rng(seed)
+    plain = form.query_vectors(users)
+    excluded = [recommender.excluded(user) for user in users.tolist()]
+    kinds = len(plain) // max(len(users), 1)  # the vectors, and with a fold-in those of the histories
+    queries, exclusions, groups = [plain], excluded * kinds, [np.repeat(np.arange(kinds), len(users))]
+    vectors = recommender.item_vectors()
+    sizes = (TUNING_EVENTS, max(form.max_events, TUNING_EVENTS))
+    liked = exact_top_k(plain[:len(users)], vectors, min(2 * sizes[1], len(vectors) - 1), excluded)
+    for number, (user, seen, top) in enumerate(zip(users.tolist(), excluded, liked)):
+        events = np.zeros(0, np.int64) if requests is None else row_codes(requests, user)[-form.max_events:]
+        if not len(events):
+            events = np.sort(rng.choice(top, size=min(sizes[number % 2], len(top)), replace=False)).astype(np.int64)
+        query = form.query(user, events)
+        if query is not None:
+            queries.append(np.asarray(query, np.float32)[None])
+            exclusions.append(np.union1d(seen, events))
+            groups.append(np.full(1, kinds))
+    return Queries(np.concatenate(queries).astype(np.float32), exclusions, np.concatenate(groups))
+
+
+def test_users(setting: Setting) -> np.ndarray:
+    return np.flatnonzero(np.diff(setting.test.indptr))
+
+
 def ann_figures(recommender: Recommender, index: VectorIndex, setting: Setting) -> dict[str, float]:
-    """Two stages against exact (recall@10 on a sample of test users), and their test NDCG@10 (rank 0 alone)."""
+    """Two stages against exact as a server meets its users: test users with their test events (which the tuning
+    never reads) as the request's events (folded in, excluded), recall@10 of the two-stage top-10 against the exact
+    one; and the two stages' test NDCG@10 (rank 0 alone)."""
     config = setting.config
-    users = np.flatnonzero(np.diff(setting.test.indptr))
+    users = test_users(setting)
     users = np.sort(np.random.default_rng(config.runtime.seed).permutation(users)[:config.serving.ann.recall_users])
-    exact = np.concatenate([recommender.top_k(users[first:first + RECALL_BATCH], 10)[0]
-                            for first in range(0, len(users), RECALL_BATCH)])
+    events = [row_codes(setting.test, user)[-recommender.form.max_events:] for user in users.tolist()]
+    exact = [items for items, _ in recommender.recommend_many(users, events, 10)]
     recommender.use_retrieval("ann", index)
     try:
-        recall = overlap(recommender.top_k(users, 10)[0], exact)
+        found = [items for items, _ in recommender.recommend_many(users, events, 10)]
         ndcg = setting.ranking(recommender, setting.test, setting.seen_before_test, config.evaluation.ks, False)
     finally:
         recommender.use_retrieval("exact")
+    recall = float(np.mean([len(np.intersect1d(mine, truth)) / max(len(truth), 1)
+                            for mine, truth in zip(found, exact)])) if users.size else float("nan")
     return {"ann_recall@10": recall, "ann_served_ndcg@10": ndcg["ndcg@10"], "ann_build_seconds": index.build_seconds,
-            "ann_index_mb": len(index.stored()["index"]) / 2**20, "ann_search_effort": float(index.effort or 0)}
+            "ann_index_mb": len(index.stored()["index"]) / 2**20, "ann_search_effort": float(index.effort or 0),
+            "ann_recall_users": float(len(users))}
 
 
 def replays(name: str, form: dict, val_replay: dict | None, setting: Setting) -> dict[str, float]:

@@ -177,7 +177,15 @@ def bundle_at(form: dict, data: Interactions, config: Config, cut: Cut) -> dict:
     if form["kind"] == "sequence":
         known = sequences_by_user(pd.concat(cut.frames), data.n_users)
         form = served_sequence_form(SequenceScorer.from_form(form).with_history(known))
-    return serving_bundle(form, data, config, cut.history)
+    return {**serving_bundle(form, data, config, cut.history), "events_after": latest_timestamp(cut.frames)}
+
+
+def latest_timestamp(frames: tuple) -> int | None:
+    """The model's watermark: the last timestamp of what it knows, after which a server folds stored events in (those
+    before it are in the model already); None where the frames are not at hand (a log read on Dask)."""
+    known = [int(frame["timestamp"].max()) for frame in frames
+             if frame is not None and "timestamp" in frame and len(frame)]
+    return max(known) if known else None
 
 
 def serving_bundle(form: dict, data: Interactions, config: Config, history: sp.csr_matrix) -> dict:
@@ -186,7 +194,8 @@ def serving_bundle(form: dict, data: Interactions, config: Config, history: sp.c
             "trained": torch.from_numpy(np.diff(data.matrix("train").indptr) > 0),
             "user_ids": data.user_ids, "item_ids": data.item_ids, "titles": data.titles,
             "k": config.serving.k, "latency_users": config.serving.latency_users,
-            "max_events": config.serving.foldin.max_events, "ann_candidates": config.serving.ann.candidates}
+            "max_events": config.serving.foldin.max_events, "ann_candidates": config.serving.ann.candidates,
+            "retrieval_rule": config.serving.retrieval, "auto_above_ms": config.serving.ann.auto_above_ms}
 
 
 def latency(model: RecommenderModel, users: np.ndarray, single: int) -> dict[str, float]:

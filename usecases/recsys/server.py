@@ -3,15 +3,20 @@
 It speaks MLflow's scoring protocol (`common/serving/protocol.py`), so a client of `mlflow models serve` needs no
 change, and adds `POST /events` (`user_id`, `item_id`, `timestamp`): the store keeps them for every worker, and the
 user's next request folds them in. The hot path has no pandas (orjson, columns as lists, histories as arrays; one
-torch thread a worker). Both routes' inputs follow `schema.py`; a bad request is HTTP 400 in one line, a failing
-event store HTTP 503, and one that cannot be used stops the start (`serve`). On a GPU (`--device`) concurrent
+torch thread a worker). Both routes' inputs follow `schema.py`; a bad request is HTTP 400 in one line. An event
+store that fails or stalls after the start is answered around (`live_events.py`: recommendations from the model alone,
+marked `X-Events: unavailable`; `/events` 503); one that cannot be used stops the start (`serve`). On a GPU (`--device`) concurrent
 requests are micro-batched: the first waits at most `--batch-ms` (default 2); the batch is one product and top-k."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import sys
-from contextlib import closing
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager, closing
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,36 +29,81 @@ from starlette.routing import Route
 
 from common.errors import UserError, one_line
 from common.serving.ann import VectorIndex, faiss_module
+from common.serving.following import VERSION_HEADER, ServedVersion, follow_alias, resolve_version
+from common.serving.metrics import ServerMetrics, shared_across_workers
+from common.serving.pyfunc import shared_models
 from common.serving.microbatch import MicroBatcher
 from common.server_plugin import ServerSettings
-from common.serving.protocol import JSON, ScoringInput, bad_request, scoring_routes, unavailable
+from common.serving.protocol import JSON, Answer, ScoringInput, bad_request, scoring_routes, unavailable
 from .event_types import BadEvent, EventStore, EventStoreUnavailable
 from .events import open_event_store
-from .requests import parse_rows, requested_k
-from .serving import RecommenderModel
+from .live_events import DEGRADED_HEADER, LiveEvents
+from .requests import UserRequest, parse_rows, requested_k
+from .serving import RecommenderModel, python_value
 
 GPU_BATCH_MS = 2.0  # the queueing a request may spend waiting for others on a GPU
+AUTO_PROBES = 32  # one-user requests a worker times at its start where the run's retrieval was `auto`
 RETRIEVALS = ("exact", "ann")  # `--retrieval`: rank every item, or score the candidates of the model's ANN index
 FLEET_EVENTS = "redis://redis:6379/0"  # a Redis Service named `redis`, shared by a fleet's pods
 
+log = logging.getLogger(__name__)
 
-def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: float = 0.0,
-               max_batch: int = 64) -> Starlette:
+
+class Current:
+    """The model served now and the version it is; a new one is swapped in whole, between two requests."""
+
+    def __init__(self, model: RecommenderModel, version: ServedVersion, live: LiveEvents | None,
+                 metrics: ServerMetrics):
+        self.model, self.version, self.live, self.metrics = model, version, live, metrics
+        metrics.serving(version.name or "", version.version or version.uri)
+
+    def swap(self, model: RecommenderModel, version: ServedVersion) -> None:
+        before = self.version
+        self.model, self.version = model, version  # a request reads both at its start: one or the other
+        if self.live is not None:
+            self.live.limit, self.live.after = model.recommender.form.max_events, model.events_after
+        self.metrics.serving(version.name or "", version.version or version.uri, (before.name or "",
+                                                                                  before.version or ""))
+
+    def lifespan(self, load: Callable[[str], RecommenderModel] | None):
+        """The app's lifespan: a task following the alias while it serves (`following.py`), where `load` is given."""
+        @asynccontextmanager
+        async def following(app):
+            follower = asyncio.create_task(follow_alias(self.version, load, self.swap)) if load else None
+            try:
+                yield
+            finally:
+                if follower is not None:
+                    follower.cancel()
+        return following
+
+
+def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: float = 0.0, max_batch: int = 64,
+               version: ServedVersion | None = None, load: Callable[[str], RecommenderModel] | None = None):
     """The app around a loaded model and an event store (None: no `/events`); with `batch_ms` above 0, a batch of
-    concurrent requests (`MicroBatcher`) runs `batch_ms` after its first request or once it holds `max_batch`."""
-    batcher = MicroBatcher(model.recommend_requests, batch_ms / 1000, max_batch) if batch_ms > 0 else None
+    concurrent requests (`MicroBatcher`) runs `batch_ms` after its first request or once it holds `max_batch`.
+    `version` says what `model` is (its answers carry it); given `load`, the app follows its alias (`following.py`)."""
+    metrics = ServerMetrics(("/invocations", "/events", "/ping", "/health", "/version", "/metrics"))
+    live = LiveEvents(events, model.recommender.form.max_events, model.events_after, metrics) if events else None
+    current = Current(model, version or ServedVersion(None, None, "a model in this process"), live, metrics)
+    batcher = MicroBatcher(lambda requests: current.model.recommend_requests(requests), batch_ms / 1000,
+                           max_batch) if batch_ms > 0 else None
 
-    async def recommend(scoring: ScoringInput) -> list[dict]:
+    async def recommend(scoring: ScoringInput) -> Answer:
+        model, named = current.model, current.version  # one version for the whole request
         k = requested_k(scoring.columns, scoring.params, model.default_k)
         rows = parse_rows(scoring.columns, scoring.rows)
-        stored = [events.recent(row.user_id, model.recommender.form.max_events) for row in rows] if events else ()
-        return await batcher.submit((rows, k, stored)) if batcher else model.recommend(rows, k, stored)
+        stored = await live.recent([row.user_id for row in rows]) if live else ()
+        headers = {VERSION_HEADER: named.header, **(dict([DEGRADED_HEADER]) if stored is None else {})}
+        predictions = await batcher.submit((rows, k, stored or ())) if batcher else model.recommend(rows, k,
+                                                                                                     stored or ())
+        return Answer(predictions, headers)
 
     async def record_events(request: Request) -> Response:
-        if events is None:
+        if live is None:
             return bad_request("this server keeps no events (start it with --events)")
         try:
-            count = events.append(orjson.loads(await request.body()))
+            count = await live.append(orjson.loads(await request.body()))
         except orjson.JSONDecodeError as error:
             return bad_request(f"the body is not JSON: {one_line(error)}")
         except BadEvent as refused:
@@ -62,14 +112,28 @@ def create_app(model: RecommenderModel, events: EventStore | None, batch_ms: flo
             return unavailable(str(failed))
         return Response(orjson.dumps({"recorded": count}), media_type=JSON)
 
+    async def scrape(request: Request) -> Response:
+        text, content_type = metrics.exposition()
+        return Response(text, headers={"Content-Type": content_type})
+
     routes = scoring_routes(recommend, unavailable_errors=(EventStoreUnavailable,))
-    app = Starlette(routes=[*routes, Route("/events", record_events, methods=["POST"])])
+    app = Starlette(routes=[*routes, Route("/events", record_events, methods=["POST"]), Route("/metrics", scrape)],
+                    lifespan=current.lifespan(load))
     app.state.batcher = batcher  # its batch and request counts: the mean batch size a server achieved
-    return app
+    app.state.metrics, app.state.current = metrics, current
+    return _measured(app, metrics)
 
 
-def app_from_environment() -> Starlette:
-    """Each uvicorn worker's app: the model and event store of the settings the supervisor handed down."""
+def _measured(app: Starlette, metrics: ServerMetrics):
+    """`app` counted and timed per request, its `state` still at hand (tests and benchmarks read it)."""
+    measured = metrics.measured(app)
+    measured.state = app.state
+    return measured
+
+
+def app_from_environment():
+    """Each uvicorn worker's app: the model and event store of the settings the supervisor handed down, following
+    the model's alias where it names one."""
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -78,12 +142,19 @@ def app_from_environment() -> Starlette:
     from common.runtime.devices import select_device
 
     settings = ServerSettings.from_environment()
-    model = loaded_recommender(settings.model_uri)
     device = select_device(settings.device)
-    model.recommender.to(device)
-    with_retrieval(model, settings.retrieval, settings.ann_index)
+    named = resolve_version(settings.model_uri)
+
+    def load(uri: str) -> RecommenderModel:
+        model = loaded_recommender(uri)
+        model.recommender.to(device)
+        if settings.retrieval or settings.ann_index:
+            return with_retrieval(model, settings.retrieval, settings.ann_index)
+        return retrieval_here(with_retrieval(model, None, None))
+
     batch_ms = settings.batch_ms if settings.batch_ms is not None else GPU_BATCH_MS if device.type != "cpu" else 0.0
-    return create_app(model, open_event_store(settings.events) if settings.events else None, batch_ms)
+    return create_app(load(named.uri), open_event_store(settings.events) if settings.events else None, batch_ms,
+                      version=named, load=load if named.alias else None)
 
 
 def loaded_recommender(model_uri: str) -> RecommenderModel:
@@ -103,6 +174,31 @@ def with_retrieval(model: RecommenderModel, retrieval: str | None, index: str | 
         model.recommender.use_retrieval(retrieval)
     if model.recommender.two_stage is not None:
         faiss_module().omp_set_num_threads(1)  # one worker per core, as torch's threads
+    return model
+
+
+def retrieval_here(model: RecommenderModel, probes: int = AUTO_PROBES) -> RecommenderModel:
+    """Where the run left the choice to `serving.retrieval: auto`, it is made again on the device this process serves
+    on: two stages where exact ranking's p95 over `probes` one-user requests here is above the run's
+    `auto_above_ms` and the index reached its target recall (exact ranking on a GPU is a product the run's CPU
+    never timed)."""
+    recommender, index = model.recommender, model.recommender.index
+    if model.retrieval_rule != "auto" or index is None:
+        return model
+    logged = recommender.retrieval
+    recommender.use_retrieval("exact")
+    users = [model.user_ids[code] for code in range(1, min(probes, len(model.user_ids) - 1) + 1)]
+    timings = []
+    for user in users:
+        started = time.perf_counter()
+        model.recommend_requests([([UserRequest(python_value(user))], model.default_k, ())])
+        timings.append(time.perf_counter() - started)
+    p95_ms = float(np.percentile(timings, 95) * 1000)
+    reached = index.recall is None or index.target is None or index.recall >= index.target
+    chosen = "ann" if p95_ms > model.auto_above_ms and reached else "exact"
+    recommender.use_retrieval(chosen)
+    log.warning("retrieval %s served on %s (exact p95 here %.2f ms against auto_above_ms %g; the run served %s)",
+                chosen, recommender.form.device, p95_ms, model.auto_above_ms, logged)
     return model
 
 
@@ -141,13 +237,14 @@ def serve(settings: ServerSettings) -> int:
         with closing(open_event_store(settings.events)) as store:
             store.check()
     select_device(settings.device)  # a device this machine lacks is one line now
-    if settings.retrieval or settings.ann_index:  # a mode or an index the model cannot serve: one line now
-        _check_retrieval(settings)
-    settings.to_environment()
-    if settings.announce:
-        print(settings.announce, flush=True)
-    run_workers(f"{__name__}:app_from_environment", settings.host, settings.port, settings.workers,
-                log_level="warning", access_log=False)
+    with shared_across_workers(), shared_models():  # one /metrics for all workers; one copy of each model
+        if settings.retrieval or settings.ann_index:  # a mode or an index the model cannot serve: one line now
+            _check_retrieval(settings)
+        settings.to_environment()
+        if settings.announce:
+            print(settings.announce, flush=True)
+        run_workers(f"{__name__}:app_from_environment", settings.host, settings.port, settings.workers,
+                    log_level="warning", access_log=False)
     return 0
 
 
@@ -167,7 +264,8 @@ def _check_main(argv: list[str]) -> int:
     """`python -m usecases.recsys.server SETTINGS_JSON`: exit 0 when its model serves by its retrieval."""
     settings = ServerSettings(**json.loads(argv[0]))
     try:
-        with_retrieval(loaded_recommender(settings.model_uri), settings.retrieval, settings.ann_index)
+        with_retrieval(loaded_recommender(resolve_version(settings.model_uri).uri), settings.retrieval,
+                       settings.ann_index)
     except UserError as refused:
         print(f"error: {refused}", file=sys.stderr)
         return 2

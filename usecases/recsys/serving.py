@@ -87,10 +87,21 @@ class Recommender:
             items, scores = top_k(self, torch.from_numpy(users), self.form.seen, count, torch.device("cpu"))
             return items.numpy(), scores.numpy()
         items, scores = np.zeros((len(users), count), np.int64), np.full((len(users), count), -np.inf, np.float32)
-        for index, user in enumerate(np.asarray(users, np.int64).tolist()):  # -inf (and item 0) past the unseen
-            best, values = self.recommend(user, np.zeros(0, np.int64), count)
+        answers = self.recommend_many(np.asarray(users, np.int64), [np.zeros(0, np.int64)] * len(users), count)
+        for index, (best, values) in enumerate(answers):  # -inf (and item 0) past the unseen
             items[index, :len(best)], scores[index, :len(best)] = best, values
         return items, scores
+
+    def recommend_many(self, users: np.ndarray, events: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray,
+                                                                                                np.ndarray]]:
+        """`recommend` of each row; by two stages, every row's candidates from one search of the index."""
+        if self.two_stage is None:
+            return [self.recommend(int(user), np.asarray(mine, np.int64), k) for user, mine in zip(users, events)]
+        users = [int(user) for user in users]
+        events = [np.asarray(mine, np.int64) for mine in events]
+        return self.two_stage.recommend_many([self.form.query(user, mine) for user, mine in zip(users, events)],
+                                             [excluded_items(row_codes(self.form.seen, user), mine)
+                                              for user, mine in zip(users, events)], k)
 
     def recommend(self, user: int, events: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One user's top k given their recent item codes, oldest first: numpy only, the serving hot path."""
@@ -112,8 +123,7 @@ class Recommender:
                                                                                                 np.ndarray]]:
         """`recommend` of each row, scored together on the device."""
         if self.two_stage is not None:
-            return [self.recommend(int(user), np.asarray(events_of_row, np.int64), k)
-                    for user, events_of_row in zip(users, events)]
+            return self.recommend_many(users, events, k)
         best, best_scores = self.top_k_batch(users, events, k)
         return [(items[np.isfinite(values)], values[np.isfinite(values)]) for items, values in zip(best, best_scores)]
 
@@ -145,6 +155,8 @@ class RecommenderModel(ServedModel):
         self.item_codes = {str(raw): code for code, raw in enumerate(bundle["item_ids"]) if code != UNKNOWN}
         self.user_ids, self.item_ids = bundle["user_ids"], bundle["item_ids"]
         self.titles, self.default_k = bundle["titles"], bundle["k"]
+        self.events_after = bundle.get("events_after")  # stored events up to it are in the model already
+        self.retrieval_rule, self.auto_above_ms = bundle.get("retrieval_rule"), bundle.get("auto_above_ms")
 
     def recommend(self, rows: Sequence[UserRequest], k: int, stored: Sequence[Sequence] = ()) -> list[dict]:
         """The answer as records; per row, the `stored` events (oldest first) come before the recent items."""
@@ -166,7 +178,11 @@ class RecommenderModel(ServedModel):
         codes = [np.asarray([self.item_codes.get(str(item), UNKNOWN) for item in row], np.int64) for row in events]
         users = np.asarray([self.user_codes.get(str(row.user_id), UNKNOWN) for row in rows], np.int64)
         unknown = [int((row == UNKNOWN).sum()) for row in codes]
-        if self.recommender.form.device.type != "cpu" and self.recommender.two_stage is None:
+        if self.recommender.two_stage is not None:  # every row's candidates from one search of the index
+            known = [row if (row != UNKNOWN).any() else row[:0] for row in codes]
+            return [(*answer, count) for answer, count in zip(self.recommender.recommend_many(users, known, k),
+                                                               unknown)]
+        if self.recommender.form.device.type != "cpu":
             return [(*answer, count) for answer, count in zip(self.recommender.recommend_batch(users, codes, k),
                                                                unknown)]
         answers: list = [None] * len(rows)
