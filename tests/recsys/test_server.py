@@ -44,16 +44,26 @@ def call(port: int, path: str, body=None, method=None):
         return status, text
 
 
+FOLLOWED = f"test-following-{os.getpid()}"  # the smoke run's model registered twice, under an alias `live`
+
+
 @pytest.fixture(scope="module")
 def server(smoke_runs, tmp_path_factory):
-    """The server on the smoke run's model: (port, process, event store path, run id, store URI)."""
+    """The server on the smoke run's model, started as `usecases serve` starts on a champion, on an alias
+    (`models:/FOLLOWED@live`, version 1 of two): (port, process, event store path, run id, store URI)."""
+    from mlflow import MlflowClient
+
     smoke = smoke_runs("recsys")
     (run,) = runs("recsys", smoke.uri)
+    mlflow.set_tracking_uri(smoke.uri)
+    for _ in range(2):
+        mlflow.register_model(f"runs:/{run.info.run_id}/model", FOLLOWED)
+    MlflowClient().set_registered_model_alias(FOLLOWED, "live", "1")
     events = tmp_path_factory.mktemp("events") / "events.db"
     port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": smoke.uri}
     process = subprocess.Popen([sys.executable, "-m", "usecases", "serve", "recsys", "--model-uri",
-                                f"runs:/{run.info.run_id}/model", "--workers", "2", "--events", str(events),
+                                f"models:/{FOLLOWED}@live", "--workers", "2", "--events", str(events),
                                 "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -530,65 +540,53 @@ def wait_for(probe, seconds: float, *errors: type[Exception]) -> None:
             time.sleep(0.05)
 
 
-def test_a_server_follows_its_alias_without_failing_a_request_and_serves_prometheus_metrics(smoke_runs, tmp_path):
+def test_a_server_follows_its_alias_without_failing_a_request_and_serves_prometheus_metrics(server):
     """Issue 43: started on `models:/NAME@ALIAS` with two workers, the server swaps in the version the alias moves to
     within 30 s while clients keep asking (none fails), each answer names the version it came from, and `/metrics`
-    (Prometheus' text format) sums both workers: every request counted, the latency histogram, the version served."""
+    (Prometheus' text format) sums both workers: every request counted, the latency histogram, the version served.
+    Both workers map the tables of one copy of the version they serve."""
     import re
 
     from mlflow import MlflowClient
 
-    smoke = smoke_runs("recsys")
-    (run,) = runs("recsys", smoke.uri)
-    mlflow.set_tracking_uri(smoke.uri)
-    client, name = MlflowClient(), f"test-following-{os.getpid()}"
-    first, second = (mlflow.register_model(f"runs:/{run.info.run_id}/model", name).version for _ in range(2))
-    client.set_registered_model_alias(name, "live", first)
-    port = free_port()
-    with (tmp_path / "server.log").open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "usecases", "serve", "recsys", "--model-uri",
-                                    f"models:/{name}@live", "--workers", "2", "--port", str(port)],
-                                   env={**os.environ, "MLFLOW_TRACKING_URI": smoke.uri}, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+    port, process, _, run_id, uri = server
     answers: list[tuple[int, str]] = []
     stop_asking = threading.Event()
+    counted = re.compile(r'usecases_requests_total\{route="/invocations",status="200"\} (\S+)')
 
     def ask():
-        body = {"dataframe_records": [{"user_id": known_user(smoke.uri, run.info.run_id)}], "params": {"k": 3}}
+        body = {"dataframe_records": [{"user_id": known_user(uri, run_id)}], "params": {"k": 3}}
         while not stop_asking.is_set():
             status, _, headers, _ = timed(port, "/invocations", body)
             answers.append((status, headers.get("x-model-version", "")))
 
+    before = float(counted.search(timed(port, "/metrics")[1])[1])
+    asking = [threading.Thread(target=ask) for _ in range(2)]
     try:
-        wait_until_up(f"http://127.0.0.1:{port}/ping", process, READY_TIMEOUT_S)
-        asking = [threading.Thread(target=ask) for _ in range(2)]
         for thread in asking:
             thread.start()
         time.sleep(1)
-        client.set_registered_model_alias(name, "live", second)
+        MlflowClient().set_registered_model_alias(FOLLOWED, "live", "2")
         moved, deadline = time.monotonic(), time.monotonic() + 30
-        while time.monotonic() < deadline and [version for _, version in answers[-20:]] != [f"{name}/{second}"] * 20:
+        while time.monotonic() < deadline and [version for _, version in answers[-20:]] != [f"{FOLLOWED}/2"] * 20:
             time.sleep(0.2)
         swapped_s = time.monotonic() - moved
+    finally:
         stop_asking.set()
         for thread in asking:
             thread.join(30)
-        assert {status for status, _ in answers} == {200}, "no request failed across the swap"
-        assert answers[0][1] == f"{name}/{first}" and answers[-1][1] == f"{name}/{second}", (answers[0], answers[-1])
-        assert swapped_s < 30, f"both workers served version {second} only after {swapped_s:.0f} s"
-        status, text, headers, _ = timed(port, "/metrics")
-        assert status == 200 and headers["content-type"].startswith("text/plain")
-        counted = float(re.search(r'usecases_requests_total\{route="/invocations",status="200"\} (\S+)', text)[1])
-        assert counted == len(answers), "every worker's requests, summed"
-        assert re.search(r'usecases_request_seconds_bucket\{le="0\.05",route="/invocations"\} \S+', text)
-        assert f'usecases_model_info{{name="{name}",version="{second}"}} 1.0' in text
-        assert timed(port, "/version")[1] == mlflow.__version__  # MLflow's meaning kept
-        mapped = [mapped_bundles(worker) for worker in workers(process)]
-        assert len(mapped) == 2 and mapped[0] == mapped[1] and len(mapped[0]) == 1, \
-            f"both workers map the tables of one copy of the version they serve: {mapped}"
-    finally:
-        stop_asking.set()
-        stop(process)
+    assert {status for status, _ in answers} == {200}, "no request failed across the swap"
+    assert answers[0][1] == f"{FOLLOWED}/1" and answers[-1][1] == f"{FOLLOWED}/2", (answers[0], answers[-1])
+    assert swapped_s < 30, f"both workers served version 2 only after {swapped_s:.0f} s"
+    status, text, headers, _ = timed(port, "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert float(counted.search(text)[1]) - before == len(answers), "every worker's requests, summed"
+    assert re.search(r'usecases_request_seconds_bucket\{le="0\.05",route="/invocations"\} \S+', text)
+    assert f'usecases_model_info{{name="{FOLLOWED}",version="2"}} 1.0' in text
+    assert timed(port, "/version")[1] == mlflow.__version__  # MLflow's meaning kept
+    mapped = [mapped_bundles(worker) for worker in workers(process)]
+    assert len(mapped) == 2 and mapped[0] == mapped[1] and len(mapped[0]) == 1, \
+        f"both workers map the tables of one copy of the version they serve: {mapped}"
 
 
 def mapped_bundles(process: psutil.Process) -> set[str]:
