@@ -121,9 +121,7 @@ class Recommender:
 
     def recommend_batch(self, users: np.ndarray, events: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray,
                                                                                                 np.ndarray]]:
-        """`recommend` of each row, scored together on the device."""
-        if self.two_stage is not None:
-            return self.recommend_many(users, events, k)
+        """`recommend` of each row, ranked exactly and scored together on the device (two stages: `recommend_many`)."""
         best, best_scores = self.top_k_batch(users, events, k)
         return [(items[np.isfinite(values)], values[np.isfinite(values)]) for items, values in zip(best, best_scores)]
 
