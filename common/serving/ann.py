@@ -53,19 +53,23 @@ class Tuned:
 
 
 class Queries(NamedTuple):
-    """What an index is tuned on: query vectors, each one's excluded rows, and the kind of query each is (`groups`):
-    the recall that must reach the target is the least of the kinds' means (a kind that is rare among the queries,
-    but hard, such as requests that fold many new events in, is not averaged away by easy ones)."""
+    """What an index is tuned on: query vectors, each one's excluded rows, the kind of query each is (`groups`) and
+    how often a server meets it (`weights`): the recall that must reach the target is the least of the kinds' weighted
+    means. A kind that is rare among the queries but hard, such as requests that fold many new events in, is not
+    averaged away by easy ones; nor is a user who comes often (a long history, and as long an exclusion list that
+    crowds the nearest cells and graph nodes with items already seen) by the many who come once."""
 
     vectors: np.ndarray
     exclude: list[np.ndarray] | None = None
     groups: np.ndarray | None = None
+    weights: np.ndarray | None = None
 
     def recall(self, found: np.ndarray, exact: np.ndarray) -> float:
-        if self.groups is None:
-            return overlap(found, exact)
-        return min(overlap(found[self.groups == group], exact[self.groups == group])
-                   for group in np.unique(self.groups))
+        shares = overlaps(found, exact)
+        groups = np.zeros(len(shares), np.int64) if self.groups is None else self.groups
+        weights = np.ones(len(shares)) if self.weights is None else self.weights
+        return float(min(np.average(shares[groups == group], weights=weights[groups == group])
+                         for group in np.unique(groups)))
 
 
 def as_queries(queries: Queries | np.ndarray) -> Queries:
@@ -91,10 +95,12 @@ class VectorIndex:
         graph reaches a high recall at the least effort on factors whose norms vary with popularity (searched by L2
         over lifted vectors: `build`); an inverted file always gets there, its full scan being exact."""
         specs = [f"IVF{inverted_lists(len(vectors))},Flat", "HNSW32", f"{LIFTED}HNSW32"] if spec == "auto" else [spec]
+        queries = as_queries(queries)
+        exact = exact_top_k(queries.vectors, vectors, k, queries.exclude)  # once for every index built
         built, measured = [], {}
         for candidate in specs:
             index = cls.build(vectors, candidate, seed)
-            measured[index.spec] = index.tune(queries, vectors, k, candidates, target)
+            measured[index.spec] = index.tune(queries, vectors, k, candidates, target, exact)
             built.append(index)
         reaching = [index for index in built if index.recall >= target]
         if reaching:
@@ -168,11 +174,12 @@ class VectorIndex:
         return search_parameters(self.index, self.effort, selector)
 
     def tune(self, queries: Queries | np.ndarray, vectors: np.ndarray, k: int, candidates: int,
-             target: float) -> Tuned:
+             target: float, exact: np.ndarray | None = None) -> Tuned:
         """The least search effort whose top-k (of `candidates` retrieved, rescored exactly) holds at least `target` of
-        the exact top-k of `queries` (by `Queries.recall`); the largest tried if none does."""
+        the exact top-k of `queries` (by `Queries.recall`; `exact`, where given, is that top-k); the largest tried if
+        none does."""
         queries = as_queries(queries)
-        exact = exact_top_k(queries.vectors, vectors, k, queries.exclude)
+        exact = exact_top_k(queries.vectors, vectors, k, queries.exclude) if exact is None else exact
         if self.effort_name is None:
             started = time.perf_counter()
             self.recall = queries.recall(self.top_k(queries.vectors, vectors, k, candidates, queries.exclude), exact)
@@ -364,7 +371,11 @@ def exact_top_k(queries: np.ndarray, vectors: np.ndarray, k: int, exclude: list[
     return best
 
 
-def overlap(found: np.ndarray, exact: np.ndarray) -> float:
-    """Mean share of each row of `exact` that `found` holds: recall@k of the approximate top-k."""
+def overlaps(found: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """Each row's share of `exact` that `found` holds: recall@k of the approximate top-k, per query."""
     k = exact.shape[1]
-    return float(np.mean([len(np.intersect1d(mine, truth)) / k for mine, truth in zip(found, exact)]))
+    return np.array([len(np.intersect1d(mine, truth)) / k for mine, truth in zip(found, exact)])
+
+
+def overlap(found: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.mean(overlaps(found, exact)))

@@ -54,6 +54,14 @@ def test_folding_events_in_beats_the_frozen_model_on_the_next_event(finished):
     assert chosen == run.data.tags["served_model"]  # selected on the validation replay, never on test
 
 
+def test_two_stages_keep_the_test_users_exact_top_10_for_every_indexed_model(finished):
+    """Issue 43, seed 0 of test_ann_over_seeds.py: every model with item vectors, its index tuned without test data,
+    keeps at least 0.95 of the exact top 10 of the test period's users with their test events folded in."""
+    models = finished[0]["models"]
+    for name in ("als", "bpr", "lightgcn", "sasrec"):
+        assert models[name]["ann_recall_users"] >= 20 and models[name]["ann_recall@10"] >= 0.95, name
+
+
 def test_a_new_user_with_five_science_fiction_films_gets_their_own_list(finished):
     _, uri, run = finished
     mlflow.set_tracking_uri(uri)

@@ -281,3 +281,31 @@ def test_an_effort_tuned_on_one_sample_is_stepped_up_until_another_sample_reache
     assert index.effort == tuned.effort and recall == tuned.recall == index.recall >= 0.97
     index.set_effort(2 * tuned.effort)  # above what the target needs: kept as it is
     assert index.confirmed(Queries(queries), vectors, 10, 20) >= 0.97 and index.effort == 2 * tuned.effort
+
+
+def test_users_who_come_often_and_exclude_much_weigh_in_the_recall_as_often_as_they_come(factor_bundle):
+    """Issue 43: the test users of a temporal split are the active ones, whose long histories crowd an index's nearest
+    cells with items they have seen. Ten heavy users (their 2,000 nearest items seen) among 200 were averaged away:
+    tuned unweighted, an inverted file kept 0.88 of their top 10; weighted by how often they come (100 each), tuning
+    steps the effort up until they keep the target too. `tuning_queries` weighs each user's queries by their
+    history's events."""
+    from usecases.recsys.pipeline import tuning_queries
+    from common.serving.ann import overlaps
+
+    vectors, queries = clustered_vectors(20_000, 3), clustered_vectors(200, 4)
+    seen = exact_top_k(queries, vectors, 2000)
+    exclude = [seen[query] if query < 10 else np.zeros(0, np.int64) for query in range(200)]
+    exact = exact_top_k(queries, vectors, 10, exclude)
+    heavy = {}
+    for weights in (None, np.where(np.arange(200) < 10, 100.0, 1.0)):
+        index = VectorIndex.build(vectors, "IVF256,Flat")
+        index.tune(Queries(queries, exclude, None, weights), vectors, 10, 20, 0.97)
+        heavy[weights is None] = overlaps(index.top_k(queries, vectors, 10, 20, exclude), exact)[:10].mean()
+    assert heavy[True] < 0.95 <= 0.97 <= heavy[False]
+
+    model = RecommenderModel.from_bundle({**factor_bundle, "retrieval": "exact"})
+    users = np.arange(1, 41)
+    tuned = tuning_queries(model.recommender, users, 0)
+    events = np.diff(factor_bundle["history"].indptr)[users]
+    assert len(np.unique(events)) > 10 and (tuned.weights[:2 * len(users)] == np.tile(events + 1, 2)).all()
+    assert len(tuned.weights) == len(tuned.vectors) and (tuned.weights[2 * len(users):] == events + 1).all()

@@ -138,7 +138,8 @@ class ANN(ConfigModel):
     candidates: int = Field(50, ge=1, description="items retrieved per request and scored exactly (at least k)")
     target_recall: float = Field(0.99, gt=0, le=1, description="the search effort (efSearch, nprobe) is the least "
                                                                "whose top-10 holds this share of the exact top-10 "
-                                                               "on tune_users sampled users' vectors")
+                                                               "on tune_users sampled users' queries, each user "
+                                                               "weighted by their history's events")
     tune_users: int = Field(256, ge=8, description="users whose vectors tune the search effort (no labels read)")
     recall_users: int = Field(1000, ge=1, description="test users on whom the ANN top-10 is compared with the "
                                                       "exact top-10 (ann_recall@10)")
